@@ -1,0 +1,74 @@
+"""The contract between the scheduler and the workers.
+
+``SchedulerOutput`` carries new (or resumed-after-preemption) requests in full and running ones as
+diffs; ``ModelRunnerOutput`` comes back from rank 0 / the last pipeline stage. Plain dataclasses of
+Python scalars and lists: picklable for a multi-process executor, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bladellm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (the runner dropped it)."""
+
+    req_id: str
+    # Prompt + output generated so far (non-empty output only when resumed after preemption).
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prompt-cache hit (or 0)
+
+
+@dataclass
+class CachedRequestData:
+    """A request already in the runner's persistent batch: what changed since its last step."""
+
+    req_id: str
+    new_token_ids: list[int]  # tokens appended since last scheduled (the ones sampled last step)
+    new_block_ids: list[int]  # blocks appended to its block table
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # req_id -> tokens to run this step (a prefill chunk, 1 for a decode).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests the runner must forget: finished/aborted since the last step, or preempted.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class SampleLogprobs:
+    """Logprobs of each sampled token: row i is [sampled token, top-1, ..., top-k]."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # rank of the sampled token in the full distribution (1 = most likely)
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # Aligned with req_ids; [] for a request whose step was a prefill chunk that did not reach the
+    # end of its tokens (nothing to sample yet).
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
+    # Requests whose step failed (e.g. a bad logit_bias id): finish with an error, not the engine.
+    errored: dict[str, str] = field(default_factory=dict)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -1,0 +1,105 @@
+"""A request as the engine core sees it, and its status machine.
+
+    WAITING ──schedule──► RUNNING ──preempt──► PREEMPTED ──schedule──► RUNNING
+       │                     │                     │
+       └──────abort──────────┴─────────────────────┴──► FINISHED_{STOPPED,LENGTH,ABORTED,ERROR}
+
+Accounting rule: ``num_tokens`` (prompt + output so far) and ``num_computed_tokens`` (tokens whose
+KV is in the cache). Every step the scheduler grants tokens so that the second catches up with the
+first; chunked prefill, prompt-cache hits and recompute after preemption are all the same rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from bladellm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        max_model_len: int | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        # Extra key mixed into prompt-cache hashes (LoRA id, image hashes later).
+        self.cache_salt = cache_salt
+
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt-cache hit on first admission; -1 = not yet
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        # Hashes of this request's full blocks, computed lazily by the KV manager.
+        self.block_hashes: list[int] = []
+
+        max_tokens = sampling_params.max_tokens
+        if max_model_len is not None:
+            room = max_model_len - len(prompt_token_ids)
+            max_tokens = room if max_tokens is None else min(max_tokens, room)
+        if max_tokens is None:
+            raise ValueError("max_tokens: required when max_model_len is unknown")
+        self.max_tokens = max_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")

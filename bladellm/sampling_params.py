@@ -1,0 +1,88 @@
+"""User-facing sampling parameters and their validation.
+
+A msgspec Struct so the same object crosses the API ↔ engine-core boundary without a copy type.
+Invalid values raise ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+_MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs besides the sampled token's
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, msg: str) -> ValueError:
+            return ValueError(f"{name}: {msg}")
+
+        if self.n < 1:
+            raise bad("n", f"must be >= 1, got {self.n}")
+        if not (self.temperature >= 0.0) or self.temperature > 1e4:
+            raise bad("temperature", f"must be in [0, 1e4], got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise bad("top_k", f"must be 0 or -1 (disabled) or positive, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not (self.repetition_penalty > 0.0) or self.repetition_penalty > 100:
+            raise bad("repetition_penalty", f"must be in (0, 100], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-2.0 <= value <= 2.0):
+                raise bad(name, f"must be in [-2, 2], got {value}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), "
+                                    f"got {self.min_tokens}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= _MAX_LOGPROBS):
+            raise bad("logprobs", f"must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+        if self.stop is not None and any((not isinstance(s, str)) or s == "" for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative token ids")
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                if int(tok) < 0:
+                    raise bad("logit_bias", f"token id {tok} is negative")
+                if not (-100.0 <= bias <= 100.0):
+                    raise bad("logit_bias", f"bias for token {tok} must be in [-100, 100]")
+        if self.seed is not None and not (-(2**63) <= self.seed < 2**63):
+            raise bad("seed", "must fit in 64 bits")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self, **changes) -> "SamplingParams":
+        return msgspec.structs.replace(self, **changes)
