@@ -1,0 +1,203 @@
+"""One streamed OpenAI-style request: build the payload, parse SSE, time every chunk."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import aiohttp
+
+from bladellm.bench.datasets import BenchRequest
+
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass
+class RequestOptions:
+    """What every request of a run carries besides its prompt."""
+
+    model: str
+    endpoint: str = "completions"
+    ignore_eos: bool = False
+    eos_logit_bias: tuple[int, ...] = ()
+    temperature: float = 0.0
+    include_usage: bool = True
+
+
+@dataclass
+class RequestResult:
+    """Timings are seconds. ``itl`` holds every gap between consecutive content chunks;
+    ``start`` is the send time (perf_counter)."""
+
+    success: bool = False
+    error: str = ""
+    start: float = 0.0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    usage_reported: bool = False
+    num_chunks: int = 0
+
+
+class SSEParser:
+    """Incremental Server-Sent-Events parser: feed bytes as they arrive, get each event's data.
+
+    Handles events split across network reads, CRLF or LF line ends, comment lines, fields other
+    than ``data`` and multi-line data (joined with newlines, per the SSE spec)."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._data: list[str] = []
+
+    def feed(self, chunk: bytes) -> Iterator[str]:
+        self._buf += chunk
+        while True:
+            nl = self._buf.find(b"\n")
+            if nl < 0:
+                return
+            line = self._buf[:nl].rstrip(b"\r").decode("utf-8", errors="replace")
+            self._buf = self._buf[nl + 1:]
+            event = self._line(line)
+            if event is not None:
+                yield event
+
+    def close(self) -> Iterator[str]:
+        """Flush a last event whose terminating blank line never came."""
+        if self._buf:
+            event = self._line(self._buf.rstrip(b"\r").decode("utf-8", errors="replace"))
+            self._buf = b""
+            if event is not None:
+                yield event
+        if self._data:
+            yield "\n".join(self._data)
+            self._data = []
+
+    def _line(self, line: str) -> str | None:
+        if not line:
+            if not self._data:
+                return None
+            data, self._data = "\n".join(self._data), []
+            return data
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        if name == "data":
+            self._data.append(value[1:] if value.startswith(" ") else value)
+        return None
+
+
+def build_payload(req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "model": opts.model,
+        "max_tokens": req.output_len,
+        "temperature": opts.temperature,
+        "stream": True,
+    }
+    if opts.include_usage:
+        payload["stream_options"] = {"include_usage": True}
+    if opts.endpoint == "chat":
+        messages = [{"role": "system", "content": req.system}] if req.system else []
+        payload["messages"] = messages + [{"role": "user", "content": req.prompt}]
+    else:
+        payload["prompt"] = f"{req.system}\n{req.prompt}" if req.system else req.prompt
+    if opts.ignore_eos:
+        payload["ignore_eos"] = True
+    if opts.eos_logit_bias:
+        payload["logit_bias"] = {str(i): -100 for i in opts.eos_logit_bias}
+    return payload
+
+
+def chunk_text(obj: dict[str, Any]) -> str:
+    """The generated text a completions or chat chunk carries ('' for role/usage chunks)."""
+    parts = []
+    for choice in obj.get("choices") or []:
+        if "text" in choice:
+            parts.append(choice.get("text") or "")
+        delta = choice.get("delta") or {}
+        parts.append(delta.get("content") or "")
+        parts.append(delta.get("reasoning_content") or "")
+    return "".join(parts)
+
+
+class StreamRecorder:
+    """Turns parsed SSE events into a ``RequestResult``; separate from I/O so tests can drive it
+    with synthetic timestamps."""
+
+    def __init__(self, start: float, prompt_len: int):
+        self.result = RequestResult(start=start, prompt_tokens=prompt_len)
+        self._last: float | None = None
+        self.done = False
+
+    def on_event(self, data: str, now: float) -> None:
+        res = self.result
+        if data.strip() == "[DONE]":
+            self.done = True
+            return
+        try:
+            obj = json.loads(data)
+        except json.JSONDecodeError:
+            res.error = f"bad SSE data: {data[:200]!r}"
+            return
+        if isinstance(obj, dict) and obj.get("error"):
+            err = obj["error"]
+            res.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+            return
+        usage = obj.get("usage") if isinstance(obj, dict) else None
+        if usage:
+            res.usage_reported = True
+            res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
+            res.output_tokens = usage.get("completion_tokens", res.output_tokens)
+        if not chunk_text(obj):
+            return
+        if self._last is None:
+            res.ttft = now - res.start
+        else:
+            res.itl.append(now - self._last)
+        self._last = now
+        res.num_chunks += 1
+
+    def finish(self, now: float) -> RequestResult:
+        res = self.result
+        res.e2e = now - res.start
+        if not res.usage_reported:
+            res.output_tokens = res.num_chunks
+        if not res.error and res.num_chunks == 0:
+            res.error = "stream ended without generated text"
+        res.success = not res.error
+        return res
+
+
+async def send_request(session: aiohttp.ClientSession, base_url: str, req: BenchRequest,
+                       opts: RequestOptions) -> RequestResult:
+    """Send one streamed request and time it. Never raises: failures land in ``error``."""
+    url = base_url.rstrip("/") + ENDPOINT_PATHS[opts.endpoint]
+    payload = build_payload(req, opts)
+    rec = StreamRecorder(time.perf_counter(), req.prompt_len)
+    parser = SSEParser()
+    try:
+        async with session.post(url, json=payload) as resp:
+            if resp.status != 200:
+                body = (await resp.text())[:500]
+                rec.result.error = f"HTTP {resp.status}: {body}"
+            else:
+                async for chunk in resp.content.iter_any():
+                    now = time.perf_counter()
+                    for data in parser.feed(chunk):
+                        rec.on_event(data, now)
+                for data in parser.close():
+                    rec.on_event(data, time.perf_counter())
+    except Exception as exc:  # noqa: BLE001 - any transport failure is one failed request
+        rec.result.error = f"{type(exc).__name__}: {exc}"
+    return rec.finish(time.perf_counter())
+
+
+async def fetch_model_name(session: aiohttp.ClientSession, base_url: str) -> str:
+    """The first model id the server lists at /v1/models."""
+    async with session.get(base_url.rstrip("/") + "/v1/models") as resp:
+        resp.raise_for_status()
+        data = await resp.json()
+    return data["data"][0]["id"]

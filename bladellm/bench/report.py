@@ -1,0 +1,129 @@
+"""Result files (JSON, CSV) and the terminal table."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from dataclasses import asdict
+from typing import Any, Sequence
+
+from bladellm.bench.client import RequestResult
+from bladellm.bench.metrics import SLO, summarize
+
+DIST_KEYS = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
+STATS = ("mean", "p50", "p90", "p99")
+SCALAR_KEYS = ("completed", "errors", "duration_s", "request_throughput", "output_throughput",
+               "total_token_throughput", "total_input_tokens", "total_output_tokens",
+               "goodput", "slo_attainment")
+
+
+def rate_name(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def rate_entry(rate: float, results: Sequence[RequestResult], duration_s: float,
+               slo: SLO) -> dict[str, Any]:
+    """One rate's record in the JSON file: its summary plus every request's raw timings
+    (so that `plot --slo` can re-judge goodput without re-running)."""
+    entry = {"request_rate": rate_name(rate)}
+    entry.update(summarize(results, duration_s, slo))
+    entry["requests"] = [_request_record(r) for r in results]
+    return entry
+
+
+def _request_record(r: RequestResult) -> dict[str, Any]:
+    d = asdict(r)
+    d.pop("num_chunks")
+    d["start"] = round(d["start"], 6)
+    return d
+
+
+def results_from_entry(entry: dict[str, Any]) -> list[RequestResult]:
+    out = []
+    for d in entry.get("requests", []):
+        r = RequestResult(**{k: v for k, v in d.items() if k in RequestResult.__dataclass_fields__})
+        r.num_chunks = len(r.itl) + (1 if r.success else 0)
+        out.append(r)
+    return out
+
+
+def resummarize(entry: dict[str, Any], slo: SLO) -> dict[str, Any]:
+    """The entry with its summary recomputed under another SLO."""
+    new = dict(entry)
+    new.update(summarize(results_from_entry(entry), entry["duration_s"], slo))
+    return new
+
+
+def _clean(o: Any) -> Any:
+    # json.dump writes NaN literally (not valid JSON); store null instead.
+    if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
+        return None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, list):
+        return [_clean(v) for v in o]
+    return o
+
+
+def write_json(path: str, run: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_clean(run), f, indent=1)
+
+
+def load_json(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        run = json.load(f)
+    if "rates" not in run:
+        raise ValueError(f"{path}: not a blade_llm_bench result file (no 'rates')")
+    return run
+
+
+def flat_row(entry: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {"request_rate": entry["request_rate"]}
+    for key in SCALAR_KEYS:
+        row[key] = entry.get(key)
+    for key in DIST_KEYS:
+        for stat in STATS:
+            row[f"{key[:-3]}_{stat}_ms"] = (entry.get(key) or {}).get(stat)
+    return row
+
+
+def write_csv(path: str, run: dict[str, Any]) -> None:
+    rows = [flat_row(e) for e in run["rates"]]
+    if not rows:
+        return
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def format_table(run: dict[str, Any]) -> str:
+    """Fixed-width summary: one row per rate. Latencies in ms as mean/p50/p90/p99."""
+    cols = [("rate", 6), ("req/s", 7), ("out tok/s", 9), ("TTFT mean/p50/p90/p99", 27),
+            ("ITL mean/p50/p90/p99", 25), ("TPOT mean/p99", 14), ("E2E p50/p99", 15),
+            ("goodput", 7), ("err", 4)]
+    header = "  ".join(name.rjust(w) for name, w in cols)
+    lines = [f"{run.get('label', '')}  {run.get('endpoint', '')}  {run.get('dataset', '')}  "
+             f"slo={run.get('slo') or '-'}", header, "-" * len(header)]
+    for e in run["rates"]:
+        def dist(key: str, stats: Sequence[str]) -> str:
+            return "/".join(_fmt((e.get(key) or {}).get(s)) for s in stats)
+        cells = [e["request_rate"], _fmt(e["request_throughput"], 2),
+                 _fmt(e["output_throughput"], 1), dist("ttft_ms", STATS), dist("itl_ms", STATS),
+                 dist("tpot_ms", ("mean", "p99")), dist("e2e_ms", ("p50", "p99")),
+                 _fmt(e.get("goodput"), 2), str(e["errors"])]
+        lines.append("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)))
+    return "\n".join(lines)

@@ -1,0 +1,175 @@
+"""Per-request KV block tables on top of the ``BlockPool``; the prompt (prefix) cache.
+
+The manager hands out block ids only; the runner owns the tensors. Rules:
+
+- A request's block table covers its computed tokens plus the tokens scheduled this step.
+- Only FULL blocks are shared. A block is registered in the cache after the step that computed
+  its last token (``cache_blocks``), never when it is allocated.
+- A prompt-cache lookup always leaves at least one token to compute, so there are logits to
+  sample; a request with a hit therefore never writes into a shared block.
+- "Pending" hashes: full blocks allocated by a running request but not computed yet. The
+  scheduler holds back a request whose next block is pending elsewhere (``n > 1`` siblings, or
+  many users with one system prompt) so that it gets a hit instead of recomputing it. Freeing
+  the owner drops its pending entries, so nobody waits on a request that will not compute them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from bladellm.core.block_pool import NULL_BLOCK_ID, BlockPool, _require
+from bladellm.core.hashing import BlockHash, extend_block_hashes, request_extra_keys
+from bladellm.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_to_blocks: dict[str, list[int]] = {}
+        # How many leading blocks of each request have been registered in the cache.
+        self._num_cached_blocks: dict[str, int] = {}
+        self._pending: dict[BlockHash, str] = {}  # block hash -> request computing it
+        self._req_pending: dict[str, list[BlockHash]] = {}
+        self.prefix_cache_queries = 0  # tokens looked up, cumulative
+        self.prefix_cache_hits = 0  # tokens found, cumulative
+
+    # --- queries -------------------------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return self.req_to_blocks.get(req_id, [])
+
+    def block_hashes(self, req: Request) -> list[BlockHash]:
+        """The request's full-block hashes, extended lazily as its tokens grow."""
+        return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size,
+                                   request_extra_keys(req.cache_salt))
+
+    def _num_reusable_blocks(self, req: Request) -> int:
+        # Leave at least one token to compute: a fully cached prompt recomputes its last block.
+        return (req.num_tokens - 1) // self.block_size
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of a request that holds no blocks: (block ids, num tokens)."""
+        if not self.enable_caching:
+            return [], 0
+        hashes = self.block_hashes(req)
+        blocks = []
+        for block_hash in hashes[:self._num_reusable_blocks(req)]:
+            block_id = self.pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks, len(blocks) * self.block_size
+
+    def pending_owner(self, req: Request, num_computed_blocks: int) -> str | None:
+        """The running request computing the next block ``req`` would compute itself, if any."""
+        if not self.enable_caching or num_computed_blocks >= self._num_reusable_blocks(req):
+            return None
+        owner = self._pending.get(self.block_hashes(req)[num_computed_blocks])
+        return owner if owner != req.request_id else None
+
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        if self.enable_caching:
+            self.prefix_cache_queries += num_queried_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    # --- mutations -----------------------------------------------------------------------------
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[int] = ()) -> list[int] | None:
+        """Grow the request's block table to hold its computed tokens, the prompt-cache hit
+        ``new_computed_blocks`` (only when it holds no blocks yet) and ``num_new_tokens``.
+
+        Returns the block ids appended to its table (hits first), or None, changing nothing,
+        when the pool cannot supply them.
+        """
+        req_id = req.request_id
+        blocks = self.req_to_blocks.get(req_id, [])
+        _require(not new_computed_blocks or not blocks, "prompt-cache hit for a running request")
+        num_tokens = (req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+                      + num_new_tokens)
+        num_fresh = max(cdiv(num_tokens, self.block_size) - len(blocks)
+                        - len(new_computed_blocks), 0)
+        # Hits sitting in the cached-free list stop being evictable once touched.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
+        if num_fresh > self.pool.get_num_free_blocks() - num_evictable_hits:
+            return None
+        self.pool.touch(new_computed_blocks)
+        fresh = self.pool.allocate(num_fresh)
+        if req_id not in self.req_to_blocks:
+            self.req_to_blocks[req_id] = blocks
+            self._num_cached_blocks[req_id] = len(new_computed_blocks)
+        start = len(blocks) + len(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        blocks.extend(fresh)
+        if self.enable_caching and fresh:
+            self._mark_pending(req, start, len(blocks))
+        return list(new_computed_blocks) + fresh
+
+    def _mark_pending(self, req: Request, start: int, end: int) -> None:
+        hashes = self.block_hashes(req)
+        mine = self._req_pending.setdefault(req.request_id, [])
+        for block_hash in hashes[start:min(end, len(hashes))]:
+            if block_hash not in self._pending and self.pool.get_cached_block(block_hash) is None:
+                self._pending[block_hash] = req.request_id
+                mine.append(block_hash)
+
+    def cache_blocks(self, req: Request, num_computed_tokens: int) -> None:
+        """Register the request's blocks made full by its computed tokens (after a step)."""
+        if not self.enable_caching:
+            return
+        req_id = req.request_id
+        start = self._num_cached_blocks.get(req_id, 0)
+        num_full = num_computed_tokens // self.block_size
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(req)
+        blocks = self.req_to_blocks[req_id]
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+            if self._pending.get(hashes[i]) == req_id:
+                del self._pending[hashes[i]]
+        self._num_cached_blocks[req_id] = num_full
+
+    def free(self, req: Request) -> None:
+        """Release all of a request's blocks, tail first so its tail is evicted first."""
+        req_id = req.request_id
+        blocks = self.req_to_blocks.pop(req_id, None)
+        if blocks is None:
+            return
+        self.pool.free(reversed(blocks))
+        self._num_cached_blocks.pop(req_id, None)
+        for block_hash in self._req_pending.pop(req_id, ()):
+            if self._pending.get(block_hash) == req_id:
+                del self._pending[block_hash]
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
+    # --- debugging -----------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """No block lost or double-freed; ref counts equal the number of requests holding them."""
+        holders: Counter[int] = Counter()
+        for req_id, blocks in self.req_to_blocks.items():
+            _require(len(set(blocks)) == len(blocks), f"{req_id} holds a block twice")
+            _require(NULL_BLOCK_ID not in blocks, f"{req_id} holds the null block")
+            _require(self._num_cached_blocks.get(req_id, 0) <= len(blocks),
+                     f"{req_id}: more blocks cached than held")
+            holders.update(blocks)
+        self.pool.check_invariants(dict(holders))
+        for block_hash, owner in self._pending.items():
+            _require(owner in self.req_to_blocks, f"pending block of {owner}, which holds none")

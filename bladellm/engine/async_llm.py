@@ -1,0 +1,186 @@
+"""AsyncLLM: the asyncio front of an engine core running in its own process.
+
+Tokenization, detokenization and stop strings run here, in the API process; the engine core only
+sees token ids. Each request gets an ``asyncio.Queue``; one background task reads engine-core
+outputs and fans them out. Closing a request's generator (client disconnect, cancellation) aborts
+it in the core, which frees its KV blocks. A dead core fails every pending request with
+``EngineDeadError`` instead of leaving it hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from bladellm.config import EngineConfig
+from bladellm.engine.core_client import AsyncMPClient
+from bladellm.engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from bladellm.engine.input_processor import InputProcessor
+from bladellm.engine.messages import SchedulerStats
+from bladellm.engine.metrics import StatLogger
+from bladellm.engine.output_processor import OutputProcessor
+from bladellm.model.checkpoint import resolve_model
+from bladellm.outputs import RequestOutput
+from bladellm.sampling_params import SamplingParams
+from bladellm.worker.threads import configure_frontend_threads
+
+logger = logging.getLogger(__name__)
+
+QUEUE_TIMEOUT_ERROR = "queue_timeout"
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None) -> None:
+        configure_frontend_threads()
+        self.config = config
+        resolved = resolve_model(config.model, load_weights=False)
+        self.model_info = resolved.model_info()
+        self.input_processor = InputProcessor(self.model_info)
+        self.output_processor = OutputProcessor(self.model_info.tokenizer)
+        self.stat_loggers = list(stat_loggers or [])
+        self.client = AsyncMPClient(config)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._not_started: set[str] = set()  # requests without a first output yet
+        self._output_task: asyncio.Task | None = None
+        self._latest_stats: SchedulerStats | None = None
+        self._utility_waiters: dict[int, asyncio.Future] = {}
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig,
+                           stat_loggers: list[StatLogger] | None = None) -> "AsyncLLM":
+        return cls(config, stat_loggers)
+
+    # ---- status -------------------------------------------------------------------------------
+    @property
+    def is_dead(self) -> bool:
+        return self.client.is_dead or not self.client.proc.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        if self.is_dead and self.client.dead_reason is None:
+            self.client.dead_reason = f"engine core exited (code {self.client.proc.exitcode})"
+        return self.client.dead_reason
+
+    async def check_health(self) -> None:
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+
+    def get_scheduler_stats(self) -> SchedulerStats | None:
+        return self._latest_stats
+
+    # ---- requests -----------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
+                       request_id: str, *, delta: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request. Raises before yielding for bad input or overload."""
+        await self.check_health()
+        self._ensure_output_task()
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        limit = self.config.scheduler.max_queue_size
+        if limit is not None and len(self._not_started) >= limit:
+            raise EngineOverloadedError(f"{len(self._not_started)} requests waiting "
+                                        f"(--max_queue_size {limit})")
+        arrival = time.time()
+        core_reqs = self.input_processor.process(request_id, prompt, sampling_params, arrival)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._not_started.add(request_id)
+        self.output_processor.add_request(
+            request_id, prompt if isinstance(prompt, str) else None,
+            core_reqs[0].prompt_token_ids, sampling_params, [r.request_id for r in core_reqs],
+            arrival, delta=delta)
+        finished = yielded = False
+        try:
+            await self.client.add_requests(core_reqs)
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                # A failure before any output is an error response; after, a finish_reason.
+                if item.error is not None and (not yielded or item.error == QUEUE_TIMEOUT_ERROR):
+                    raise self._request_error(item.error)  # `finally` aborts any siblings
+                finished, yielded = item.finished, True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            self._not_started.discard(request_id)
+            if not finished:
+                await self.abort(request_id)
+
+    @staticmethod
+    def _request_error(error: str) -> Exception:
+        if error == QUEUE_TIMEOUT_ERROR:
+            return EngineOverloadedError("request waited longer than --max_queue_time")
+        return RequestFailedError(error)
+
+    async def abort(self, request_id: str) -> None:
+        child_ids = self.output_processor.abort_request(request_id)
+        self._queues.pop(request_id, None)
+        self._not_started.discard(request_id)
+        await self.client.abort_requests(child_ids)
+
+    async def call_utility(self, method: str, *args) -> object:
+        """Run a debug/maintenance call in the engine core (e.g. 'check_invariants')."""
+        self._ensure_output_task()
+        call_id = await self.client.call_utility(method, *args)
+        fut = asyncio.get_running_loop().create_future()
+        self._utility_waiters[call_id] = fut
+        return await fut
+
+    # ---- output loop --------------------------------------------------------------------------
+    def _ensure_output_task(self) -> None:
+        if self._output_task is None or self._output_task.done():
+            self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                outputs = await self.client.get_output()
+                if outputs.engine_dead is not None:
+                    raise EngineDeadError(outputs.engine_dead)
+                if outputs.utility_result is not None:
+                    call_id, result = outputs.utility_result
+                    fut = self._utility_waiters.pop(call_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(result)
+                    continue
+                self._dispatch(outputs)
+        except EngineDeadError as exc:
+            logger.error("engine core is dead: %s", exc)
+            for queue in self._queues.values():
+                queue.put_nowait(EngineDeadError(str(exc)))
+            for fut in self._utility_waiters.values():
+                if not fut.done():
+                    fut.set_exception(EngineDeadError(str(exc)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a front-end bug must not hang clients
+            logger.exception("output loop failed")
+            for queue in self._queues.values():
+                queue.put_nowait(RequestFailedError(f"output processing failed: {exc}"))
+
+    def _dispatch(self, outputs) -> None:
+        if outputs.scheduler_stats is not None:
+            self._latest_stats = outputs.scheduler_stats
+        processed = self.output_processor.process_outputs(outputs.outputs, time.time())
+        for request_id, out in processed.request_outputs.items():
+            self._not_started.discard(request_id)
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        if processed.reqs_to_abort:
+            asyncio.get_running_loop().create_task(
+                self.client.abort_requests(processed.reqs_to_abort))
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(outputs.scheduler_stats, processed.iteration, processed.finished)
+
+    def shutdown(self) -> None:
+        if self._output_task is not None:
+            self._output_task.cancel()
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError("engine is shutting down"))
+        self.client.close()

@@ -1,0 +1,137 @@
+"""Synchronous in-process engine and the offline ``LLM`` API.
+
+    from bladellm import LLM, SamplingParams
+    llm = LLM(model="path/to/model", dtype="bfloat16")
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from bladellm.config import EngineConfig
+from bladellm.engine.engine_core import EngineCore
+from bladellm.engine.input_processor import InputProcessor
+from bladellm.engine.output_processor import OutputProcessor
+from bladellm.model.checkpoint import resolve_model
+from bladellm.outputs import RequestOutput
+from bladellm.sampling_params import SamplingParams
+from bladellm.worker.threads import configure_engine_threads
+
+PromptType = str | list[int]
+
+
+class LLMEngine:
+    """Front-end processing + an in-process engine core, stepped by the caller."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        configure_engine_threads(config.parallel.num_threads)
+        resolved = resolve_model(config.model)
+        self.model_info = resolved.model_info()
+        self.input_processor = InputProcessor(self.model_info)
+        self.output_processor = OutputProcessor(self.model_info.tokenizer)
+        self.core = EngineCore(config, resolved)
+
+    def default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.model_info.generation_defaults)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        core_reqs = self.input_processor.process(request_id, prompt, params, arrival_time)
+        self.output_processor.add_request(
+            request_id, prompt if isinstance(prompt, str) else None,
+            core_reqs[0].prompt_token_ids, params, [r.request_id for r in core_reqs],
+            arrival_time, delta=False)
+        for req in core_reqs:
+            self.core.add_request(req)
+
+    def abort_request(self, request_id: str) -> None:
+        self.core.abort_requests(self.output_processor.abort_request(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.core.step()
+        processed = self.output_processor.process_outputs(outputs.outputs, time.time())
+        if processed.reqs_to_abort:  # stop strings matched: the core stops them now
+            self.core.abort_requests(processed.reqs_to_abort)
+        return list(processed.request_outputs.values())
+
+
+class LLM:
+    """Offline batched generation. Keyword arguments are engine options (see bladellm.config)."""
+
+    def __init__(self, model: str = "demo", **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.model_info.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs in the order of the prompts."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = self.engine.default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params_list)} for "
+                                 f"{len(prompts)} prompts")
+        ids = [str(next(self._ids)) for _ in prompts]
+        added: list[str] = []
+        try:
+            for request_id, prompt, params in zip(ids, prompts, params_list):
+                self.engine.add_request(request_id, prompt, params)
+                added.append(request_id)
+        except Exception:
+            # A bad prompt fails the whole call: leave nothing of it in the engine.
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             **template_kwargs) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.input_processor.apply_chat_template(
+            conv, add_generation_prompt=add_generation_prompt, **template_kwargs)
+            for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
+        num_out, start = 0, time.perf_counter()
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        num_out += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix(out_tok_s=f"{num_out / (time.perf_counter() - start):.1f}")
+        except BaseException:
+            for request_id in ids:
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]

@@ -1,0 +1,64 @@
+"""Configuration of the HTTP front end (the engine's own settings live in ``bladellm.config``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bladellm.config import parse_size
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"--{name}: {msg}")
+
+
+@dataclass
+class ServerConfig:
+    host: str = field(
+        default="0.0.0.0", metadata={"help": "Address to listen on (0.0.0.0: all interfaces)."})
+    port: int = field(
+        default=8081, metadata={"help": "TCP port to listen on; 0 picks a free port (the ready "
+                                        "log line names it)."})
+    api_key: str | None = field(
+        default=None,
+        metadata={"help": "If set, /v1/* requests must send 'Authorization: Bearer <key>'."})
+    max_request_body_bytes: str = field(
+        default="32MiB",
+        metadata={"help": "Largest request body accepted (e.g. 32MiB, 1048576); larger ones "
+                          "get HTTP 413."})
+    log_level: str = field(
+        default="info", metadata={"help": f"Server log level: one of {', '.join(_LOG_LEVELS)}."})
+    disable_access_log: bool = field(
+        default=False, metadata={"help": "Do not log one line per HTTP request."})
+    root_path: str = field(
+        default="", metadata={"help": "ASGI root_path when served behind a path-prefixing proxy."})
+    shutdown_timeout: float = field(
+        default=10.0,
+        metadata={"help": "On SIGINT/SIGTERM, seconds to let in-flight requests finish before "
+                          "they are aborted."})
+    retry_after: int = field(
+        default=1,
+        metadata={"help": "Retry-After seconds sent with HTTP 503 (overloaded or engine down)."})
+
+    def __post_init__(self) -> None:
+        _check(bool(self.host), "host", "must not be empty")
+        _check(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
+        _check(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
+        try:
+            size = parse_size(self.max_request_body_bytes)
+        except ValueError:
+            raise ValueError(f"--max_request_body_bytes: cannot parse "
+                             f"{self.max_request_body_bytes!r}") from None
+        _check(size > 0, "max_request_body_bytes", "must be positive")
+        self.log_level = self.log_level.lower()
+        _check(self.log_level in _LOG_LEVELS, "log_level",
+               f"must be one of {_LOG_LEVELS}, got {self.log_level!r}")
+        _check(self.shutdown_timeout >= 0, "shutdown_timeout",
+               f"must be >= 0, got {self.shutdown_timeout}")
+        _check(self.retry_after >= 0, "retry_after", f"must be >= 0, got {self.retry_after}")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return parse_size(self.max_request_body_bytes)

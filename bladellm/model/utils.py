@@ -1,0 +1,126 @@
+"""Helpers shared by layers, models and the loader: TP world info, weight attributes, KV spec."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def get_tp_rank_and_size() -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel group.
+
+    World size 1 for now; ``bladellm.distributed.parallel_state`` will answer here once TP lands,
+    so every layer keeps allocating only its own shard without changes.
+    """
+    return 0, 1
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the TP group (identity at world size 1)."""
+    _, size = get_tp_rank_and_size()
+    if size == 1:
+        return x
+    raise NotImplementedError("tensor-parallel all-reduce arrives with bladellm.distributed")
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate shards over the TP group along ``dim`` (identity at world size 1)."""
+    _, size = get_tp_rank_and_size()
+    if size == 1:
+        return x
+    raise NotImplementedError("tensor-parallel all-gather arrives with bladellm.distributed")
+
+
+def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
+    for key, value in attrs.items():
+        setattr(param, key, value)
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into a parameter slice; a shape mismatch is a ValueError."""
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"shape mismatch: checkpoint tensor has shape {tuple(src.shape)}, "
+                         f"parameter expects {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
+                          shard_id: Any = None) -> None:
+    """Replicated parameters (norms, biases of row-parallel layers): copy the whole tensor."""
+    copy_checked(param.data, loaded_weight)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What the worker needs to allocate one ``[2, num_blocks, block_size, kvh, d]`` tensor per
+    layer. ``num_kv_heads`` is per TP rank."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+# (param name fragment, checkpoint name fragment, shard id) for fused layers.
+StackedMapping = list[tuple[str, str, Any]]
+
+LLAMA_STACKED_PARAMS: StackedMapping = [
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+]
+
+
+def load_weights_with_mapping(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                              stacked: StackedMapping,
+                              skip: Callable[[str], bool] = lambda name: False) -> set[str]:
+    """Route HF checkpoint tensors to parameters, fusing q/k/v and gate/up via ``stacked``.
+
+    Returns the names of the parameters that received data. Tensors matching no parameter are
+    skipped with one warning (e.g. stale buffers); missing parameters are the caller's check.
+    """
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    unknown: list[str] = []
+    # A fused parameter counts as loaded only once every shard (q, k and v) has arrived.
+    expected = {frag: {sid for f, _, sid in stacked if f == frag} for frag, _, _ in stacked}
+    shards_seen: dict[str, set[Any]] = {}
+    for ckpt_name, tensor in weights:
+        if "rotary_emb.inv_freq" in ckpt_name or skip(ckpt_name):
+            continue
+        name, shard_id = ckpt_name, None
+        for param_frag, ckpt_frag, sid in stacked:
+            if f".{ckpt_frag}." in ckpt_name:
+                name, shard_id = ckpt_name.replace(f".{ckpt_frag}.", f".{param_frag}."), sid
+                break
+        param = params.get(name)
+        if param is None:
+            unknown.append(ckpt_name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} -> parameter {name!r}: {e}") from e
+        if shard_id is None:
+            loaded.add(name)
+            continue
+        seen = shards_seen.setdefault(name, set())
+        seen.add(shard_id)
+        frag = next(f for f, _, _ in stacked if f".{f}." in name)
+        if seen >= expected[frag]:
+            loaded.add(name)
+    if unknown:
+        logger.warning("ignored %d checkpoint tensors with no matching parameter: %s",
+                       len(unknown), ", ".join(unknown[:8]))
+    return loaded
