@@ -116,8 +116,10 @@ def format_table(run: dict[str, Any]) -> str:
             ("ITL mean/p50/p90/p99", 25), ("TPOT mean/p99", 14), ("E2E p50/p99", 15),
             ("goodput", 7), ("err", 4)]
     header = "  ".join(name.rjust(w) for name, w in cols)
-    lines = [f"{run.get('label', '')}  {run.get('endpoint', '')}  {run.get('dataset', '')}  "
-             f"slo={run.get('slo') or '-'}", header, "-" * len(header)]
+    slo = ",".join(f"{k}:{v:g}" for k, v in (run.get("slo") or {}).items()) or "-"
+    lines = [f"{run.get('label', '')}  endpoint={run.get('endpoint', '')}  "
+             f"dataset={run.get('dataset', '')}  slo(ms)={slo}  latencies in ms", header,
+             "-" * len(header)]
     for e in run["rates"]:
         def dist(key: str, stats: Sequence[str]) -> str:
             return "/".join(_fmt((e.get(key) or {}).get(s)) for s in stats)

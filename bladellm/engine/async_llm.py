@@ -35,7 +35,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None) -> None:
         configure_frontend_threads()
         self.config = config
-        resolved = resolve_model(config.model, load_weights=False)
+        resolved = resolve_model(config.model)
         self.model_info = resolved.model_info()
         self.input_processor = InputProcessor(self.model_info)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)

@@ -111,7 +111,8 @@ def load_weights_with_mapping(module: nn.Module, weights: Iterable[tuple[str, to
             else:
                 loader(param, tensor, shard_id)
         except ValueError as e:
-            raise ValueError(f"checkpoint tensor {ckpt_name!r} -> parameter {name!r}: {e}") from e
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} {tuple(tensor.shape)} -> parameter "
+                             f"{name!r} {tuple(param.shape)}: {e}") from e
         if shard_id is None:
             loaded.add(name)
             continue

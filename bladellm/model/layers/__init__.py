@@ -1,0 +1,18 @@
+"""Model building blocks: TP-aware linears, embeddings, norms, rotary, activation, attention."""
+
+from bladellm.model.layers.activation import SiluAndMul
+from bladellm.model.layers.attention import Attention
+from bladellm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from bladellm.model.layers.linear import (ColumnParallelLinear, LinearMethodBase,
+                                          MergedColumnParallelLinear, QKVParallelLinear,
+                                          ReplicatedLinear, RowParallelLinear,
+                                          UnquantizedLinearMethod)
+from bladellm.model.layers.norm import RMSNorm
+from bladellm.model.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
+
+__all__ = [
+    "Attention", "ColumnParallelLinear", "LinearMethodBase", "MergedColumnParallelLinear",
+    "ParallelLMHead", "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RotaryEmbedding",
+    "RowParallelLinear", "SiluAndMul", "UnquantizedLinearMethod", "VocabParallelEmbedding",
+    "get_rope", "rope_parameters_from_config",
+]

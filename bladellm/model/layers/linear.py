@@ -129,8 +129,8 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Any = None) -> None:
         shard = param.data.size(param.output_dim)
-        copy_checked(param.data, _narrow(loaded_weight, param.output_dim, self.tp_rank * shard,
-                                         shard))
+        copy_checked(param.data, _shard(loaded_weight, param.output_dim, self.tp_rank, shard,
+                                        self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)
@@ -153,7 +153,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset, size = sum(sizes[:shard_id]), sizes[shard_id]
         dim = param.output_dim
         copy_checked(param.data.narrow(dim, offset, size),
-                     _narrow(loaded_weight, dim, self.tp_rank * size, size))
+                     _shard(loaded_weight, dim, self.tp_rank, size, self.tp_size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -194,12 +194,15 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError("fused qkv checkpoint tensors are not supported; expected separate "
                              "q_proj/k_proj/v_proj")
         q, kv, _ = self.output_partition_sizes
-        offset, size, rank = {"q": (0, q, self.tp_rank),
-                              "k": (q, kv, self.tp_rank // self.num_kv_head_replicas),
-                              "v": (q + kv, kv, self.tp_rank // self.num_kv_head_replicas)}[shard_id]
+        kv_rank = self.tp_rank // self.num_kv_head_replicas
+        kv_shards = self.tp_size // self.num_kv_head_replicas
+        offset, size, rank, num_shards = {
+            "q": (0, q, self.tp_rank, self.tp_size),
+            "k": (q, kv, kv_rank, kv_shards),
+            "v": (q + kv, kv, kv_rank, kv_shards)}[shard_id]
         dim = param.output_dim
         copy_checked(param.data.narrow(dim, offset, size),
-                     _narrow(loaded_weight, dim, rank * size, size))
+                     _shard(loaded_weight, dim, rank, size, num_shards))
 
 
 class RowParallelLinear(LinearBase):
@@ -219,8 +222,8 @@ class RowParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Any = None) -> None:
         shard = param.data.size(param.input_dim)
-        copy_checked(param.data, _narrow(loaded_weight, param.input_dim, self.tp_rank * shard,
-                                         shard))
+        copy_checked(param.data, _shard(loaded_weight, param.input_dim, self.tp_rank, shard,
+                                        self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Bias only on rank 0 so the all-reduce adds it exactly once.
@@ -233,9 +236,9 @@ def _full_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any
     copy_checked(param.data, loaded_weight)
 
 
-def _narrow(t: torch.Tensor, dim: int, start: int, size: int) -> torch.Tensor:
-    """Narrow a checkpoint tensor, reporting a too-small one as a shape mismatch."""
-    if t.dim() <= dim or t.size(dim) < start + size:
+def _shard(t: torch.Tensor, dim: int, rank: int, size: int, num_shards: int) -> torch.Tensor:
+    """Rank's slice of a full checkpoint tensor; a wrong full size is a shape mismatch."""
+    if t.dim() <= dim or t.size(dim) != size * num_shards:
         raise ValueError(f"shape mismatch: checkpoint tensor has shape {tuple(t.shape)}, "
-                         f"cannot take [{start}:{start + size}] of dim {dim}")
-    return t.narrow(dim, start, size)
+                         f"expected size {size * num_shards} in dim {dim}")
+    return t.narrow(dim, rank * size, size)

@@ -1,0 +1,1 @@
+"""Model implementations; ``bladellm.model.registry`` maps HF architecture names to them."""

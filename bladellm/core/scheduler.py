@@ -1,0 +1,350 @@
+"""Token-budget continuous batching.
+
+One accounting rule: each request has ``num_tokens`` (prompt + output so far) and
+``num_computed_tokens`` (KV in cache); every step grants tokens so that the second catches up
+with the first. Chunked prefill, prompt-cache hits, decode and recompute after preemption are
+all this rule; there is no prefill or decode code path.
+
+``schedule()``:
+1. Waiting requests that never started and waited longer than ``max_queue_time`` fail.
+2. Running requests, oldest first, get ``min(num_tokens - num_computed_tokens, budget)`` tokens.
+   When the pool cannot hold them, the newest running request is preempted (blocks freed,
+   recomputed later from the front of the queue) — possibly the one being scheduled.
+3. Unless step 2 preempted, waiting requests are admitted FCFS with their longest cached
+   prefix, chunked to the remaining budget, while budget, ``max_num_seqs`` and blocks allow.
+   A request whose next block is being computed by a running request ("pending") waits a step
+   so it gets a cache hit instead of recomputing it (``n > 1`` siblings, shared system prompts).
+
+Progress guarantee: the pool holds at least one ``max_model_len`` request (checked at
+construction), and the oldest running request only ever preempts newer ones, so it always
+advances.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from bladellm.config import CacheConfig, SchedulerConfig
+from bladellm.core.block_pool import _require
+from bladellm.core.interface import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                     SampleLogprobs, SchedulerOutput)
+from bladellm.core.kv_cache_manager import KVCacheManager, cdiv
+from bladellm.engine.messages import EngineCoreOutput, Logprobs, SchedulerStats
+from bladellm.request import Request, RequestStatus
+
+QUEUE_TIMEOUT_ERROR = "queue_timeout"
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int, max_model_len: int, *,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        self.clock = clock
+        capacity = max(num_blocks - 1, 0) * self.block_size
+        if capacity < max_model_len:
+            raise ValueError(
+                f"--num_kv_blocks / --kv_cache_memory: the KV cache holds {num_blocks} blocks "
+                f"(one reserved) of {self.block_size} tokens = {capacity} tokens, fewer than one "
+                f"request of --max_model_len {max_model_len}; give the cache more memory or "
+                f"lower --max_model_len")
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
+                                               cache_config.enable_prompt_cache)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is the newest
+        self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
+        self._pending_outputs: list[EngineCoreOutput] = []  # sent by the next update_from_output
+        self._runner_num_tokens: dict[str, int] = {}  # tokens the runner knows, per request
+        self._queued_time: dict[str, float] = {}  # until the first output carries it
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_steps = 0
+
+    # --- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the engine")
+        if not 0 < req.num_prompt_tokens <= self.max_model_len:
+            # The front end checks this; a request that slipped through must not wedge the pool.
+            req.status = RequestStatus.FINISHED_ERROR
+            self._pending_outputs.append(self._make_output(
+                req, [], error=f"prompt of {req.num_prompt_tokens} tokens; it must have 1 to "
+                               f"max_model_len={self.max_model_len}"))
+            return
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort_requests(self, req_ids: Iterable[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                       ) -> list[EngineCoreOutput]:
+        """Finish requests now and free their blocks; unknown or finished ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"abort status must be a finished status, got {status.name}")
+        reqs = [self.requests[r] for r in dict.fromkeys(req_ids) if r in self.requests]
+        self._remove_from_queues({req.request_id for req in reqs})
+        outputs = []
+        for req in reqs:
+            self._finish(req, status)
+            outputs.append(self._make_output(req, []))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # --- schedule ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self._expire_queued()
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = set()
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            new_blocks = self._allocate_or_preempt(req, num_new, out.preempted_req_ids)
+            if new_blocks is None:
+                break  # ``req`` was the newest and preempted itself
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                req.request_id, req.all_token_ids[self._runner_num_tokens[req.request_id]:],
+                new_blocks, req.num_computed_tokens))
+            self._runner_num_tokens[req.request_id] = req.num_tokens
+            out.num_scheduled_tokens[req.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        if not out.preempted_req_ids:
+            budget = self._admit_waiting(out, budget)
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
+        if out.total_num_scheduled_tokens:
+            self.num_steps += 1
+        return out
+
+    def _allocate_or_preempt(self, req: Request, num_new: int,
+                             preempted: set[str]) -> list[int] | None:
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(req, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is req:
+                return None
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._runner_num_tokens.pop(req.request_id, None)
+        self.waiting.appendleft(req)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        kv = self.kv_cache_manager
+        held_back: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks, num_hit = kv.get_computed_blocks(req)
+            if kv.pending_owner(req, len(hit_blocks)) is not None:
+                held_back.append(self.waiting.popleft())
+                continue
+            num_new = min(req.num_tokens - num_hit, budget)
+            new_blocks = kv.allocate_slots(req, num_new, hit_blocks)
+            if new_blocks is None:
+                break  # FCFS: later requests do not jump a request that needs blocks
+            self.waiting.popleft()
+            kv.record_prefix_lookup(req.num_tokens, num_hit)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+                self._queued_time[req.request_id] = max(self.clock() - req.arrival_time, 0.0)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            self.running.append(req)
+            out.scheduled_new_reqs.append(NewRequestData(
+                req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
+                req.sampling_params, list(kv.get_block_ids(req.request_id)), num_hit,
+                eos_token_ids=sorted(req.eos_token_ids)))
+            self._runner_num_tokens[req.request_id] = req.num_tokens
+            out.num_scheduled_tokens[req.request_id] = num_new
+            budget -= num_new
+        self.waiting.extendleft(reversed(held_back))
+        return budget
+
+    def _expire_queued(self) -> None:
+        max_time = self.config.max_queue_time
+        if max_time is None or not self.waiting:
+            return
+        now = self.clock()
+        expired = [r for r in self.waiting if r.status == RequestStatus.WAITING
+                   and now - r.arrival_time > max_time]
+        if not expired:
+            return
+        self._remove_from_queues({r.request_id for r in expired})
+        for req in expired:
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            output = self._make_output(req, [], error=QUEUE_TIMEOUT_ERROR)
+            output.queued_time = now - req.arrival_time
+            self._pending_outputs.append(output)
+
+    # --- update --------------------------------------------------------------------------------
+
+    def update_from_output(self, sched: SchedulerOutput,
+                           out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sampled = dict(zip(out.req_ids, out.sampled_token_ids))
+        finished: set[str] = set()
+        for req_id, num_scheduled in sched.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted since it was scheduled
+            error = out.errored.get(req_id)
+            new_tokens: list[int] = []
+            if error is None:
+                self._advance(req, num_scheduled)
+                new_tokens = self._append_tokens(req, sampled.get(req_id) or [])
+                if not new_tokens and req.num_computed_tokens >= req.num_tokens:
+                    error = "the model runner returned no token for a finished prefill"
+            if error is not None:
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+            elif req.is_finished:
+                self._finish(req, req.status)
+            if new_tokens or req.is_finished:
+                outputs.append(self._make_output(req, new_tokens, out.logprobs.get(req_id), error))
+            if req.is_finished:
+                finished.add(req_id)
+        self._remove_from_queues(finished)
+        unscheduled_errors = [r for r in out.errored
+                              if r not in sched.num_scheduled_tokens and r in self.requests]
+        for req_id in unscheduled_errors:
+            outputs.extend(self.abort_requests([req_id], RequestStatus.FINISHED_ERROR))
+            outputs[-1].error = out.errored[req_id]
+        return outputs
+
+    def _advance(self, req: Request, num_scheduled: int) -> None:
+        self.num_prompt_tokens += max(0, min(num_scheduled,
+                                             req.num_prompt_tokens - req.num_computed_tokens))
+        req.num_computed_tokens += num_scheduled
+        self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+
+    def _append_tokens(self, req: Request, token_ids: list[int]) -> list[int]:
+        """Append sampled tokens one by one, stopping at the first that finishes the request."""
+        appended = []
+        for token_id in token_ids:
+            req.append_output_token_ids([token_id])
+            appended.append(token_id)
+            if self._check_stop(req, token_id):
+                break
+        self.num_generation_tokens += len(appended)
+        return appended
+
+    def _check_stop(self, req: Request, token_id: int) -> bool:
+        """Stop tokens first (they count only after ``min_tokens`` output tokens), then length."""
+        params = req.sampling_params
+        if req.num_output_tokens > params.min_tokens:
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token_id
+                return True
+            if not params.ignore_eos and token_id in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = None
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    # --- finishing -----------------------------------------------------------------------------
+
+    def _remove_from_queues(self, req_ids: set[str]) -> None:
+        if not req_ids:
+            return
+        if any(r.request_id in req_ids for r in self.running):
+            self.running = [r for r in self.running if r.request_id not in req_ids]
+        if any(r.request_id in req_ids for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if r.request_id not in req_ids)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Mark finished and return its blocks; the caller takes it out of the queues."""
+        req.status = status
+        self.kv_cache_manager.free(req)
+        self.requests.pop(req.request_id, None)
+        self._runner_num_tokens.pop(req.request_id, None)
+        self._finished_req_ids.add(req.request_id)
+
+    def _make_output(self, req: Request, new_token_ids: list[int],
+                     logprobs: SampleLogprobs | None = None,
+                     error: str | None = None) -> EngineCoreOutput:
+        output = EngineCoreOutput(request_id=req.request_id, new_token_ids=new_token_ids,
+                                  error=error)
+        if logprobs is not None and new_token_ids:
+            k = len(new_token_ids)
+            output.new_logprobs = Logprobs(token_ids=logprobs.token_ids[:k],
+                                           logprobs=logprobs.logprobs[:k],
+                                           ranks=logprobs.ranks[:k])
+        if req.is_finished:
+            output.finish_reason = req.status.finish_reason
+            output.stop_reason = req.stop_reason
+        queued_time = self._queued_time.pop(req.request_id, None)
+        if queued_time is not None:
+            output.num_cached_tokens = max(req.num_cached_tokens, 0)
+            output.queued_time = queued_time
+        return output
+
+    # --- observability -------------------------------------------------------------------------
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage, num_used_blocks=kv.pool.num_used_blocks,
+            num_total_blocks=kv.pool.num_usable_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens, num_steps=self.num_steps)
+
+    def check_invariants(self) -> None:
+        """Block accounting plus queue consistency; raises ``BlockAccountingError``."""
+        kv = self.kv_cache_manager
+        kv.check_invariants()
+        running = {r.request_id for r in self.running}
+        waiting = {r.request_id for r in self.waiting}
+        _require(len(running) == len(self.running), "a request is twice in running")
+        _require(len(waiting) == len(self.waiting), "a request is twice in waiting")
+        _require(not running & waiting, "a request is both running and waiting")
+        _require(running | waiting == set(self.requests), "queues and request map disagree")
+        _require(set(kv.req_to_blocks) == running, "a request holds blocks but is not running")
+        _require(len(self.running) <= self.config.max_num_seqs, "more running than max_num_seqs")
+        for req in self.running:
+            _require(req.status == RequestStatus.RUNNING, f"{req} in running")
+            _require(req.num_computed_tokens <= req.num_tokens, f"{req} computed too much")
+            _require(len(kv.get_block_ids(req.request_id))
+                     >= cdiv(req.num_computed_tokens, self.block_size),
+                     f"{req} has fewer blocks than computed tokens")
+        for req in self.waiting:
+            _require(req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED),
+                     f"{req} in waiting")
+            _require(req.num_computed_tokens == 0, f"{req} waiting with computed tokens")

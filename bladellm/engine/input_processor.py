@@ -1,0 +1,157 @@
+"""API-process side of admission: chat template, tokenization and request validation.
+
+Everything a user can get wrong is rejected here with a ``ValueError`` (HTTP 400) before the
+request reaches the engine core; the core trusts what it receives.
+
+Fan-out of ``n > 1``: the core knows nothing about parallel samples. A request with ``n`` samples
+becomes ``n`` independent child requests with ids ``f"{request_id}-{i}"`` (``n == 1`` keeps the
+id unchanged) and ``n=1``; with a seed, child ``i`` samples with ``seed + i`` so children differ
+but stay reproducible. The prompt cache shares the prompt's KV blocks between the children.
+``OutputProcessor`` fans their outputs back in. Callers must use request ids that cannot collide
+with another request's child ids (e.g. uuids).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bladellm.engine.messages import EngineCoreRequest
+from bladellm.engine.model_info import ModelInfo
+from bladellm.sampling_params import SamplingParams
+
+_CHAT_ROLES = ("system", "user", "assistant", "tool")
+_INT64_SPAN = 2**64
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+
+class InputProcessor:
+    def __init__(self, model_info: ModelInfo) -> None:
+        self.model_info = model_info
+        self.tokenizer = model_info.tokenizer
+
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                arrival_time: float, *, add_special_tokens: bool = True
+                ) -> list[EngineCoreRequest]:
+        """Tokenize and validate one request; returns one EngineCoreRequest per sample.
+
+        ``add_special_tokens=False`` is for text that already carries them (a chat template's
+        output usually starts with BOS).
+        """
+        prompt_token_ids = self.tokenize(prompt, add_special_tokens)
+        self._validate(prompt_token_ids, params)
+        eos = list(self.model_info.eos_token_ids)
+        if params.n == 1:
+            return [EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                      sampling_params=params, eos_token_ids=eos,
+                                      arrival_time=arrival_time)]
+        return [
+            EngineCoreRequest(request_id=child_id, prompt_token_ids=prompt_token_ids,
+                              sampling_params=_child_params(params, i), eos_token_ids=eos,
+                              arrival_time=arrival_time)
+            for i, child_id in enumerate(child_request_ids(request_id, params.n))
+        ]
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt: must be a string or a list of token ids, "
+                             f"got {type(prompt).__name__}")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise ValueError("prompt: token ids must be integers")
+        return list(prompt)
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        info = self.model_info
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("prompt: must not be empty (it tokenized to zero tokens)")
+        bad = [t for t in prompt_token_ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is out of the vocabulary "
+                             f"[0, {info.vocab_size})")
+        num_output = params.max_tokens or 1
+        if num_prompt + num_output > info.max_model_len:
+            if params.max_tokens is None:
+                raise ValueError(
+                    f"prompt is {num_prompt} tokens, which leaves no room for output in the "
+                    f"model's maximum context length of {info.max_model_len} tokens")
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{num_prompt + num_output} tokens exceeds the model's maximum context length "
+                f"of {info.max_model_len} tokens; shorten the prompt or lower max_tokens")
+        for t in params.stop_token_ids or ():
+            if t >= info.vocab_size:
+                raise ValueError(f"stop_token_ids: token id {t} is out of the vocabulary "
+                                 f"[0, {info.vocab_size})")
+        for t in (params.logit_bias or {}):
+            if int(t) >= info.vocab_size:
+                raise ValueError(f"logit_bias: token id {t} is out of the vocabulary "
+                                 f"[0, {info.vocab_size})")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render OpenAI-style chat messages to prompt text with the tokenizer's template.
+
+        Content given as a list of ``{"type": "text", "text": ...}`` parts is joined with
+        newlines, since most templates expect a string. Extra ``kwargs`` (tools, a different
+        ``chat_template``, template variables) go to ``tokenizer.apply_chat_template``.
+        """
+        if not self.model_info.has_chat_template and "chat_template" not in kwargs:
+            raise ValueError(f"the tokenizer of {self.model_info.served_model_name!r} has no "
+                             f"chat template; use the completions API or pass a chat template")
+        conversation = _normalize_messages(messages)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **kwargs)
+        except Exception as e:  # jinja2 TemplateError, raise_exception() inside templates
+            raise ValueError(f"messages: chat template failed: {e}") from e
+        return text
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    if params.seed is None:
+        return params.clone(n=1)
+    # Wrap into int64 so seed + i stays a valid seed at the top of the range.
+    seed = (params.seed + index + 2**63) % _INT64_SPAN - 2**63
+    return params.clone(n=1, seed=seed)
+
+
+def _normalize_messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages: must be a non-empty list")
+    conversation = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}]: must be an object with 'role' and 'content'")
+        role = message.get("role")
+        if role not in _CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role: must be one of {list(_CHAT_ROLES)}, "
+                             f"got {role!r}")
+        normalized = dict(message)
+        normalized["content"] = _content_text(message.get("content"), role, i)
+        conversation.append(normalized)
+    return conversation
+
+
+def _content_text(content: Any, role: str, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":  # an assistant turn that only calls tools
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise ValueError(f"messages[{i}].content[{j}]: only "
+                                 f"{{'type': 'text', 'text': str}} parts are supported")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(f"messages[{i}].content: must be a string or a list of text parts")

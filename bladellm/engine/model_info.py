@@ -1,0 +1,166 @@
+"""What the API process needs to know about the served model: tokenizer, EOS ids, length limit,
+sampling defaults from ``generation_config.json``.
+
+Loaded once at startup (``load_model_info``); the server, ``InputProcessor`` and
+``OutputProcessor`` read it and never touch the model directory again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from bladellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# generation_config.json keys that map 1:1 onto SamplingParams fields.
+_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+# Where configs keep the context length, in order of preference.
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                 "max_sequence_length", "n_ctx")
+
+# When the config states no context length at all (rare; some remote-code models).
+_FALLBACK_MAX_MODEL_LEN = 2048
+
+
+@dataclass
+class ModelInfo:
+    model_dir: str
+    tokenizer: Any  # a transformers tokenizer (fast when the model ships tokenizer.json)
+    eos_token_ids: list[int]
+    max_model_len: int
+    served_model_name: str
+    vocab_size: int  # the model's embedding rows; valid token ids are [0, vocab_size)
+    has_chat_template: bool
+    # Values from generation_config.json for the fields a request may omit. Only keys the model
+    # actually sets appear here; the server applies them before its own defaults.
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    hf_config: Any = None
+
+
+def load_model_info(model_dir: str, tokenizer_dir: str | None = None,
+                    trust_remote_code: bool = False, max_model_len: int | None = None,
+                    hf_config: Any = None, served_model_name: str | None = None) -> ModelInfo:
+    """Load the tokenizer and the serving-relevant facts of ``model_dir``.
+
+    ``hf_config`` may be passed when the caller already loaded it. A ``max_model_len`` above
+    the model's own context length raises ``ValueError`` (naming ``--max_model_len``).
+    """
+    tokenizer_dir = tokenizer_dir or model_dir
+    tokenizer = _load_tokenizer(tokenizer_dir, trust_remote_code)
+    if hf_config is None:
+        hf_config = _load_hf_config(model_dir, trust_remote_code)
+    gen_config = _read_generation_config(model_dir)
+    vocab_size = _get_text_attr(hf_config, ("vocab_size",)) or len(tokenizer)
+    chat_template = getattr(tokenizer, "chat_template", None)
+    return ModelInfo(
+        model_dir=str(model_dir),
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_token_ids(gen_config, tokenizer),
+        max_model_len=_resolve_max_model_len(hf_config, max_model_len),
+        served_model_name=served_model_name or _default_served_name(model_dir),
+        vocab_size=int(vocab_size),
+        has_chat_template=bool(chat_template),
+        sampling_defaults=_sampling_defaults(gen_config),
+        hf_config=hf_config,
+    )
+
+
+def _load_tokenizer(tokenizer_dir: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... here
+        raise ValueError(f"could not load a tokenizer from {tokenizer_dir!r}: {e}") from e
+
+
+def _load_hf_config(model_dir: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ValueError(f"could not load config.json from {model_dir!r}: {e}") from e
+
+
+def _read_generation_config(model_dir: str) -> dict:
+    """The raw JSON, so that only keys the model sets count (GenerationConfig fills in defaults)."""
+    path = os.path.join(str(model_dir), "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring unreadable %s: %s", path, e)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _eos_token_ids(gen_config: dict, tokenizer) -> list[int]:
+    ids: set[int] = set()
+    gen_eos = gen_config.get("eos_token_id")
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif isinstance(gen_eos, list):
+        ids.update(i for i in gen_eos if isinstance(i, int))
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int):
+        ids.add(tok_eos)
+    return sorted(ids)
+
+
+def _sampling_defaults(gen_config: dict) -> dict[str, float | int]:
+    """Keep each value SamplingParams accepts; a bad one is logged and dropped, not fatal."""
+    defaults: dict[str, float | int] = {}
+    for key in _SAMPLING_DEFAULT_KEYS:
+        value = gen_config.get(key)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        try:
+            SamplingParams(**{key: value})
+        except (ValueError, TypeError) as e:
+            logger.warning("ignoring generation_config.json %s=%r: %s", key, value, e)
+            continue
+        defaults[key] = value
+    return defaults
+
+
+def _get_text_attr(hf_config, keys: tuple[str, ...]):
+    """First of ``keys`` set on the config or, for multimodal configs, on its text_config."""
+    if hf_config is None:
+        return None
+    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
+        if cfg is None:
+            continue
+        for key in keys:
+            value = getattr(cfg, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _resolve_max_model_len(hf_config, override: int | None) -> int:
+    derived = _get_text_attr(hf_config, _MAX_LEN_KEYS)
+    if override is None:
+        if derived is None:
+            logger.warning("config states no context length; using max_model_len=%d",
+                           _FALLBACK_MAX_MODEL_LEN)
+            return _FALLBACK_MAX_MODEL_LEN
+        return derived
+    if override <= 0:
+        raise ValueError(f"--max_model_len: must be positive, got {override}")
+    if derived is not None and override > derived:
+        raise ValueError(f"--max_model_len: {override} exceeds the model's context length "
+                         f"({derived}, max_position_embeddings in config.json)")
+    return override
+
+
+def _default_served_name(model_dir: str) -> str:
+    return os.path.basename(os.path.normpath(str(model_dir))) or str(model_dir)

@@ -1,0 +1,224 @@
+"""`blade_llm_bench`: serving benchmark against any OpenAI-compatible streaming server.
+
+    blade_llm_bench --base_url http://127.0.0.1:8081 --request_rate 1,2,4,inf --num_prompts 100 \
+        --slo ttft:500,tpot:50 --output_dir results --label bladellm
+    blade_llm_bench plot results/bladellm.json results/vllm.json --output_dir results
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import random
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from bladellm.bench.client import RequestOptions, fetch_model_name
+from bladellm.bench.datasets import DatasetConfig, build_dataset, load_tokenizer, parse_range
+from bladellm.bench.metrics import SLO, max_qps_meeting_slo, parse_slo
+from bladellm.bench.plots import plot_runs
+from bladellm.bench.report import (format_table, load_json, rate_entry, rate_name, resummarize,
+                                   write_csv, write_json)
+from bladellm.bench.runner import SweepConfig, make_session, parse_rates, run_rate, warm_up
+
+
+def _add(parser: argparse.ArgumentParser, name: str, **kw: Any) -> None:
+    """Add ``--foo_bar`` and its dash spelling ``--foo-bar``."""
+    names = [name]
+    if "_" in name:
+        names.append(name.replace("_", "-"))
+    parser.add_argument(*names, **kw)
+
+
+def build_run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="blade_llm_bench",
+        description="Stream requests to an OpenAI-compatible server at a sweep of request rates "
+                    "and report TTFT, ITL/TBT, TPOT, E2E, throughput and goodput. "
+                    "`blade_llm_bench plot FILE.json ...` draws curves from result files.")
+    _add(p, "--base_url", default="http://127.0.0.1:8081", help="server root URL")
+    _add(p, "--model", default=None,
+         help="model name sent in requests (default: the first id at /v1/models)")
+    _add(p, "--endpoint", choices=("completions", "chat"), default="completions")
+    _add(p, "--dataset", default="random",
+         help="random | shared_prefix | sharegpt:FILE | jsonl:FILE")
+    _add(p, "--tokenizer", default=None,
+         help="HF tokenizer dir for exact prompt token counts (default: --model if it is a dir; "
+              "else random words, one word ~ one token)")
+    _add(p, "--input_len_range", default="128,128", help="prompt tokens A,B (uniform)")
+    _add(p, "--output_len_range", default="128,128", help="max output tokens A,B (uniform)")
+    _add(p, "--num_groups", type=int, default=4, help="shared_prefix: number of system prompts")
+    _add(p, "--prefix_len", type=int, default=512, help="shared_prefix: system prompt tokens")
+    _add(p, "--num_prompts", type=int, default=100, help="requests per rate")
+    _add(p, "--request_rate", default="inf",
+         help="comma list of req/s to sweep, 'inf' sends all at once (e.g. 1,2,4,8,inf)")
+    _add(p, "--burstiness", type=float, default=1.0,
+         help="gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier, >1 more regular")
+    _add(p, "--max_concurrency", type=int, default=None, help="cap on in-flight requests")
+    _add(p, "--ignore_eos", action="store_true", help="send ignore_eos: true")
+    _add(p, "--eos_logit_bias", default=None,
+         help="ID[,ID]: send logit_bias -100 on these token ids (for servers that drop ignore_eos)")
+    _add(p, "--temperature", type=float, default=0.0)
+    _add(p, "--seed", type=int, default=0, help="seeds prompts and arrival times")
+    _add(p, "--slo", default=None, help="goodput targets in ms, e.g. ttft:500,tpot:50[,e2e:MS]")
+    _add(p, "--slo_target", type=float, default=0.9,
+         help="a rate meets the SLO when this fraction of its requests does (for plots)")
+    _add(p, "--num_warmup", type=int, default=0, help="requests sent first and not measured")
+    _add(p, "--output_dir", default="bench_results")
+    _add(p, "--label", default=None, help="name of this run/server (file names, plot legend)")
+    _add(p, "--request_timeout", type=float, default=3600.0, help="seconds per request")
+    _add(p, "--no_usage", action="store_true",
+         help="don't send stream_options.include_usage (count chunks as tokens)")
+    _add(p, "--plot_stat", choices=("mean", "p50", "p90", "p99"), default="mean")
+    _add(p, "--disable_tqdm", action="store_true")
+    return p
+
+
+def build_plot_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="blade_llm_bench plot",
+                                description="TTFT-vs-QPS and TBT-vs-QPS, one line per file.")
+    p.add_argument("files", nargs="+", help="result JSON files from blade_llm_bench")
+    _add(p, "--output_dir", default=".")
+    _add(p, "--slo", default=None, help="re-judge goodput under this SLO (default: the files')")
+    _add(p, "--slo_target", type=float, default=0.9)
+    _add(p, "--stat", choices=("mean", "p50", "p90", "p99"), default="mean")
+    return p
+
+
+def _dataset_config(args: argparse.Namespace, seed: str) -> DatasetConfig:
+    return DatasetConfig(spec=args.dataset, num_prompts=args.num_prompts,
+                         input_len_range=args.input_len_range,
+                         output_len_range=args.output_len_range,
+                         num_groups=args.num_groups, prefix_len=args.prefix_len, seed=seed)
+
+
+def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    try:
+        args.input_len_range = parse_range(args.input_len_range, "--input_len_range")
+        args.output_len_range = parse_range(args.output_len_range, "--output_len_range")
+        args.rates = parse_rates(args.request_rate)
+        args.slo_obj = parse_slo(args.slo)
+        args.eos_ids = tuple(int(x) for x in args.eos_logit_bias.split(",") if x.strip()) \
+            if args.eos_logit_bias else ()
+        if args.num_prompts < 1:
+            raise ValueError("--num_prompts must be >= 1")
+        if args.max_concurrency is not None and args.max_concurrency < 1:
+            raise ValueError("--max_concurrency must be >= 1")
+        if args.burstiness <= 0:
+            raise ValueError("--burstiness must be > 0")
+        if args.num_warmup < 0:
+            raise ValueError("--num_warmup must be >= 0")
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = SweepConfig(base_url=args.base_url, options=None, max_concurrency=args.max_concurrency,
+                      burstiness=args.burstiness, seed=args.seed,
+                      request_timeout_s=args.request_timeout,
+                      show_progress=not args.disable_tqdm)
+    model = args.model
+    if model is None:
+        async with make_session(cfg) as session:
+            model = await fetch_model_name(session, args.base_url)
+    cfg.options = RequestOptions(model=model, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
+                                 eos_logit_bias=args.eos_ids, temperature=args.temperature,
+                                 include_usage=not args.no_usage)
+    tok_path = args.tokenizer or (model if os.path.isdir(model) else None)
+    tokenizer = load_tokenizer(tok_path)
+
+    run: dict[str, Any] = {
+        "label": args.label, "base_url": args.base_url, "model": model,
+        "endpoint": args.endpoint, "dataset": args.dataset, "tokenizer": tok_path,
+        "slo": args.slo_obj.to_dict() or None, "slo_target": args.slo_target,
+        "args": {k: v for k, v in vars(args).items() if k not in ("slo_obj", "rates")},
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(),
+                 "python": platform.python_version()},
+        "rates": [],
+    }
+    if args.num_warmup:
+        wcfg = _dataset_config(args, f"{args.seed}:warmup")
+        wcfg.num_prompts = args.num_warmup
+        warm = await warm_up(cfg, build_dataset(wcfg, tokenizer))
+        if not any(r.success for r in warm):
+            print(f"warning: all {len(warm)} warm-up requests failed: {warm[0].error}",
+                  file=sys.stderr)
+    for i, rate in enumerate(args.rates):
+        # Fresh prompts per rate so a server's prompt cache can't reuse an earlier rate's.
+        requests = build_dataset(_dataset_config(args, f"{args.seed}:{i}"), tokenizer)
+        res = await run_rate(cfg, rate, requests, random.Random(f"{args.seed}:arrivals:{i}"))
+        entry = rate_entry(rate, res.results, res.duration_s, args.slo_obj)
+        run["rates"].append(entry)
+        if not args.disable_tqdm:
+            print(f"rate {rate_name(rate)}: {entry['completed']} ok, {entry['errors']} errors, "
+                  f"{entry['request_throughput']:.2f} req/s", file=sys.stderr)
+    run["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return run
+
+
+def run_main(argv: list[str]) -> int:
+    parser = build_run_parser()
+    args = parser.parse_args(argv)
+    _validate(parser, args)
+    t0 = time.perf_counter()
+    run = asyncio.run(_run(args))
+    label = args.label or _default_label(run["model"])
+    run["label"] = label
+    os.makedirs(args.output_dir, exist_ok=True)
+    base = os.path.join(args.output_dir, label)
+    write_json(base + ".json", run)
+    write_csv(base + ".csv", run)
+    plots = plot_runs([run], args.output_dir, args.plot_stat, args.slo_obj, args.slo_target,
+                      prefix=label + "_")
+    print(format_table(run))
+    best = max_qps_meeting_slo(run["rates"], args.slo_target)
+    if args.slo_obj.is_set():
+        print("max rate meeting the SLO: " + (f"{best['request_rate']} "
+              f"({best['request_throughput']:.2f} req/s achieved)" if best else "none"))
+    print(f"wrote {base}.json, {base}.csv, {', '.join(plots)} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _default_label(model: str) -> str:
+    name = os.path.basename(os.path.normpath(model)) or "run"
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def plot_main(argv: list[str]) -> int:
+    parser = build_plot_parser()
+    args = parser.parse_args(argv)
+    try:
+        slo = parse_slo(args.slo) if args.slo else None
+        runs = [load_json(f) for f in args.files]
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    if slo is not None:
+        for run in runs:
+            run["rates"] = [resummarize(e, slo) for e in run["rates"]]
+    elif runs and all(r.get("slo") == runs[0].get("slo") for r in runs) and runs[0].get("slo"):
+        slo = SLO(**runs[0]["slo"])  # one common SLO: draw its lines
+    for run, path in zip(runs, args.files):
+        run["label"] = run.get("label") or os.path.splitext(os.path.basename(path))[0]
+    paths = plot_runs(runs, args.output_dir, args.stat, slo, args.slo_target)
+    for run in runs:
+        best = max_qps_meeting_slo(run["rates"], args.slo_target)
+        print(f"{run['label']}: max rate meeting SLO: "
+              + (f"{best['request_throughput']:.2f} req/s" if best else "none"))
+    print("wrote " + ", ".join(paths))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "plot":
+        return plot_main(argv[1:])
+    return run_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""What /v1/completions and /v1/chat/completions share: request checks, sampling parameters,
+merging the per-prompt engine streams, client-disconnect handling, usage and logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Request
+
+from bladellm.engine.errors import RequestFailedError
+from bladellm.entrypoints.openai.errors import APIError, bad_request, unsupported
+from bladellm.entrypoints.openai.protocol import (
+    ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptTokensDetails, SamplingRequest,
+    TopLogprob, UsageInfo)
+from bladellm.outputs import RequestOutput, TokenLogprob
+from bladellm.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+MAX_N = 128  # choices per request; more is almost surely a mistake and would flood the queue
+_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+              "repetition_penalty": 1.0}
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready; the request was aborted."""
+
+
+@dataclass
+class ServingContext:
+    """What a handler needs from the engine and the server config."""
+
+    engine: Any  # AsyncLLM or a test double with the same interface
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_engine(cls, engine: Any) -> "ServingContext":
+        info = engine.model_info
+        return cls(engine=engine, model_name=info.served_model_name,
+                   max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                   tokenizer=info.tokenizer,
+                   generation_defaults=dict(getattr(info, "generation_defaults", None) or {}))
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error",
+                           param="model", code="model_not_found")
+
+
+# ------------------------------------------------------------------------- request checking
+
+
+def reject_unsupported(req: SamplingRequest) -> None:
+    """400 for every field this server declares but cannot honour."""
+    if req.best_of is not None:
+        if req.best_of < req.n:
+            raise bad_request(f"best_of ({req.best_of}) must be >= n ({req.n})", "best_of")
+        if req.best_of > req.n:
+            raise unsupported("best_of", "best_of > n")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise unsupported("response_format", f"response_format of type "
+                                             f"'{req.response_format.type}'")
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "guided_decoding_backend", "guided_whitespace_pattern", "prompt_logprobs"):
+        if getattr(req, name) is not None:
+            raise unsupported(name)
+    if req.use_beam_search:
+        raise unsupported("use_beam_search", "beam search")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true",
+                          "stream_options")
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n: must be in [1, {MAX_N}], got {req.n}", "n")
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    for tok in ids:
+        if not 0 <= tok < vocab_size:
+            raise bad_request(f"{param}: token id {tok} is out of range [0, {vocab_size})", param)
+
+
+def build_sampling_params(req: SamplingRequest, ctx: ServingContext, *, max_tokens: int | None,
+                          logprobs: int | None) -> SamplingParams:
+    """SamplingParams from a request; unset fields take the model's generation_config values."""
+    values: dict[str, Any] = {}
+    for name in _DEFAULTABLE:
+        value = getattr(req, name)
+        if value is None:
+            value = ctx.generation_defaults.get(name, _FALLBACKS[name])
+        values[name] = value
+    if max_tokens is not None and max_tokens > ctx.max_model_len:
+        raise bad_request(f"max_tokens: {max_tokens} exceeds the model's context length "
+                          f"({ctx.max_model_len} tokens)", "max_tokens")
+    logit_bias = None
+    if req.logit_bias:
+        try:
+            logit_bias = {int(tok): float(bias) for tok, bias in req.logit_bias.items()}
+        except ValueError:
+            raise bad_request("logit_bias: keys must be token ids (integers as strings)",
+                              "logit_bias") from None
+        check_token_ids(list(logit_bias), ctx.vocab_size, "logit_bias")
+    if req.stop_token_ids:
+        check_token_ids(req.stop_token_ids, ctx.vocab_size, "stop_token_ids")
+    stop = [req.stop] if isinstance(req.stop, str) else req.stop
+    return SamplingParams(
+        n=req.n, max_tokens=max_tokens, stop=stop or None, seed=req.seed,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0, logit_bias=logit_bias,
+        ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids or None,
+        min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs, **values)
+
+
+# --------------------------------------------------------------------- streams and disconnects
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Yield ``(stream index, item)`` from several async iterators as items arrive.
+
+    An exception from any stream is re-raised here; closing this generator (or an error)
+    cancels and closes every stream, which aborts their requests in the engine.
+    """
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await _aclose(streams[0])
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, None, exc))
+        finally:
+            queue.put_nowait((i, done, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is done:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await _aclose(stream)
+
+
+async def _aclose(stream: Any) -> None:
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        try:
+            await close()
+        except RuntimeError:
+            pass  # still running in a task being cancelled; that task closes it
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(awaitable: Awaitable[T], request: Request) -> T:
+    """Await ``awaitable`` unless the client disconnects first; then cancel it (aborting its
+    engine requests) and raise ``ClientDisconnected``."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            if not watcher.done():
+                watcher.cancel()
+            raise ClientDisconnected()
+        watcher.cancel()
+    return work.result()
+
+
+def check_output(out: RequestOutput) -> None:
+    """Raise for a request the engine failed."""
+    if out.error is not None:
+        raise RequestFailedError(out.error)
+    for comp in out.outputs:
+        if comp.finish_reason == "error":
+            raise RequestFailedError(f"choice {comp.index} failed in the engine")
+
+
+# -------------------------------------------------------------------------- usage, logprobs
+
+
+@dataclass
+class UsageCounter:
+    """Prompt tokens counted once per prompt, completion tokens per generated token."""
+
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+
+    def add(self, stream: int, out: RequestOutput) -> None:
+        self.prompt_tokens[stream] = len(out.prompt_token_ids)
+        self.cached_tokens[stream] = max(out.num_cached_tokens,
+                                         self.cached_tokens.get(stream, 0))
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+                         total_tokens=prompt + self.completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(
+                             cached_tokens=sum(self.cached_tokens.values())))
+
+
+def _lp(value: float) -> float:
+    return max(value, _MIN_LOGPROB) if not math.isnan(value) else _MIN_LOGPROB
+
+
+def completion_logprobs(entries: list[list[TokenLogprob]], text_offset: int,
+                        into: CompletionLogprobs | None = None) -> CompletionLogprobs:
+    """OpenAI legacy-completions logprobs; ``text_offset`` is where the first token starts."""
+    into = into or CompletionLogprobs()
+    offset = text_offset
+    for token in entries:
+        sampled, top = token[0], token[1:]
+        into.tokens.append(sampled.decoded)
+        into.token_logprobs.append(_lp(sampled.logprob))
+        into.top_logprobs.append({t.decoded: _lp(t.logprob) for t in top} or None)
+        into.text_offset.append(offset)
+        offset += len(sampled.decoded)
+    return into
+
+
+def _top(t: TokenLogprob) -> TopLogprob:
+    return TopLogprob(token=t.decoded, logprob=_lp(t.logprob),
+                      bytes=list(t.decoded.encode("utf-8")))
+
+
+def chat_logprobs(entries: list[list[TokenLogprob]]) -> ChatLogprobs:
+    content = []
+    for token in entries:
+        sampled = _top(token[0])
+        content.append(ChatTokenLogprob(token=sampled.token, logprob=sampled.logprob,
+                                        bytes=sampled.bytes,
+                                        top_logprobs=[_top(t) for t in token[1:]]))
+    return ChatLogprobs(content=content)
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

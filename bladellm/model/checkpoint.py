@@ -1,0 +1,84 @@
+"""Resolve ``--model`` (a directory, a .gguf file, or 'demo') into config, dtype and loaders.
+
+Both processes resolve the model: the API process needs the tokenizer and limits
+(``model_info``), the engine core the weights (``load_model``). Nothing here is read from the
+environment: all comes from ``ModelConfig``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from bladellm.config import ModelConfig
+
+
+@dataclass
+class ResolvedModel:
+    model_config: ModelConfig
+    path: str  # model directory or .gguf file
+    hf_config: Any
+    dtype: torch.dtype
+    max_model_len: int
+    gguf: Any = None  # GGUFCheckpoint when serving a .gguf file
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or ["?"])[0]
+
+    def load_model(self, device: torch.device, attn_backend: Any) -> nn.Module:
+        from bladellm.model.loader import build_model, load_model
+
+        if self.gguf is None:
+            return load_model(self.model_config, self.hf_config, self.dtype, device, attn_backend)
+        model = build_model(self.hf_config, self.dtype, device, attn_backend)
+        model.load_weights(self.gguf.iter_hf_weights(self.dtype))
+        return model
+
+    def model_info(self):
+        from bladellm.engine.model_info import load_model_info
+
+        cfg = self.model_config
+        name = cfg.served_model_name or _default_name(cfg.model, self.path)
+        if self.gguf is None:
+            return load_model_info(self.path, cfg.tokenizer, cfg.trust_remote_code,
+                                   self.max_model_len, self.hf_config, name)
+        return load_model_info(self.path, cfg.tokenizer, cfg.trust_remote_code,
+                               self.max_model_len, self.hf_config, name,
+                               tokenizer=self.gguf.load_tokenizer())
+
+
+def _default_name(model: str, path: str) -> str:
+    if model == "demo":
+        return "SmolLM2-135M-Instruct"
+    base = os.path.basename(os.path.normpath(path))
+    return base[:-5] if base.endswith(".gguf") else base
+
+
+def resolve_model(model_config: ModelConfig) -> ResolvedModel:
+    """Find the checkpoint and read its config (cheap); weights are read by ``load_model``."""
+    from bladellm.model.demo import resolve_model_path
+    from bladellm.model.loader import load_hf_config, resolve_dtype
+
+    path = resolve_model_path(model_config.model)
+    is_gguf = model_config.load_format == "gguf" or path.endswith(".gguf")
+    gguf = None
+    if is_gguf:
+        from bladellm.model.gguf import GGUFCheckpoint
+
+        gguf = GGUFCheckpoint(path)
+        hf_config = gguf.hf_config()
+    else:
+        hf_config = load_hf_config(path, model_config.trust_remote_code)
+    dtype = resolve_dtype(hf_config, model_config.dtype)
+    max_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if model_config.max_model_len is not None:
+        if model_config.max_model_len > max_len:
+            raise ValueError(f"--max_model_len: {model_config.max_model_len} exceeds the "
+                             f"model's context length ({max_len})")
+        max_len = model_config.max_model_len
+    return ResolvedModel(model_config, path, hf_config, dtype, max_len, gguf)

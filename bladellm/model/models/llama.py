@@ -1,0 +1,168 @@
+"""Llama (and Mistral, which has the same layout) for causal LM."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from bladellm.attention.backend import AttentionBackend, AttentionContext
+from bladellm.model.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead,
+                                   QKVParallelLinear, RMSNorm, RotaryEmbedding,
+                                   RowParallelLinear, SiluAndMul, VocabParallelEmbedding, get_rope)
+from bladellm.model.utils import LLAMA_STACKED_PARAMS, KVCacheSpec, load_weights_with_mapping
+
+
+def get_head_dim(hf_config: Any) -> int:
+    """Explicit ``head_dim`` wins: it may differ from hidden_size / num_attention_heads."""
+    return getattr(hf_config, "head_dim", None) or \
+        hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool,
+                 dtype: torch.dtype, quant_config: Any, prefix: str) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; only silu is supported")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, params_dtype=dtype,
+            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, params_dtype=dtype,
+            quant_config=quant_config, prefix=f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config: Any, layer_idx: int, rotary_emb: RotaryEmbedding,
+                 attn_backend: AttentionBackend, dtype: torch.dtype, quant_config: Any,
+                 prefix: str, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.head_dim = get_head_dim(hf_config)
+        self.qkv_proj = QKVParallelLinear(
+            hf_config.hidden_size, self.head_dim, hf_config.num_attention_heads,
+            hf_config.num_key_value_heads, bias=qkv_bias, params_dtype=dtype,
+            quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(
+            hf_config.num_attention_heads * self.head_dim, hf_config.hidden_size, bias=o_bias,
+            params_dtype=dtype, quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+                              self.num_kv_heads, layer_idx, attn_backend)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                attn_ctx: AttentionContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn_ctx))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, self_attn: nn.Module, hf_config: Any, dtype: torch.dtype,
+                 quant_config: Any, prefix: str) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
+                            hf_config.hidden_act, getattr(hf_config, "mlp_bias", False), dtype,
+                            quant_config, f"{prefix}.mlp")
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype=dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None,
+                attn_ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn_ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder stack and final norm; ``make_attn(layer_idx, prefix)`` builds each
+    layer's self-attention so Qwen variants can swap only that part."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, quant_config: Any, prefix: str,
+                 make_attn: Any) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
+                                                   params_dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(make_attn(i, f"{prefix}.layers.{i}.self_attn"), hf_config, dtype,
+                              quant_config, f"{prefix}.layers.{i}")
+            for i in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_ctx: AttentionContext) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, attn_ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    stacked_params = LLAMA_STACKED_PARAMS
+
+    def attention_biases(self, hf_config: Any) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o_proj); Qwen2 overrides it."""
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return bias, bias
+
+    def make_attention(self, layer_idx: int, prefix: str) -> nn.Module:
+        qkv_bias, o_bias = self.attention_biases(self.hf_config)
+        return LlamaAttention(self.hf_config, layer_idx, self.rotary_emb, self.attn_backend,
+                              self.dtype, self.quant_config, prefix, qkv_bias, o_bias)
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
+                 quant_config: Any = None, prefix: str = "") -> None:
+        super().__init__()
+        self.hf_config, self.dtype, self.quant_config = hf_config, dtype, quant_config
+        self.attn_backend = attn_backend
+        self.head_dim = get_head_dim(hf_config)
+        self.num_layers = hf_config.num_hidden_layers
+        self.rotary_emb = get_rope(hf_config, self.head_dim, dtype)
+        model_prefix = f"{prefix}.model" if prefix else "model"
+        self.model = LlamaModel(hf_config, dtype, quant_config, model_prefix, self.make_attention)
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                      params_dtype=dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_ctx: AttentionContext) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # Tied checkpoints sometimes also store lm_head.weight: it is the embedding, skip it.
+        skip_lm_head = self.tie_word_embeddings
+        return load_weights_with_mapping(
+            self, weights, self.stacked_params,
+            skip=lambda name: skip_lm_head and name.startswith("lm_head."))
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Same weights and math as Llama; sliding windows are checked by the loader."""
+
+
+__all__ = ["LlamaForCausalLM", "MistralForCausalLM"]

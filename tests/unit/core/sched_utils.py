@@ -1,0 +1,138 @@
+"""Helpers for scheduler tests: request/scheduler factories and a fake model runner.
+
+``FakeRunner`` plays the worker's side of the contract: it applies ``SchedulerOutput`` diffs to
+its own copy of each request (tokens, block table), checks them against the scheduler's view,
+and keeps a fake KV store (block -> slot -> (position, token)) so that every read of a cached or
+computed prefix is checked against what was actually written there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bladellm.config import CacheConfig, SchedulerConfig
+from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from bladellm.core.scheduler import Scheduler
+from bladellm.request import Request
+from bladellm.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make_request(req_id: str, prompt: list[int] | int, *, max_tokens: int | None = 8,
+                 eos: tuple[int, ...] = (EOS,), salt: str | None = None,
+                 arrival_time: float | None = 0.0, max_model_len: int | None = None,
+                 **params) -> Request:
+    if isinstance(prompt, int):
+        prompt = [10 + i for i in range(prompt)]
+    sp = SamplingParams(max_tokens=max_tokens, **params)
+    return Request(req_id, prompt, sp, eos_token_ids=eos, max_model_len=max_model_len,
+                   arrival_time=arrival_time, cache_salt=salt)
+
+
+def make_scheduler(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16,
+                   max_num_batched_tokens: int = 64, max_model_len: int = 64,
+                   disable_prompt_cache: bool = False, max_queue_time: float | None = None,
+                   clock: Callable[[], float] | None = None) -> Scheduler:
+    sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens,
+                                max_queue_time=max_queue_time)
+    cache_cfg = CacheConfig(block_size=block_size, disable_prompt_cache=disable_prompt_cache)
+    kwargs = {"clock": clock} if clock is not None else {}
+    return Scheduler(sched_cfg, cache_cfg, num_blocks, max_model_len, **kwargs)
+
+
+@dataclass
+class _RunnerState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class FakeRunner:
+    scheduler: Scheduler
+    # Scripted tokens per request (consumed in order); otherwise ``default_token``.
+    scripted: dict[str, list[int]] = field(default_factory=dict)
+    default_token: int = 7
+    states: dict[str, _RunnerState] = field(default_factory=dict)
+    kv: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+
+    def execute(self, so: SchedulerOutput, *, tokens_per_step: int = 1,
+                errored: dict[str, str] | None = None,
+                logprobs: bool = False) -> ModelRunnerOutput:
+        sched = self.scheduler
+        bs = sched.block_size
+        pool = sched.kv_cache_manager.pool
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.states.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.states, "new request the runner already holds"
+            self.states[new.req_id] = _RunnerState(list(new.token_ids), list(new.block_ids),
+                                                   new.num_computed_tokens)
+        for diff in so.scheduled_cached_reqs:
+            state = self.states[diff.req_id]
+            state.token_ids.extend(diff.new_token_ids)
+            state.block_ids.extend(diff.new_block_ids)
+            assert state.num_computed_tokens == diff.num_computed_tokens
+        assert set(so.num_scheduled_tokens) == (
+            {n.req_id for n in so.scheduled_new_reqs} | {c.req_id for c in so.scheduled_cached_reqs})
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        assert so.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
+        assert len(so.num_scheduled_tokens) <= sched.config.max_num_seqs
+
+        req_ids, sampled, lps = [], [], {}
+        for req_id, num in so.num_scheduled_tokens.items():
+            state = self.states[req_id]
+            req = sched.requests[req_id]
+            assert state.token_ids == req.all_token_ids, "runner's tokens diverged"
+            assert state.block_ids == sched.kv_cache_manager.get_block_ids(req_id)
+            assert 0 not in state.block_ids
+            start, end = state.num_computed_tokens, state.num_computed_tokens + num
+            assert num >= 1 and end <= len(state.token_ids)
+            assert len(state.block_ids) * bs >= end
+            for pos in range(start):  # reads: cached / computed prefix holds our tokens
+                slot = self.kv.get(state.block_ids[pos // bs], {}).get(pos % bs)
+                assert slot == (pos, state.token_ids[pos]), f"{req_id} reads bad KV at {pos}"
+            for pos in range(start, end):  # writes: only into blocks we alone hold, unshared
+                block = state.block_ids[pos // bs]
+                assert pool.ref_cnt[block] == 1 and pool.block_hash[block] is None, \
+                    f"{req_id} writes into shared block {block}"
+                self.kv.setdefault(block, {})[pos % bs] = (pos, state.token_ids[pos])
+            state.num_computed_tokens = end
+            req_ids.append(req_id)
+            if end == len(state.token_ids):
+                script = self.scripted.get(req_id)
+                toks = [script.pop(0) if script else self.default_token
+                        for _ in range(tokens_per_step)]
+                sampled.append(toks)
+                if logprobs:
+                    lps[req_id] = SampleLogprobs(token_ids=[[t, t] for t in toks],
+                                                 logprobs=[[-0.5, -0.5] for _ in toks],
+                                                 ranks=[1 for _ in toks])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=lps,
+                                 errored=dict(errored or {}))
+
+
+def step(sched: Scheduler, runner: FakeRunner, **kwargs):
+    """One engine step: schedule, execute, update, check invariants."""
+    so = sched.schedule()
+    outs = sched.update_from_output(so, runner.execute(so, **kwargs))
+    sched.check_invariants()
+    return so, outs
+
+
+def run_to_completion(sched: Scheduler, runner: FakeRunner, max_steps: int = 1000):
+    """Step until nothing is left; returns {req_id: (all new tokens, last output)}."""
+    results: dict[str, tuple[list[int], object]] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return results
+        _, outs = step(sched, runner)
+        for o in outs:
+            toks, _ = results.get(o.request_id, ([], None))
+            results[o.request_id] = (toks + o.new_token_ids, o)
+    raise AssertionError("requests did not finish: scheduler made no progress")
