@@ -47,10 +47,10 @@ class TorchAttentionBackend(AttentionBackend):
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         max_len = max(metadata.seq_lens_cpu[:nd])
         num_blocks = -(-max_len // block_size)  # gather only the blocks the longest one needs
-        tables = metadata.block_tables[:nd, :num_blocks]
+        blocks = metadata.block_tables[:nd, :num_blocks].reshape(-1)
         length = num_blocks * block_size
-        k = k_cache[tables].view(nd, length, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_cache[tables].view(nd, length, num_kv_heads, head_dim).transpose(1, 2)
+        k = _gather(k_cache, blocks).view(nd, length, num_kv_heads, head_dim).transpose(1, 2)
+        v = _gather(v_cache, blocks).view(nd, length, num_kv_heads, head_dim).transpose(1, 2)
         # A single query needs no causal mask, so the query heads sharing a KV head can ride
         # in the "query length" axis: [B, kvh, group, d] against [B, kvh, L, d], no K/V expand.
         group = q.shape[1] // num_kv_heads
@@ -75,14 +75,19 @@ class TorchAttentionBackend(AttentionBackend):
             return out.transpose(0, 1)
         block_size = k_cache.shape[1]
         table = block_table[:-(-seq_len // block_size)]
-        k = k_cache[table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        v = v_cache[table].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        k = _gather(k_cache, table).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        v = _gather(v_cache, table).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
         offset = seq_len - query_len
         rows = torch.arange(query_len, device=q.device)[:, None] + offset
         mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
         out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale,
                                              enable_gqa=gqa)
         return out.transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    # index_select copies whole blocks; several times faster on CPU than advanced indexing.
+    return cache.index_select(0, blocks)
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -73,7 +73,9 @@ class PromptMaker:
         if tokenizer is not None:
             special = set(getattr(tokenizer, "all_special_ids", []) or [])
             size = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size
-            self._vocab_ids = [i for i in range(size) if i not in special]
+            # Skip partial-UTF-8 byte tokens: they decode to U+FFFD, which re-encodes longer.
+            self._vocab_ids = [i for i in range(size) if i not in special
+                               and "\ufffd" not in tokenizer.decode([i])]
 
     def make(self, num_tokens: int) -> tuple[str, int]:
         """Return (text, its token count)."""

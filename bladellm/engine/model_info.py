@@ -42,17 +42,24 @@ class ModelInfo:
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     hf_config: Any = None
 
+    @property
+    def generation_defaults(self) -> dict[str, float | int]:
+        """Alias of ``sampling_defaults`` (the name some callers use)."""
+        return self.sampling_defaults
+
 
 def load_model_info(model_dir: str, tokenizer_dir: str | None = None,
                     trust_remote_code: bool = False, max_model_len: int | None = None,
-                    hf_config: Any = None, served_model_name: str | None = None) -> ModelInfo:
+                    hf_config: Any = None, served_model_name: str | None = None,
+                    tokenizer: Any = None) -> ModelInfo:
     """Load the tokenizer and the serving-relevant facts of ``model_dir``.
 
-    ``hf_config`` may be passed when the caller already loaded it. A ``max_model_len`` above
-    the model's own context length raises ``ValueError`` (naming ``--max_model_len``).
+    ``hf_config`` and ``tokenizer`` may be passed when the caller already loaded them (a GGUF
+    file carries its own tokenizer). A ``max_model_len`` above the model's own context length
+    raises ``ValueError`` (naming ``--max_model_len``).
     """
-    tokenizer_dir = tokenizer_dir or model_dir
-    tokenizer = _load_tokenizer(tokenizer_dir, trust_remote_code)
+    if tokenizer is None:
+        tokenizer = _load_tokenizer(tokenizer_dir or model_dir, trust_remote_code)
     if hf_config is None:
         hf_config = _load_hf_config(model_dir, trust_remote_code)
     gen_config = _read_generation_config(model_dir)

@@ -7,6 +7,7 @@ environment: all comes from ``ModelConfig``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,8 @@ class ResolvedModel:
         from bladellm.model.loader import build_model, load_model
 
         if self.gguf is None:
-            return load_model(self.model_config, self.hf_config, self.dtype, device, attn_backend)
+            cfg = dataclasses.replace(self.model_config, model=self.path)  # resolved path
+            return load_model(cfg, self.hf_config, self.dtype, device, attn_backend)
         model = build_model(self.hf_config, self.dtype, device, attn_backend)
         model.load_weights(self.gguf.iter_hf_weights(self.dtype))
         return model

@@ -1,8 +1,8 @@
 """The sampler's steps as plain PyTorch functions on [R, V] float32 logits.
 
 Every ``apply_*`` function may modify ``logits`` in place and returns the result; the sampler hands
-them a private copy. None of them synchronises with the device: no ``.item()``, no data-dependent
-shapes (except ``apply_top_k_only``'s ``k.max()``, see there).
+them a private copy. None of them synchronises with the device (no ``.item()``, no data-dependent
+shapes) except top-k, which reads ``max k`` to size a ``topk`` instead of sorting the vocabulary.
 """
 
 from __future__ import annotations
@@ -128,15 +128,20 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
 
     Top-p keeps the smallest set of most likely tokens whose probability (renormalised after
     top-k) reaches ``p``: a token is dropped when the tokens more likely than it already hold
-    ``p`` or more. The most likely token is always kept.
+    ``p`` or more. The most likely token is always kept. When every row has a small top-k, only
+    the ``max k`` candidates are sorted (``topk``) instead of the whole vocabulary.
     """
     if p is None:
         return logits if k is None else apply_top_k_only(logits, k)
     vocab_size = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
     if k is not None:
         k = k.to(torch.int64)
         k = torch.where((k <= 0) | (k > vocab_size), vocab_size, k)
+        max_k = int(k.max())  # host sync, as in apply_top_k_only
+        if max_k * _PARTIAL_SORT_RATIO <= vocab_size:
+            return _top_k_top_p_candidates(logits, k, p, max_k)
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if k is not None:
         kth = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
         sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
     probs = sorted_logits.softmax(dim=-1)
@@ -145,6 +150,23 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None,
     drop[:, -1] = False
     sorted_logits.masked_fill_(drop, _NEG_INF)
     return logits.scatter_(1, order, sorted_logits)
+
+
+# Sort only the top max-k candidates when max k is at most V / this.
+_PARTIAL_SORT_RATIO = 8
+
+
+def _top_k_top_p_candidates(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor,
+                            max_k: int) -> torch.Tensor:
+    """``apply_top_k_top_p`` on the ``max_k`` most likely tokens of each row (descending)."""
+    values, ids = logits.topk(max_k, dim=-1)
+    kth = values.gather(1, (k - 1).unsqueeze(1))
+    values.masked_fill_(values < kth, _NEG_INF)
+    probs = values.softmax(dim=-1)
+    # Descending order: mass of the tokens strictly more likely than token j.
+    mass_before = probs.cumsum(dim=-1) - probs
+    values.masked_fill_(mass_before >= p.to(probs.dtype).unsqueeze(1), _NEG_INF)
+    return torch.full_like(logits, _NEG_INF).scatter_(1, ids, values)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

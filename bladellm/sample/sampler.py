@@ -74,7 +74,11 @@ class Sampler(nn.Module):
     def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.temperature is not None:
             logits = ops.apply_temperature(logits, md.temperature, GREEDY_TEMPERATURE)
-        logits = ops.apply_top_k_top_p(logits, md.top_k, md.top_p)
+        top_k = md.top_k
+        if top_k is not None and not md.all_random and md.temperature is not None:
+            # Greedy rows' k is irrelevant; 1 keeps a greedy row's "off" from forcing a full sort.
+            top_k = torch.where(md.temperature < GREEDY_TEMPERATURE, 1, top_k)
+        logits = ops.apply_top_k_top_p(logits, top_k, md.top_p)
         if md.min_p is not None:
             logits = ops.apply_min_p(logits, md.min_p)
         return ops.random_sample(logits.softmax(dim=-1), md.generators)

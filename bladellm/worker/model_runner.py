@@ -104,12 +104,17 @@ class ModelRunner:
                 ) -> tuple[dict[str, list[int]], dict[str, SampleLogprobs]]:
         states = [self.states.states[r] for r in inputs.sample_req_ids]
         params = [s.sampling_params for s in states]
-        generators = {i: step_generator(p.seed, len(s.output_token_ids))
+        generators = {i: step_generator(p.seed, s.num_output_tokens)
                       for i, (s, p) in enumerate(zip(states, params)) if p.seed is not None}
+        # Token lists are copied per step only for rows whose penalties read them.
+        rep = [p.repetition_penalty != 1.0 for p in params]
+        out_pen = [r or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                   for r, p in zip(rep, params)]
         metadata = SamplingMetadata.from_params(
             params,
-            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
+            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] if r else []
+                              for s, r in zip(states, rep)],
+            output_token_ids=[s.output_token_ids if o else [] for s, o in zip(states, out_pen)],
             eos_token_ids=[s.eos_token_ids for s in states],
             generators=generators, device=self.device)
         out = self.sampler(logits, metadata)

@@ -21,6 +21,7 @@ from typing import Any
 from bladellm.config import EngineConfig
 from bladellm.entrypoints.openai.config import ServerConfig
 
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
 _SEP = "__"  # argparse dest = f"{section}{_SEP}{field}"; "" section = EngineConfig's own fields
 
 
@@ -70,7 +71,7 @@ def _flag_kwargs(f: dataclasses.Field, tp: Any) -> dict[str, Any]:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["action"] = "store_true"
-        kwargs["help"] = _escape(help_text)
+        kwargs["help"] = _escape(f"{help_text} (default: {default})")
         return kwargs
     origin = typing.get_origin(base)
     if origin in (list, tuple):
@@ -93,9 +94,8 @@ def _flag_kwargs(f: dataclasses.Field, tp: Any) -> dict[str, Any]:
         raise TypeError(f"unsupported type {tp!r} for a CLI flag (field {f.name})")
     if "choices" in f.metadata:
         kwargs["choices"] = list(f.metadata["choices"])
-    metavar = base.__name__.upper() if isinstance(base, type) else None
-    if metavar and "choices" not in kwargs:
-        kwargs["metavar"] = metavar
+    if "choices" not in kwargs:
+        kwargs["metavar"] = _METAVARS.get(kwargs["type"], "VALUE")
     kwargs["help"] = _escape(f"{help_text} (default: {shown})")
     return kwargs
 

@@ -89,8 +89,14 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> APIError:
         return bad_request("Invalid request")
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    is_union = any(_is_type_tag(p) for p in loc)
+    if is_union:  # pydantic tags union members in the location ("prompt", "list[int]", 0)
+        loc = loc[:next(i for i, p in enumerate(loc) if _is_type_tag(p))]
     param = ".".join(loc) or None
     kind = first.get("type", "")
+    if is_union and param:
+        return bad_request(f"{param}: invalid type or value ({first.get('msg', '')})",
+                           param=param, code="invalid_type")
     if kind == "json_invalid":
         return bad_request(f"The request body is not valid JSON: {first.get('msg', '')}",
                            code="invalid_json")
@@ -106,6 +112,10 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> APIError:
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return bad_request(f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param,
                        code="invalid_value")
+
+
+def _is_type_tag(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")
 
 
 def install_handlers(app: FastAPI) -> None:

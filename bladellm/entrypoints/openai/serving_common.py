@@ -45,10 +45,11 @@ class ServingContext:
     @classmethod
     def from_engine(cls, engine: Any) -> "ServingContext":
         info = engine.model_info
+        defaults = (getattr(info, "sampling_defaults", None)
+                    or getattr(info, "generation_defaults", None) or {})
         return cls(engine=engine, model_name=info.served_model_name,
                    max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-                   tokenizer=info.tokenizer,
-                   generation_defaults=dict(getattr(info, "generation_defaults", None) or {}))
+                   tokenizer=info.tokenizer, generation_defaults=dict(defaults))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -128,14 +129,11 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
 
     An exception from any stream is re-raised here; closing this generator (or an error)
     cancels and closes every stream, which aborts their requests in the engine.
+
+    Each stream is consumed in its own task, even when there is only one: Starlette cancels a
+    streaming response through an anyio cancel scope, which re-cancels every ``await`` of the
+    cancelled task, so an engine generator's cleanup (the abort) must not run in that task.
     """
-    if len(streams) == 1:
-        try:
-            async for item in streams[0]:
-                yield 0, item
-        finally:
-            await _aclose(streams[0])
-        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
@@ -162,7 +160,9 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Not gather(): if this wait is itself cancelled, gather would cancel the tasks again,
+        # possibly in the middle of their streams' cleanup.
+        await asyncio.wait(tasks)
         for stream in streams:
             await _aclose(stream)
 
@@ -190,15 +190,17 @@ async def until_disconnect(awaitable: Awaitable[T], request: Request) -> T:
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            if not watcher.done():
-                watcher.cancel()
-            raise ClientDisconnected()
+    except BaseException:  # this handler itself was cancelled (e.g. shutdown timeout)
+        work.cancel()
         watcher.cancel()
-    return work.result()
+        await asyncio.gather(work, watcher, return_exceptions=True)
+        raise
+    watcher.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    raise ClientDisconnected()
 
 
 def check_output(out: RequestOutput) -> None:

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bladellm.model.utils import copy_checked, get_tp_rank_and_size, set_weight_attrs, tp_all_gather, tp_all_reduce
+from bladellm.model.utils import (copy_checked, get_tp_rank_and_size, set_weight_attrs,
+                                  tp_all_gather, tp_all_reduce)
 
 
 class LinearMethodBase(ABC):

@@ -23,7 +23,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``forward(x)`` -> normed; ``forward(x, residual)`` -> (norm(x + residual), x + residual)."""
+        """``forward(x)`` -> normed x; ``forward(x, residual)`` -> (norm(x + residual),
+        x + residual), the decoder layer's add-then-norm in one call."""
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -76,7 +76,8 @@ def _yarn_inv_freq(p: dict[str, Any], dim: int, max_position: int) -> tuple[torc
     if attention_factor is None:
         mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
         if mscale and mscale_all_dim:
-            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+            attention_factor = float(get_mscale(factor, mscale)
+                                     / get_mscale(factor, mscale_all_dim))
         else:
             attention_factor = get_mscale(factor)
     beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1

@@ -116,16 +116,6 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     stacked_params = LLAMA_STACKED_PARAMS
 
-    def attention_biases(self, hf_config: Any) -> tuple[bool, bool]:
-        """(bias on q/k/v, bias on o_proj); Qwen2 overrides it."""
-        bias = bool(getattr(hf_config, "attention_bias", False))
-        return bias, bias
-
-    def make_attention(self, layer_idx: int, prefix: str) -> nn.Module:
-        qkv_bias, o_bias = self.attention_biases(self.hf_config)
-        return LlamaAttention(self.hf_config, layer_idx, self.rotary_emb, self.attn_backend,
-                              self.dtype, self.quant_config, prefix, qkv_bias, o_bias)
-
     def __init__(self, hf_config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  quant_config: Any = None, prefix: str = "") -> None:
         super().__init__()
@@ -142,6 +132,16 @@ class LlamaForCausalLM(nn.Module):
                                       params_dtype=dtype)
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    def attention_biases(self, hf_config: Any) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o_proj); Qwen2 overrides it."""
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return bias, bias
+
+    def make_attention(self, layer_idx: int, prefix: str) -> nn.Module:
+        qkv_bias, o_bias = self.attention_biases(self.hf_config)
+        return LlamaAttention(self.hf_config, layer_idx, self.rotary_emb, self.attn_backend,
+                              self.dtype, self.quant_config, prefix, qkv_bias, o_bias)
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim)

@@ -2,7 +2,7 @@
 
 ``FakeRunner`` plays the worker's side of the contract: it applies ``SchedulerOutput`` diffs to
 its own copy of each request (tokens, block table), checks them against the scheduler's view,
-and keeps a fake KV store (block -> slot -> (position, token)) so that every read of a cached or
+and keeps a fake KV store (block -> slot -> (position, token, salt)) so that every read of a cached or
 computed prefix is checked against what was actually written there.
 """
 
@@ -56,8 +56,10 @@ class FakeRunner:
     # Scripted tokens per request (consumed in order); otherwise ``default_token``.
     scripted: dict[str, list[int]] = field(default_factory=dict)
     default_token: int = 7
+    sampler: Callable[[str], int] | None = None  # req_id -> token, when not scripted
     states: dict[str, _RunnerState] = field(default_factory=dict)
-    kv: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    # block -> slot -> (position, token, cache salt): what a real KV depends on, in miniature.
+    kv: dict[int, dict[int, tuple]] = field(default_factory=dict)
 
     def execute(self, so: SchedulerOutput, *, tokens_per_step: int = 1,
                 errored: dict[str, str] | None = None,
@@ -94,17 +96,19 @@ class FakeRunner:
             assert len(state.block_ids) * bs >= end
             for pos in range(start):  # reads: cached / computed prefix holds our tokens
                 slot = self.kv.get(state.block_ids[pos // bs], {}).get(pos % bs)
-                assert slot == (pos, state.token_ids[pos]), f"{req_id} reads bad KV at {pos}"
+                assert slot == (pos, state.token_ids[pos], req.cache_salt), \
+                    f"{req_id} reads bad KV at {pos}"
             for pos in range(start, end):  # writes: only into blocks we alone hold, unshared
                 block = state.block_ids[pos // bs]
                 assert pool.ref_cnt[block] == 1 and pool.block_hash[block] is None, \
                     f"{req_id} writes into shared block {block}"
-                self.kv.setdefault(block, {})[pos % bs] = (pos, state.token_ids[pos])
+                self.kv.setdefault(block, {})[pos % bs] = (pos, state.token_ids[pos], req.cache_salt)
             state.num_computed_tokens = end
             req_ids.append(req_id)
             if end == len(state.token_ids):
                 script = self.scripted.get(req_id)
-                toks = [script.pop(0) if script else self.default_token
+                toks = [script.pop(0) if script else
+                        self.sampler(req_id) if self.sampler else self.default_token
                         for _ in range(tokens_per_step)]
                 sampled.append(toks)
                 if logprobs:

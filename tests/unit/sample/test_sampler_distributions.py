@@ -12,6 +12,7 @@ import pytest
 import torch
 from sample_helpers import build_md, empirical, reference_distribution, total_variation
 
+from bladellm.sample import ops
 from bladellm.sample.sampler import Sampler
 from bladellm.sampling_params import SamplingParams
 
@@ -103,12 +104,26 @@ def test_rows_with_different_params_in_one_batch():
 
 
 def test_large_vocab_top_k_top_p_against_reference():
-    """A realistic row (V = 512, random logits) through the sort path and the top-k-only path."""
+    """A realistic row (V = 256, random logits) through the top-k-only and candidate paths."""
     rng = np.random.default_rng(0)
-    logits = rng.normal(scale=2.0, size=512)
+    logits = rng.normal(scale=2.0, size=256)
     for params, kwargs in [(SamplingParams(top_k=20), dict(top_k=20)),
-                           (SamplingParams(top_k=50, top_p=0.5), dict(top_k=50, top_p=0.5))]:
+                           (SamplingParams(top_k=30, top_p=0.5), dict(top_k=30, top_p=0.5))]:
         emp = draw(params, logits=logits, n=20_000)
         right = reference_distribution(logits, **kwargs)
         assert np.all(emp[right == 0] == 0)
         assert total_variation(emp, right) < 0.04
+
+
+def test_candidate_top_k_top_p_equals_full_sort(monkeypatch):
+    """The topk(max k) shortcut keeps exactly the tokens (and logits) the full sort keeps."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 4096, generator=g) * 2
+    k = torch.tensor([1, 5, 40, 64, 64, 17])
+    p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.3, 0.8])
+    fast = ops.apply_top_k_top_p(logits.clone(), k, p)
+    monkeypatch.setattr(ops, "_PARTIAL_SORT_RATIO", 10**9)
+    full = ops.apply_top_k_top_p(logits.clone(), k, p)
+    assert torch.equal(fast.isfinite(), full.isfinite())
+    assert torch.equal(fast[fast.isfinite()], logits[fast.isfinite()])
+    assert fast.isfinite().sum(-1)[1] == 5 and fast.isfinite().sum(-1)[0] == 1

@@ -1,0 +1,279 @@
+"""The FastAPI app (``build_app``) and the process around it (``run_server``).
+
+``run_server`` starts the engine, then uvicorn on a socket it binds itself (so ``--port 0``
+works and the ready line names the real port). SIGINT/SIGTERM stop accepting connections, give
+in-flight requests ``--shutdown_timeout`` seconds, abort the rest, then shut the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import signal
+import socket
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from bladellm.config import EngineConfig
+from bladellm.engine.errors import EngineDeadError
+from bladellm.entrypoints.openai.config import ServerConfig
+from bladellm.entrypoints.openai.errors import APIError, from_exception, install_handlers
+from bladellm.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatLogger
+from bladellm.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, ModelCard, ModelList)
+from bladellm.entrypoints.openai.serving_chat import create_chat_completion
+from bladellm.entrypoints.openai.serving_common import ClientDisconnected, ServingContext
+from bladellm.entrypoints.openai.serving_completion import create_completion
+
+logger = logging.getLogger("bladellm.server")
+
+
+def server_version() -> str:
+    import bladellm
+
+    version = getattr(bladellm, "__version__", None)
+    if version:
+        return str(version)
+    try:
+        from importlib.metadata import version as dist_version
+
+        return dist_version("bladellm")
+    except Exception:  # noqa: BLE001 - not installed: running from a checkout
+        return "0+unknown"
+
+
+# ------------------------------------------------------------------------------ middleware
+
+
+class RequestTooLarge(Exception):
+    pass
+
+
+def too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"Request body is larger than the {max_bytes}-byte limit.",
+                    "invalid_request_error", code="request_too_large")
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over the limit, by Content-Length up front or by counting chunks."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _reject(self) -> APIError:
+        return too_large(self.max_bytes)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    too_large = int(value) > self.max_bytes
+                except ValueError:
+                    too_large = False
+                if too_large:
+                    await self._reject().response()(scope, receive, send)
+                    return
+        seen = 0
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise RequestTooLarge()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _api_key_check(api_key: str | None):
+    expected = hashlib.sha256(f"Bearer {api_key}".encode()).digest() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        got = hashlib.sha256(request.headers.get("authorization", "").encode()).digest()
+        if not hmac.compare_digest(got, expected):  # constant time; lengths hidden by hashing
+            raise APIError(401, "Incorrect or missing API key; send 'Authorization: Bearer "
+                                "<key>'.", "invalid_request_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+# ----------------------------------------------------------------------------------- routes
+
+
+def build_app(engine: Any, server_config: ServerConfig,
+              metrics: PrometheusStatLogger | None = None) -> FastAPI:
+    """The HTTP app around a started engine (``AsyncLLM`` or a test double)."""
+    app = FastAPI(title="BladeLLM", version=server_version(), root_path=server_config.root_path)
+    app.state.retry_after = server_config.retry_after
+    app.state.engine = engine
+    app.state.metrics = metrics = metrics or PrometheusStatLogger()
+    ctx = ServingContext.from_engine(engine)
+    created = int(time.time())
+    retry_after = server_config.retry_after
+    install_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_body_bytes)
+
+    v1 = APIRouter(dependencies=[Depends(_api_key_check(server_config.api_key))])
+
+    async def serve(request: Request, model_cls: type, handler: Any) -> Response:
+        try:
+            if engine.is_dead:
+                raise EngineDeadError(engine.dead_reason or "the engine died")
+            req = model_cls.model_validate_json(await request.body())
+            return await handler(req, request, ctx)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except RequestTooLarge:
+            return too_large(server_config.max_body_bytes).response()
+        except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error body
+            return from_exception(exc, retry_after).response()
+
+    @v1.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, CompletionRequest, create_completion)
+
+    @v1.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, ChatCompletionRequest, create_chat_completion)
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=ctx.model_name, created=created, max_model_len=ctx.max_model_len)
+
+    @v1.get("/v1/models")
+    async def list_models() -> Response:
+        return Response(ModelList(data=[model_card()]).model_dump_json(),
+                        media_type="application/json")
+
+    @v1.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        ctx.check_model(model_id)
+        return Response(model_card().model_dump_json(), media_type="application/json")
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            if engine.is_dead:
+                raise EngineDeadError(engine.dead_reason or "the engine died")
+            await engine.check_health()
+        except EngineDeadError as exc:
+            return from_exception(exc, retry_after).response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": server_version()})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        stats = engine.get_scheduler_stats()
+        if stats is not None:
+            metrics.update_gauges(stats)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+# ------------------------------------------------------------------------------- the process
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, model_name: str) -> None:
+        super().__init__(config)
+        self.model_name = model_name
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and sockets:
+            host, port = sockets[0].getsockname()[:2]
+            host = f"[{host}]" if ":" in host else host
+            logger.info("BladeLLM server ready at http://%s:%d (model '%s')", host, port,
+                        self.model_name)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _configure_logging(level: str) -> None:
+    py_level = logging.DEBUG if level == "trace" else getattr(logging, level.upper())
+    logging.basicConfig(level=py_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("bladellm").setLevel(py_level)
+
+
+async def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    from bladellm.engine.async_llm import AsyncLLM
+
+    metrics = PrometheusStatLogger()
+    logger.info("starting the engine for model %s", engine_config.model.model)
+    engine = AsyncLLM.from_engine_config(engine_config, stat_loggers=[metrics])
+    sock = None
+    try:
+        sock = _bind(server_config.host, server_config.port)
+        app = build_app(engine, server_config, metrics=metrics)
+        config = uvicorn.Config(
+            app, log_level=server_config.log_level, access_log=not server_config.disable_access_log,
+            root_path=server_config.root_path,
+            timeout_graceful_shutdown=int(server_config.shutdown_timeout + 0.999))
+        await _Server(config, engine.model_info.served_model_name).serve(sockets=[sock])
+    finally:
+        logger.info("shutting down the engine")
+        engine.shutdown()
+        if sock is not None:
+            sock.close()
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Run until SIGINT/SIGTERM; returns the process exit status."""
+    _configure_logging(server_config.log_level)
+    # Fail fast, before loading a model, if the port is taken. The real socket is bound after
+    # the engine process has started so that it never inherits the listening socket.
+    if server_config.port:
+        try:
+            _bind(server_config.host, server_config.port).close()
+        except OSError as exc:
+            logger.error("cannot listen on %s:%d: %s", server_config.host, server_config.port,
+                         exc)
+            return 1
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        asyncio.run(_serve(engine_config, server_config))
+    except KeyboardInterrupt:
+        pass
+    except (ValueError, RuntimeError, OSError) as exc:  # bad model dir, engine start-up failure
+        logger.debug("start-up failed", exc_info=exc)
+        logger.error("cannot start the server: %s", exc)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    logger.info("server stopped")
+    return 0

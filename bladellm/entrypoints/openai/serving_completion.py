@@ -1,0 +1,169 @@
+"""POST /v1/completions: string, list-of-strings or token-id prompts; n, echo, logprobs, stream."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from bladellm.entrypoints.openai.errors import bad_request, from_exception, unsupported
+from bladellm.entrypoints.openai.protocol import (
+    CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse)
+from bladellm.entrypoints.openai.serving_common import (
+    SSE_DONE, SSE_HEADERS, ServingContext, UsageCounter, build_sampling_params, check_output,
+    check_token_ids, completion_logprobs, merge_streams, reject_unsupported, sse,
+    until_disconnect)
+from bladellm.outputs import RequestOutput
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for legacy completions
+
+
+@dataclass
+class _Choice:
+    echo: str = ""
+    texts: list[str] = field(default_factory=list)
+    length: int = 0  # characters sent so far, echo included (for text_offset)
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[str | list[int]]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt: must not be empty", "prompt")
+    if isinstance(prompt[0], int):
+        prompts: list[str | list[int]] = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        prompts = list(prompt)  # type: ignore[arg-type]
+    for p in prompts:
+        if isinstance(p, list):
+            if not p:
+                raise bad_request("prompt: a token-id prompt must not be empty", "prompt")
+            check_token_ids(p, ctx.vocab_size, "prompt")
+    return prompts
+
+
+def _check(req: CompletionRequest) -> None:
+    reject_unsupported(req)
+    if req.suffix is not None:
+        raise unsupported("suffix")
+    if req.echo and req.logprobs is not None:
+        raise unsupported("logprobs", "logprobs with echo (prompt logprobs)")
+
+
+async def create_completion(req: CompletionRequest, raw: Request,
+                            ctx: ServingContext) -> Response:
+    ctx.check_model(req.model)
+    _check(req)
+    prompts = _prompts(req, ctx)
+    max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
+    params = build_sampling_params(req, ctx, max_tokens=max_tokens, logprobs=req.logprobs)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = [ctx.engine.generate(p, params, f"{request_id}-p{i}")
+               for i, p in enumerate(prompts)]
+    merged = merge_streams(streams)
+    choices = [_Choice() for _ in range(len(prompts) * req.n)]
+    if req.echo:
+        for i, p in enumerate(prompts):
+            text = p if isinstance(p, str) else ctx.tokenizer.decode(p)
+            for j in range(req.n):
+                choices[i * req.n + j].echo = text
+    model = ctx.model_name
+    if req.stream:
+        first = await until_disconnect(anext(merged), raw)
+        body = _stream(req, request_id, model, first, merged, choices)
+        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    usage = await until_disconnect(_collect(req, merged, choices), raw)
+    response = CompletionResponse(
+        id=request_id, model=model, usage=usage,
+        choices=[CompletionChoice(index=k, text=c.echo + "".join(c.texts), logprobs=c.logprobs,
+                                  finish_reason=c.finish_reason)
+                 for k, c in enumerate(choices)])
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _apply(req: CompletionRequest, stream_idx: int, out: RequestOutput,
+           choices: list[_Choice]) -> list[tuple[int, str, CompletionLogprobs | None, str | None]]:
+    """Fold one engine output into the choices; return (index, new text, new logprobs, finish)."""
+    check_output(out)
+    updates = []
+    for comp in out.outputs:
+        k = stream_idx * req.n + comp.index
+        choice = choices[k]
+        text = comp.text
+        if choice.length == 0 and choice.echo:
+            choice.length = len(choice.echo)
+            text = choice.echo + text
+            offset = len(choice.echo)
+        else:
+            offset = choice.length
+        choice.texts.append(comp.text)
+        new_lp = None
+        if req.logprobs is not None and comp.logprobs:
+            new_lp = completion_logprobs(comp.logprobs, offset)
+            choice.logprobs = completion_logprobs(comp.logprobs, offset, choice.logprobs)
+        choice.length = offset + len(comp.text)
+        if comp.finish_reason is not None:
+            choice.finish_reason = comp.finish_reason
+        updates.append((k, text, new_lp, comp.finish_reason))
+    return updates
+
+
+async def _collect(req: CompletionRequest, merged: AsyncIterator, choices: list[_Choice]):
+    usage = UsageCounter()
+    async for i, out in merged:
+        usage.add(i, out)
+        _apply(req, i, out, choices)
+    if req.logprobs is not None:
+        for c in choices:
+            c.logprobs = c.logprobs or CompletionLogprobs()
+    return usage.usage()
+
+
+async def _stream(req: CompletionRequest, request_id: str, model: str, first, merged,
+                  choices: list[_Choice]) -> AsyncIterator[str]:
+    created = int(time.time())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = include_usage and req.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+    exclude = None if include_usage else {"usage"}
+    usage = UsageCounter()
+
+    def chunk(k: int, text: str, lp, finish) -> str:
+        c = CompletionChunk(id=request_id, created=created, model=model,
+                            choices=[CompletionChoice(index=k, text=text, logprobs=lp,
+                                                      finish_reason=finish)],
+                            usage=usage.usage() if continuous else None)
+        return sse(c.model_dump_json(exclude=exclude))
+
+    try:
+        item = first
+        while True:
+            i, out = item
+            usage.add(i, out)
+            for k, text, lp, finish in _apply(req, i, out, choices):
+                if text or lp is not None or finish is not None:
+                    yield chunk(k, text, lp, finish)
+            try:
+                item = await anext(merged)
+            except StopAsyncIteration:
+                break
+        if include_usage:
+            final = CompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                    usage=usage.usage())
+            yield sse(final.model_dump_json())
+    except Exception as exc:  # noqa: BLE001 - mid-stream failure: tell the client in-band
+        yield sse(_error_json(exc))
+    finally:
+        await merged.aclose()
+    yield SSE_DONE
+
+
+def _error_json(exc: Exception) -> str:
+    return json.dumps(from_exception(exc).body())

@@ -1,0 +1,208 @@
+"""Model directory -> config, dtype and a model with its weights loaded.
+
+Checkpoint tensors are streamed one at a time (``safe_open``) into each parameter's
+``weight_loader``, so a model never sits in memory twice. Every failure is a ``ValueError`` that
+names the file, tensor or flag at fault.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from bladellm.attention.backend import AttentionBackend
+from bladellm.config import ModelConfig
+from bladellm.model.registry import get_model_class
+from bladellm.model.layers.rotary import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def load_hf_config(model_dir: str, trust_remote_code: bool) -> Any:
+    """Read ``config.json`` as a transformers ``PretrainedConfig``."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"--model: model directory {model_dir!r} does not exist")
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"--model: {model_dir!r} has no config.json; expected a Hugging Face "
+                         f"/ ModelScope model directory")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    needs_code = "auto_map" in raw and raw.get("model_type") not in CONFIG_MAPPING
+    if needs_code and not trust_remote_code:
+        raise ValueError(f"{path} needs custom code from the model directory (auto_map, "
+                         f"model_type {raw.get('model_type')!r}); pass --trust_remote_code to "
+                         f"allow it")
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e) and not trust_remote_code:
+            raise ValueError(f"{path}: loading this config needs --trust_remote_code") from e
+        raise ValueError(f"cannot load {path}: {e}") from e
+
+
+def resolve_dtype(hf_config: Any, dtype: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """``--dtype`` -> torch dtype; ``auto`` takes the checkpoint's dtype (float32 if unknown)."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"--dtype: must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+        result = _DTYPES[dtype]
+    else:
+        cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(cfg, str):
+            cfg = getattr(torch, cfg, None)
+        result = cfg if cfg in _DTYPES.values() else torch.float32
+    if result == torch.float16 and torch.device(device).type == "cpu":
+        logger.warning("float16 on CPU is slow and overflow-prone; --dtype bfloat16 is "
+                       "recommended")
+    return result
+
+
+def load_model(model_config: ModelConfig, hf_config: Any, dtype: torch.dtype,
+               device: str | torch.device, attn_backend: AttentionBackend,
+               model_dir: str | None = None) -> nn.Module:
+    """Build the model for ``hf_config`` on ``device`` and fill its weights from ``model_dir``
+    (default: ``model_config.model`` with ``~`` expanded)."""
+    model = build_model(hf_config, dtype, device, attn_backend, model_config.max_model_len)
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model, model_config.seed)
+    else:
+        model_dir = model_dir or os.path.expanduser(model_config.model)
+        files = find_weight_files(model_dir, model_config.load_format)
+        source = _CheckpointReader(files)
+        try:
+            loaded = model.load_weights(source)
+        except ValueError as e:
+            raise ValueError(f"{source.current_file}: {e}") from e
+        check_all_loaded(model, loaded)
+    return model.eval()
+
+
+def build_model(hf_config: Any, dtype: torch.dtype, device: str | torch.device,
+                attn_backend: AttentionBackend, max_model_len: int | None = None) -> nn.Module:
+    """The model with uninitialized weights (callers fill them via ``model.load_weights``)."""
+    model_cls = get_model_class(hf_config)
+    check_sliding_window(hf_config, max_model_len)
+    with torch.device(device):
+        model = model_cls(hf_config, dtype, attn_backend)
+    _check_positions(model, max_model_len or hf_config.max_position_embeddings)
+    return model
+
+
+def check_sliding_window(hf_config: Any, max_model_len: int | None) -> None:
+    """Sliding-window attention is not implemented: refuse models whose window would bite."""
+    window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        window = None
+    limit = max_model_len or hf_config.max_position_embeddings
+    if window is not None and window < limit:
+        raise ValueError(
+            f"sliding_window={window} is smaller than the context length {limit}, and sliding-"
+            f"window attention is not supported yet; pass --max_model_len {window} or less")
+
+
+def _check_positions(model: nn.Module, max_model_len: int) -> None:
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding) and max_model_len > module.max_position:
+            raise ValueError(f"--max_model_len {max_model_len} exceeds the model's "
+                             f"{module.max_position} rotary positions")
+
+
+def find_weight_files(model_dir: str, load_format: str = "auto") -> list[str]:
+    """Checkpoint files in load order: sharded index, else every file of the format."""
+    if load_format == "gguf":
+        raise ValueError("--load_format gguf is not supported by this loader")
+    if load_format in ("auto", "safetensors"):
+        files = _files_of(model_dir, SAFE_INDEX, "*.safetensors")
+        if files or load_format == "safetensors":
+            return _require(files, model_dir, "*.safetensors")
+    files = _files_of(model_dir, BIN_INDEX, "pytorch_model*.bin")
+    expected = "*.safetensors or pytorch_model*.bin" if load_format == "auto" else \
+        "pytorch_model*.bin"
+    return _require(files, model_dir, expected)
+
+
+def _files_of(model_dir: str, index_name: str, pattern: str) -> list[str]:
+    index = os.path.join(model_dir, index_name)
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_dir, n) for n in names]
+        for path in files:
+            if not os.path.isfile(path):
+                raise ValueError(f"{index} lists {os.path.basename(path)!r}, which is missing "
+                                 f"from {model_dir}")
+        return files
+    return sorted(glob.glob(os.path.join(model_dir, pattern)))
+
+
+def _require(files: list[str], model_dir: str, expected: str) -> list[str]:
+    if not files:
+        raise ValueError(f"no weight files ({expected}) in {model_dir}; use --load_format dummy "
+                         f"for random weights")
+    return files
+
+
+class _CheckpointReader:
+    """Iterates (name, tensor) over files, remembering which file is open for error messages."""
+
+    def __init__(self, files: list[str]) -> None:
+        self.files = files
+        self.current_file = files[0]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for path in self.files:
+            self.current_file = path
+            if path.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(path, framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            else:
+                try:  # mmap keeps a large .bin out of RAM; legacy (non-zip) files cannot be
+                    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:
+                    state = torch.load(path, map_location="cpu", weights_only=True)
+                yield from state.items()
+                del state
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
+    # named_parameters() lists a tied lm_head.weight once, under the embedding's name.
+    missing = [name for name, _ in model.named_parameters() if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:10]) + (f" (+{len(missing) - 10} more)"
+                                            if len(missing) > 10 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): {shown}")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights for benchmarks: normal(0, 0.02); norm weights 1, biases 0."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name.split(".")[-2]:
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            sample = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02,
+                                                                          generator=gen)
+            param.copy_(sample)

@@ -1,0 +1,102 @@
+"""The CLI end to end against a fake streaming server with known token timings."""
+
+import csv
+import json
+
+import pytest
+
+from bench_fake_server import FakeOpenAIServer
+from bladellm.entrypoints.cli.bench import main
+
+TTFT_S, ITL_S = 0.08, 0.03
+
+
+@pytest.fixture
+def server():
+    with FakeOpenAIServer(ttft_s=TTFT_S, itl_s=ITL_S) as srv:
+        yield srv
+
+
+def _run(tmp_path, srv, *extra):
+    out = tmp_path / "out"
+    argv = ["--base-url", srv.base_url, "--num_prompts", "8", "--input_len_range", "4,12",
+            "--output-len-range", "6,6", "--output_dir", str(out), "--label", "fake",
+            "--disable_tqdm", *extra]
+    assert main(argv) == 0
+    return out, json.loads((out / "fake.json").read_text())
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_sweep_measures_known_timings(tmp_path, server, endpoint, capsys):
+    out, run = _run(tmp_path, server, "--endpoint", endpoint, "--request_rate", "20,inf",
+                    "--num_warmup", "2", "--slo", "ttft:1000,tpot:500", "--ignore_eos",
+                    "--eos_logit_bias", "2")
+    assert run["model"] == "fake-model"  # found at /v1/models
+    assert [e["request_rate"] for e in run["rates"]] == ["20", "inf"]
+    assert len(server.payloads) == 2 + 8 + 8  # warm-up sent, but not measured
+    for e in run["rates"]:
+        assert e["completed"] == 8 and e["errors"] == 0 and e["usage_reported"]
+        assert e["total_output_tokens"] == 48
+        # asyncio.sleep never wakes early; on a loaded 2-core box it can wake late.
+        assert TTFT_S * 1000 - 2 <= e["ttft_ms"]["p50"] <= TTFT_S * 1000 + 60
+        assert ITL_S * 1000 - 3 <= e["itl_ms"]["p50"] <= ITL_S * 1000 + 20
+        assert ITL_S * 1000 - 3 <= e["tpot_ms"]["mean"] <= ITL_S * 1000 + 20
+        expected_e2e = (TTFT_S + 5 * ITL_S) * 1000
+        assert expected_e2e - 3 <= e["e2e_ms"]["p50"] <= expected_e2e + 80
+        assert e["goodput"] == pytest.approx(e["request_throughput"])
+        assert len(e["requests"]) == 8 and all(len(r["itl"]) == 5 for r in e["requests"])
+    # rate 20 spreads 8 arrivals over ~0.35 s; inf sends them together.
+    assert run["rates"][1]["request_throughput"] > run["rates"][0]["request_throughput"]
+    assert server.max_in_flight == 8
+    body = server.payloads[-1]
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["logit_bias"] == {"2": -100}
+    assert body["max_tokens"] == 6
+    rows = list(csv.DictReader((out / "fake.csv").open()))
+    assert [r["request_rate"] for r in rows] == ["20", "inf"]
+    assert float(rows[0]["ttft_p50_ms"]) == pytest.approx(run["rates"][0]["ttft_ms"]["p50"])
+    for name in ("fake_ttft_vs_qps.png", "fake_tbt_vs_qps.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out
+    assert "TTFT mean/p50/p90/p99" in table and "max rate meeting the SLO: inf" in table
+
+
+def test_errors_are_recorded_not_fatal(tmp_path, server):
+    data = tmp_path / "p.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p, "output_len": 4}) for p in
+                              ["ok one", "please FAIL_HTTP", "then FAIL_STREAM", "ok two"]))
+    _, run = _run(tmp_path, server, "--dataset", f"jsonl:{data}", "--max_concurrency", "2",
+                  "--request_rate", "inf")
+    e = run["rates"][0]
+    assert e["errors"] > 0 and e["completed"] > 0 and e["completed"] + e["errors"] == 8
+    assert any("HTTP 500" in s for s in e["error_samples"])
+    assert "injected stream error" in e["error_samples"]
+    assert server.max_in_flight <= 2
+
+
+def test_counts_chunks_when_server_reports_no_usage(tmp_path):
+    with FakeOpenAIServer(ttft_s=0.01, itl_s=0.005, usage=False) as srv:
+        _, run = _run(tmp_path, srv, "--model", "m", "--request_rate", "inf")
+    e = run["rates"][0]
+    assert not e["usage_reported"] and e["total_output_tokens"] == 48
+
+
+def test_plot_command_compares_servers(tmp_path, server, capsys):
+    out, run = _run(tmp_path, server, "--request_rate", "10,inf", "--slo", "ttft:1000")
+    other = dict(run, label="slower")
+    for e in other["rates"]:
+        e["ttft_ms"] = {k: v * 3 for k, v in e["ttft_ms"].items()}
+    (out / "slower.json").write_text(json.dumps(other))
+    plots = tmp_path / "plots"
+    assert main(["plot", str(out / "fake.json"), str(out / "slower.json"),
+                 "--output-dir", str(plots), "--slo", "ttft:1"]) == 0
+    assert sorted(p.name for p in plots.iterdir()) == ["tbt_vs_qps.png", "ttft_vs_qps.png"]
+    printed = capsys.readouterr().out
+    # Re-judged under a 1 ms TTFT target no rate passes.
+    assert "fake: max rate meeting SLO: none" in printed
+
+
+def test_bad_flag_names_the_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--request_rate", "0", "--model", "m", "--output_dir", str(tmp_path)])
+    assert "--request_rate" in capsys.readouterr().err

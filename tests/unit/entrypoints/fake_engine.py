@@ -1,0 +1,143 @@
+"""A deterministic stand-in for ``AsyncLLM`` with the same interface, for server unit tests.
+
+One token per character (id = code point); choice ``j`` generates the letters "abcdefghij"
+starting at offset ``j``. Failure modes are switched on per test through attributes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from bladellm.engine.errors import EngineDeadError
+from bladellm.engine.messages import SchedulerStats
+from bladellm.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from bladellm.sampling_params import SamplingParams
+
+LETTERS = "abcdefghij"
+
+
+class FakeTokenizer:
+    eos_token_id = 1
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [ord(c) if ord(c) < 256 else ord("?") for c in text]
+        return ([0] if add_special_tokens else []) + ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids if i >= 2)
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Any:
+        return type("Enc", (), {"input_ids": self.encode(text, add_special_tokens)})()
+
+
+@dataclass
+class FakeModelInfo:
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    max_model_len: int = 128
+    served_model_name: str = "fake-model"
+    eos_token_ids: list[int] = field(default_factory=lambda: [1])
+    vocab_size: int = 300
+    has_chat_template: bool = True
+    sampling_defaults: dict[str, Any] = field(default_factory=lambda: {"temperature": 0.7,
+                                                                        "top_k": 20})
+
+
+class FakeInputProcessor:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        self.last_kwargs = kwargs
+        text = ""
+        for m in messages:
+            if m["role"] not in ("system", "user", "assistant", "tool"):
+                raise ValueError(f"messages: role {m['role']!r} is not supported")
+            text += f"<{m['role']}>{m['content']}"
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeAsyncLLM:
+    def __init__(self, step_delay: float = 0.0) -> None:
+        self.model_info = FakeModelInfo()
+        self.input_processor = FakeInputProcessor()
+        self.step_delay = step_delay
+        self.raise_on_generate: Exception | None = None  # raised before the first output
+        self.fail_after_tokens: int | None = None  # per-request error after that many tokens
+        self.eos_after_tokens: int | None = None  # finish "stop" unless ignore_eos
+        self.calls: list[tuple[Any, SamplingParams, str]] = []
+        self.active: set[str] = set()
+        self.aborted: list[str] = []
+        self.completed: list[str] = []
+        self.dead_reason: str | None = None
+        self.started = asyncio.Event()  # set when a request produced its first token
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    async def check_health(self) -> None:
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason)
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=len(self.active), num_used_blocks=2 * len(self.active),
+                              num_total_blocks=100, kv_cache_usage=len(self.active) / 50)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def shutdown(self) -> None:
+        self.dead_reason = "shut down"
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       *, delta: bool = True):
+        self.calls.append((prompt, params, request_id))
+        await self.check_health()
+        if self.raise_on_generate is not None:
+            raise self.raise_on_generate
+        ids = self.model_info.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        budget = self.model_info.max_model_len - len(ids)
+        if params.max_tokens is not None and params.max_tokens > budget:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds the model's maximum context length")
+        max_tokens = params.max_tokens or budget
+        n = params.n
+        finished = [False] * n
+        self.active.add(request_id)
+        try:
+            for step in range(max_tokens):
+                if self.step_delay:
+                    await asyncio.sleep(self.step_delay)
+                outputs = []
+                for j in range(n):
+                    if finished[j]:
+                        continue
+                    if self.fail_after_tokens is not None and step == self.fail_after_tokens:
+                        yield RequestOutput(request_id, prompt if isinstance(prompt, str) else None,
+                                            ids, [CompletionOutput(j, "", [], None, "error")],
+                                            finished=True, error="boom in the engine")
+                        return
+                    ch = LETTERS[(step + j) % len(LETTERS)]
+                    reason = None
+                    if step == max_tokens - 1:
+                        reason = "length"
+                    elif (not params.ignore_eos and self.eos_after_tokens is not None
+                          and step == self.eos_after_tokens - 1):
+                        reason = "stop"
+                    lp = None
+                    if params.logprobs is not None:
+                        top = [TokenLogprob(ord(LETTERS[k]), -1.0 - k, k + 1, LETTERS[k])
+                               for k in range(params.logprobs)]
+                        lp = [[TokenLogprob(ord(ch), -0.5, 1, ch)] + top]
+                    finished[j] = reason is not None
+                    outputs.append(CompletionOutput(j, ch, [ord(ch)], lp, reason))
+                self.started.set()
+                yield RequestOutput(request_id, prompt if isinstance(prompt, str) else None, ids,
+                                    outputs, finished=all(finished), num_cached_tokens=1)
+                if all(finished):
+                    self.completed.append(request_id)
+                    return
+        finally:
+            self.active.discard(request_id)
+            if not all(finished) and request_id not in self.completed:
+                self.aborted.append(request_id)
