@@ -173,8 +173,15 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    device: str = "cpu"
-    debug_block_accounting: bool = False
+    device: str = field(default="cpu", metadata={"help": "Device to run on (only cpu so far)."})
+    debug_block_accounting: bool = field(
+        default=False,
+        metadata={"help": "Check after every step that no KV block is lost or double-freed "
+                          "(slow; for debugging)."})
+
+    def __post_init__(self) -> None:
+        _check(self.device == "cpu", "device",
+               f"only cpu is supported so far, got {self.device!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

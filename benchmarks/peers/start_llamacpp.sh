@@ -9,6 +9,9 @@
 #   N_CTX [2048]
 #   N_THREADS [nproc]                      threads for decode and for prompt processing (the
 #                                          server's own default is half the cores)
+#   INTERRUPT_REQUESTS [False]             the server's default (True) aborts the streaming
+#                                          request whenever a new one arrives: under any
+#                                          concurrency most streams would end truncated
 #   EXTRA_ARGS                             appended to the server's command line
 #
 # Notes: it serves one request at a time (no continuous batching), and it drops `ignore_eos`
@@ -24,4 +27,5 @@ THREADS=${N_THREADS:-$(nproc)}
 # shellcheck disable=SC2086
 exec "$VENV/bin/python" -m llama_cpp.server --model "$GGUF" --model_alias "$SERVED_NAME" \
     --host 127.0.0.1 --port "$PORT" --n_ctx "${N_CTX:-2048}" \
-    --n_threads "$THREADS" --n_threads_batch "$THREADS" ${EXTRA_ARGS:-}
+    --n_threads "$THREADS" --n_threads_batch "$THREADS" \
+    --interrupt_requests "${INTERRUPT_REQUESTS:-False}" ${EXTRA_ARGS:-}

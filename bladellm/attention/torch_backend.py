@@ -21,9 +21,8 @@ class TorchAttentionBackend(AttentionBackend):
                 kv_cache: torch.Tensor, metadata: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         n = metadata.num_actual_tokens
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        write_kv_cache(key[:n], value[:n], k_cache, v_cache, metadata.slot_mapping)
+        write_kv_cache(key[:n], value[:n], k_cache, v_cache, metadata.slot_mapping[:n])
 
         out = torch.empty_like(query)
         if n < query.shape[0]:
@@ -68,11 +67,13 @@ class TorchAttentionBackend(AttentionBackend):
         query_len = q.shape[0]
         num_kv_heads, head_dim = k_cache.shape[2:]
         gqa = q.shape[1] != num_kv_heads
-        qt = q.transpose(0, 1)
+        # 4-D inputs: with 3-D ones torch's CPU SDPA falls back to the slow math kernel.
+        qt = q.transpose(0, 1)[None]
         if query_len == seq_len:  # no cached prefix: this step's K/V are the whole context
-            out = F.scaled_dot_product_attention(qt, k_new.transpose(0, 1), v_new.transpose(0, 1),
-                                                 is_causal=True, scale=scale, enable_gqa=gqa)
-            return out.transpose(0, 1)
+            out = F.scaled_dot_product_attention(
+                qt, k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None], is_causal=True,
+                scale=scale, enable_gqa=gqa)
+            return out[0].transpose(0, 1)
         block_size = k_cache.shape[1]
         table = block_table[:-(-seq_len // block_size)]
         k = _gather(k_cache, table).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
@@ -80,9 +81,9 @@ class TorchAttentionBackend(AttentionBackend):
         offset = seq_len - query_len
         rows = torch.arange(query_len, device=q.device)[:, None] + offset
         mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale,
+        out = F.scaled_dot_product_attention(qt, k[None], v[None], attn_mask=mask, scale=scale,
                                              enable_gqa=gqa)
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

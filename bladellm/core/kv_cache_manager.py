@@ -98,6 +98,9 @@ class KVCacheManager:
         """
         req_id = req.request_id
         blocks = self.req_to_blocks.get(req_id, [])
+        if (not new_computed_blocks and blocks
+                and req.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size):
+            return []  # the common decode step: the last block still has room
         _require(not new_computed_blocks or not blocks, "prompt-cache hit for a running request")
         num_tokens = (req.num_computed_tokens + len(new_computed_blocks) * self.block_size
                       + num_new_tokens)

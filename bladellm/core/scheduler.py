@@ -227,14 +227,12 @@ class Scheduler:
                 new_tokens = self._append_tokens(req, sampled.get(req_id) or [])
                 if not new_tokens and req.num_computed_tokens >= req.num_tokens:
                     error = "the model runner returned no token for a finished prefill"
-            if error is not None:
-                self._finish(req, RequestStatus.FINISHED_ERROR)
-            elif req.is_finished:
-                self._finish(req, req.status)
-            if new_tokens or req.is_finished:
-                outputs.append(self._make_output(req, new_tokens, out.logprobs.get(req_id), error))
-            if req.is_finished:
+            done = error is not None or req.is_finished
+            if done:
+                self._finish(req, req.status if error is None else RequestStatus.FINISHED_ERROR)
                 finished.add(req_id)
+            if new_tokens or done:
+                outputs.append(self._make_output(req, new_tokens, out.logprobs.get(req_id), error))
         self._remove_from_queues(finished)
         unscheduled_errors = [r for r in out.errored
                               if r not in sched.num_scheduled_tokens and r in self.requests]
@@ -313,6 +311,10 @@ class Scheduler:
             output.num_cached_tokens = max(req.num_cached_tokens, 0)
             output.queued_time = queued_time
         return output
+
+    def reset_prefix_cache(self) -> int:
+        """Forget cached blocks no request holds (e.g. after swapping weights); returns how many."""
+        return self.kv_cache_manager.reset_prefix_cache()
 
     # --- observability -------------------------------------------------------------------------
 

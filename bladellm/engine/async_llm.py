@@ -46,6 +46,7 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
         self._latest_stats: SchedulerStats | None = None
         self._utility_waiters: dict[int, asyncio.Future] = {}
+        self._background: set[asyncio.Task] = set()
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig,
@@ -109,7 +110,9 @@ class AsyncLLM:
             self._queues.pop(request_id, None)
             self._not_started.discard(request_id)
             if not finished:
-                await self.abort(request_id)
+                # No await here: this runs while the request is being cancelled (client gone),
+                # and a second cancellation must not skip the abort that frees the KV blocks.
+                self._abort_nowait(request_id)
 
     @staticmethod
     def _request_error(error: str) -> Exception:
@@ -118,10 +121,19 @@ class AsyncLLM:
         return RequestFailedError(error)
 
     async def abort(self, request_id: str) -> None:
+        self._abort_nowait(request_id)
+
+    def _abort_nowait(self, request_id: str) -> None:
         child_ids = self.output_processor.abort_request(request_id)
         self._queues.pop(request_id, None)
         self._not_started.discard(request_id)
-        await self.client.abort_requests(child_ids)
+        if child_ids:
+            self._send_in_background(self.client.abort_requests(child_ids))
+
+    def _send_in_background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._background.discard)
 
     async def call_utility(self, method: str, *args) -> object:
         """Run a debug/maintenance call in the engine core (e.g. 'check_invariants')."""
@@ -173,8 +185,7 @@ class AsyncLLM:
             if queue is not None:
                 queue.put_nowait(out)
         if processed.reqs_to_abort:
-            asyncio.get_running_loop().create_task(
-                self.client.abort_requests(processed.reqs_to_abort))
+            self._send_in_background(self.client.abort_requests(processed.reqs_to_abort))
         for stat_logger in self.stat_loggers:
             stat_logger.record(outputs.scheduler_stats, processed.iteration, processed.finished)
 

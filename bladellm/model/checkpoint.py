@@ -7,7 +7,6 @@ environment: all comes from ``ModelConfig``.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -32,14 +31,14 @@ class ResolvedModel:
         return (getattr(self.hf_config, "architectures", None) or ["?"])[0]
 
     def load_model(self, device: torch.device, attn_backend: Any) -> nn.Module:
-        from bladellm.model.loader import build_model, load_model
+        from bladellm.model.loader import build_model, check_all_loaded, load_model
 
         if self.gguf is None:
-            cfg = dataclasses.replace(self.model_config, model=self.path)  # resolved path
-            return load_model(cfg, self.hf_config, self.dtype, device, attn_backend)
-        model = build_model(self.hf_config, self.dtype, device, attn_backend)
-        model.load_weights(self.gguf.iter_hf_weights(self.dtype))
-        return model
+            return load_model(self.model_config, self.hf_config, self.dtype, device,
+                              attn_backend, model_dir=self.path)
+        model = build_model(self.hf_config, self.dtype, device, attn_backend, self.max_model_len)
+        check_all_loaded(model, model.load_weights(self.gguf.iter_hf_weights(self.dtype)))
+        return model.eval()
 
     def model_info(self):
         from bladellm.engine.model_info import load_model_info

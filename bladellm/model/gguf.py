@@ -100,7 +100,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's ``LlamaModel.permute`` on a q/k weight or bias (rows = heads * head_dim).
 
-    llama.cpp: ``w.reshape(n_head, 2, rows // n_head // 2, ...).swapaxes(1, 2)``; this is the inverse.
+    llama.cpp: ``w.reshape(n_head, 2, rows // n_head // 2, ...).swapaxes(1, 2)``; this inverts it.
     """
     rows = weight.shape[0]
     return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
@@ -190,9 +190,7 @@ class GGUFCheckpoint:
         if arch.config_class != "Qwen2Config":  # qwen2 always has q/k/v biases
             kwargs["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
         config = getattr(transformers, arch.config_class)(**kwargs)
-        name = self.get("general.name")
-        if name:
-            config._name_or_path = name
+        config._name_or_path = self.path
         return config
 
     def hf_config(self):
@@ -203,9 +201,7 @@ class GGUFCheckpoint:
 
     def _dense_dtype(self) -> str:
         """The dtype ``--dtype auto`` should serve: the file's float type, float32 for quants."""
-        types = {t.tensor_type.name for n, t in self.tensors.items() if n.endswith("_proj.weight")
-                 or ".attn_" in n or ".ffn_" in n}
-        types.discard("F32")
+        types = {t.tensor_type.name for t in self.tensors.values() if len(t.shape) == 2}
         if types == {"BF16"}:
             return "bfloat16"
         if types == {"F16"}:

@@ -51,7 +51,7 @@ def load_hf_config(model_dir: str, trust_remote_code: bool) -> Any:
                          f"allow it")
     try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except ValueError as e:
+    except (ValueError, OSError, KeyError) as e:
         if "trust_remote_code" in str(e) and not trust_remote_code:
             raise ValueError(f"{path}: loading this config needs --trust_remote_code") from e
         raise ValueError(f"cannot load {path}: {e}") from e

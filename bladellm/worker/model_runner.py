@@ -52,11 +52,9 @@ class ModelRunner:
         self.states = RequestStates()
         self.kv_caches: list[torch.Tensor] = []
 
-        cfg = self.hf_config
-        self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = (getattr(cfg, "head_dim", None)
-                         or cfg.hidden_size // cfg.num_attention_heads)
+        spec = self.model.get_kv_cache_spec()  # per rank: stays right under TP
+        self.num_layers, self.num_kv_heads, self.head_dim = (
+            spec.num_layers, spec.num_kv_heads, spec.head_dim)
 
     # ---- KV cache -----------------------------------------------------------------------------
     @property

@@ -100,7 +100,7 @@ async def test_queue_full_raises_overloaded(tiny_llama):
 async def test_dead_engine_fails_requests_instead_of_hanging(tiny_llama, how):
     eng = _engine(tiny_llama)
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
         gen = eng.generate([5, 6, 7], params, "victim")
         await gen.__anext__()
         if how == "raise":

@@ -78,6 +78,14 @@ def _children(pid: int) -> list[int]:
     return result
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")
+    except OSError:
+        return "?"
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -234,6 +242,34 @@ async def test_disconnect_mid_stream_frees_kv_blocks(server):
     assert _metric(after, "bladellm_generation_tokens_total") - tokens_before < 200
 
 
+async def test_disconnect_while_waiting_for_a_full_response_aborts(server):
+    before = await _metrics(server)
+    aborted_before = _metric(before, 'bladellm_request_success_total{finished_reason="abort"}')
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+                 b"Content-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    deadline = time.monotonic() + 20
+    while _metric(await _metrics(server), "bladellm_num_requests_running") < 1:
+        assert time.monotonic() < deadline, "the request never started"
+    writer.close()  # the client gives up before the response
+    await writer.wait_closed()
+    while True:
+        after = await _metrics(server)
+        if (_metric(after, 'bladellm_request_success_total{finished_reason="abort"}')
+                > aborted_before or time.monotonic() > deadline):
+            break
+        await asyncio.sleep(0.05)
+    assert _metric(after, 'bladellm_request_success_total{finished_reason="abort"}') \
+        == aborted_before + 1
+    assert _metric(after, "bladellm_kv_cache_used_blocks") == 0
+
+
 # ----------------------------------------------------------------------------------- errors
 
 
@@ -299,11 +335,15 @@ def test_sigterm_shuts_down_cleanly(server):
     if rest:
         assert rest[-1] == "data: [DONE]"
     assert server.proc.wait(timeout=30) == 0
+    # multiprocessing's resource tracker exits when it sees the server's end of its pipe close,
+    # a moment after the server itself: allow it a few seconds.
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
     left = [pid for pid in children if _alive(pid)]
-    assert not left, [open(f"/proc/{pid}/cmdline").read() for pid in left]
+    assert not left, [_cmdline(pid) for pid in left]
     with socket.socket() as sock:  # the port is free again
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", server.port))
     assert "server stopped" in server.log()
     assert "Traceback" not in server.log(), server.log()[-3000:]
-    json.dumps(rest)  # keep `rest` referenced for debugging output on failure

@@ -219,7 +219,7 @@ def test_f32_weights_reproduce_hf_state_dict(tiny_llama, tiny_gguf):
 
 
 @pytest.mark.parametrize("qtype, tol", [(Q.F16, 1e-3), (Q.BF16, 8e-3), (Q.Q8_0, 1e-2),
-                                        (Q.Q4_0, 0.15)])
+                                        (Q.Q5_0, 0.08), (Q.Q4_0, 0.15), (Q.Q4_1, 0.15)])
 def test_quantized_weights_within_tolerance(tiny_llama, tiny_gguf, qtype, tol):
     """Error relative to each tensor's largest value: q8 ~ 1/254, q4 ~ 1/16 (+ fp16 scales)."""
     ref = _hf_state(tiny_llama)
@@ -399,6 +399,15 @@ def test_unsupported_architecture(tmp_path):
 def test_unsupported_tensor_type(tmp_path):
     with pytest.raises(ValueError, match="unsupported GGUF tensor types.*F64.*token_embd"):
         GGUFCheckpoint(_write_minimal(tmp_path / "f64.gguf", "llama", Q.F64))
+
+
+def test_rope_freqs_that_are_not_llama3_rejected(tiny_llama, tmp_path):
+    def add_rope_freqs(writer):
+        writer.add_tensor("rope_freqs.weight", np.linspace(1, 3, 8, dtype=np.float32))
+
+    path = write_gguf(tiny_llama, tmp_path / "odd.gguf", extra=add_rope_freqs)
+    with pytest.raises(ValueError, match="rope_freqs"):
+        GGUFCheckpoint(path).hf_config()
 
 
 def test_not_a_gguf_file(tmp_path):

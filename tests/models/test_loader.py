@@ -167,3 +167,20 @@ def test_build_model_kv_spec(tiny_model_factory):
     spec = model.get_kv_cache_spec()
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 2, 128)
     assert model.num_layers == 2
+
+
+def test_tied_checkpoint_that_also_stores_lm_head(tiny_model_factory, tmp_path):
+    d = copy_model(tiny_model_factory("llama", tie_word_embeddings=True), tmp_path / "m")
+    tensors = load_file(str(d / "model.safetensors"))
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = torch.zeros_like(embed)  # must be ignored, not loaded
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    model = load(d)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, embed)
+
+
+def test_unknown_model_type_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_model"}))
+    with pytest.raises(ValueError, match="cannot load .*config.json"):
+        load_hf_config(str(tmp_path), trust_remote_code=False)

@@ -14,7 +14,7 @@ from bladellm.attention import get_attn_backend
 from bladellm.attention.backend import AttentionContext
 from bladellm.config import ModelConfig
 from bladellm.model.loader import load_hf_config, load_model
-from paged import PagedKV, Seq
+from tiny_paged_kv import PagedKV, Seq
 from tiny_models import make_tiny_model
 
 ATOL = 1e-4

@@ -130,8 +130,9 @@ async def _collect(req: CompletionRequest, merged: AsyncIterator, choices: list[
 async def _stream(req: CompletionRequest, request_id: str, model: str, first, merged,
                   choices: list[_Choice]) -> AsyncIterator[str]:
     created = int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    continuous = include_usage and req.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+    options = req.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.include_usage and options.continuous_usage_stats)
     exclude = None if include_usage else {"usage"}
     usage = UsageCounter()
 

@@ -37,7 +37,8 @@ class Attention(nn.Module):
     def _causal_no_cache(self, q: torch.Tensor, k: torch.Tensor,
                          v: torch.Tensor) -> torch.Tensor:
         """All T tokens are one sequence (profiling / dummy run): no KV cache is touched."""
+        # 4-D inputs: with 3-D ones torch's CPU SDPA falls back to the slow math kernel.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-            scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
-        return out.transpose(0, 1)
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+        return out[0].transpose(0, 1)

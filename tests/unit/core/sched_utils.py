@@ -2,8 +2,9 @@
 
 ``FakeRunner`` plays the worker's side of the contract: it applies ``SchedulerOutput`` diffs to
 its own copy of each request (tokens, block table), checks them against the scheduler's view,
-and keeps a fake KV store (block -> slot -> (position, token, salt)) so that every read of a cached or
-computed prefix is checked against what was actually written there.
+and keeps a fake KV store (block -> slot -> (position, token, salt)) so that every read of a
+cached or computed prefix is checked against what was actually written there, and every write
+goes to a block the request alone holds.
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ class FakeRunner:
             state.token_ids.extend(diff.new_token_ids)
             state.block_ids.extend(diff.new_block_ids)
             assert state.num_computed_tokens == diff.num_computed_tokens
-        assert set(so.num_scheduled_tokens) == (
-            {n.req_id for n in so.scheduled_new_reqs} | {c.req_id for c in so.scheduled_cached_reqs})
+        assert set(so.num_scheduled_tokens) == ({n.req_id for n in so.scheduled_new_reqs}
+                                                | {c.req_id for c in so.scheduled_cached_reqs})
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         assert so.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
         assert len(so.num_scheduled_tokens) <= sched.config.max_num_seqs
@@ -102,7 +103,8 @@ class FakeRunner:
                 block = state.block_ids[pos // bs]
                 assert pool.ref_cnt[block] == 1 and pool.block_hash[block] is None, \
                     f"{req_id} writes into shared block {block}"
-                self.kv.setdefault(block, {})[pos % bs] = (pos, state.token_ids[pos], req.cache_salt)
+                written = (pos, state.token_ids[pos], req.cache_salt)
+                self.kv.setdefault(block, {})[pos % bs] = written
             state.num_computed_tokens = end
             req_ids.append(req_id)
             if end == len(state.token_ids):

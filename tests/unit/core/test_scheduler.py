@@ -30,6 +30,9 @@ def test_chunked_prefill_under_small_budget_then_decode():
         if len(chunks) < 3:
             assert outs == []  # nothing sampled until the prompt is done
     assert chunks == [4, 4, 2]
+    stats = sched.get_stats()
+    assert stats.num_running == 1 and stats.num_used_blocks == 3  # 11 tokens in 4-token blocks
+    assert stats.kv_cache_usage == pytest.approx(3 / 63)
     assert [o.new_token_ids for o in outs] == [[21]]
     assert len(so.scheduled_cached_reqs) == 1 and not so.scheduled_new_reqs
     so, outs = step(sched, runner)
@@ -275,7 +278,7 @@ def test_preempted_requests_do_not_time_out():
     assert results["b"][1].finish_reason == "length"
 
 
-# --- n > 1 / shared prefixes -----------------------------------------------------------------------
+# --- n > 1 / shared prefixes ------------------------------------------------------------------
 
 def test_siblings_wait_for_the_shared_prompt_and_get_cache_hits():
     sched = make_scheduler(max_num_batched_tokens=8)
@@ -323,3 +326,14 @@ def test_held_back_sibling_does_not_block_others_and_owner_abort_releases_it():
     results = run_to_completion(sched, runner)
     assert set(results) == {"sib", "other"}
     assert_all_blocks_free(sched)
+
+
+def test_reset_prefix_cache_forgets_finished_prompts():
+    sched = make_scheduler()
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 9, max_tokens=1))
+    run_to_completion(sched, runner)
+    assert sched.reset_prefix_cache() == 2
+    sched.add_request(make_request("b", 9, max_tokens=1))
+    so, _ = step(sched, runner)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 0

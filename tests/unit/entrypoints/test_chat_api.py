@@ -1,7 +1,7 @@
 """/v1/chat/completions against the fake engine."""
 
 import openai
-from conftest import sse_events
+from sse_helpers import sse_events
 
 
 def _msgs(*texts):
@@ -83,6 +83,15 @@ async def test_stream_usage_chunk(client):
     *chunks, last = events[:-1]
     assert all("usage" in c and c["usage"] is None for c in chunks)
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+
+
+async def test_continuous_usage_stats(client):
+    r = await client.post("/v1/chat/completions", json={
+        "messages": _msgs("hi"), "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    chunks = sse_events(r)[:-1]
+    counts = [c["usage"]["completion_tokens"] for c in chunks[1:-1]]
+    assert counts == [1, 2, 3] and chunks[-1]["usage"]["completion_tokens"] == 3
 
 
 async def test_logprobs_and_top_logprobs(client):

@@ -2,7 +2,7 @@
 
 import openai
 import pytest
-from conftest import sse_events
+from sse_helpers import sse_events
 
 
 async def test_non_streaming_shape_and_usage(client, engine):
@@ -71,7 +71,8 @@ async def test_streaming_chunks(client):
     for c in chunks:
         by_index[c["choices"][0]["index"]] += c["choices"][0]["text"]
     assert by_index == {0: "abc", 1: "bcd"}
-    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks
+                if c["choices"][0]["finish_reason"]]
     assert finishes == ["length", "length"]
 
 

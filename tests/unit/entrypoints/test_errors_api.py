@@ -6,9 +6,9 @@ import json
 
 import httpx
 import pytest
-from conftest import sse_events
+from sse_helpers import sse_events
 
-from bladellm.engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from bladellm.engine.errors import EngineOverloadedError, RequestFailedError
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
@@ -48,6 +48,8 @@ async def assert_still_serving(client):
     (CMPL, {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", ""),
     (CMPL, {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", "out of range"),
     (CMPL, {"prompt": []}, "prompt", "empty"),
+    (CMPL, {"prompt": 5}, "prompt", "invalid type"),
+    (CMPL, {"prompt": ["a", 1]}, "prompt", "invalid type"),
     (CMPL, {"prompt": [[]]}, "prompt", "empty"),
     (CMPL, {"prompt": [1, 99999]}, "prompt", "out of range"),
     (CMPL, {"max_tokens": 3}, "prompt", "missing"),
