@@ -77,7 +77,8 @@ class CacheConfig:
     kv_cache_memory: str = field(
         default="auto",
         metadata={"help": "CPU: memory for the KV cache, e.g. 4GiB; 'auto' takes 25%% of free "
-                          "memory, at most 8 GiB."})
+                          "memory (at most 8 GiB), and no more than --max_num_seqs requests of "
+                          "--max_model_len tokens can use."})
     max_gpu_memory_utilization: float = field(
         default=0.85,
         metadata={"help": "GPU: fraction of GPU memory for weights, activations and KV cache."})

@@ -28,8 +28,9 @@ class RequestOptions:
 
 @dataclass
 class RequestResult:
-    """Timings are seconds. ``itl`` holds every gap between consecutive content chunks;
-    ``start`` is the send time (perf_counter)."""
+    """Timings are seconds. ``itl`` holds every gap between consecutive chunks with text;
+    ``start`` is the send time (perf_counter). ``output_tokens`` comes from the server's usage
+    when reported, else from counting token chunks."""
 
     success: bool = False
     error: str = ""
@@ -123,6 +124,21 @@ def chunk_text(obj: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def chunk_token_count(obj: dict[str, Any]) -> int:
+    """Tokens a chunk stands for when the server reports no usage: one per choice that carries
+    text, or that carries an empty text field before the finish (llama.cpp streams partial UTF-8
+    tokens that way). Role-only and finish-only chunks count none."""
+    n = 0
+    for choice in obj.get("choices") or []:
+        delta = choice.get("delta") or {}
+        text = choice.get("text") if "text" in choice else delta.get("content")
+        if text:
+            n += 1
+        elif text is not None and choice.get("finish_reason") is None and "role" not in delta:
+            n += 1
+    return n
+
+
 class StreamRecorder:
     """Turns parsed SSE events into a ``RequestResult``; separate from I/O so tests can drive it
     with synthetic timestamps."""
@@ -130,6 +146,7 @@ class StreamRecorder:
     def __init__(self, start: float, prompt_len: int):
         self.result = RequestResult(start=start, prompt_tokens=prompt_len)
         self._last: float | None = None
+        self._counted_tokens = 0
         self.done = False
 
     def on_event(self, data: str, now: float) -> None:
@@ -151,6 +168,7 @@ class StreamRecorder:
             res.usage_reported = True
             res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
             res.output_tokens = usage.get("completion_tokens", res.output_tokens)
+        self._counted_tokens += chunk_token_count(obj)
         if not chunk_text(obj):
             return
         if self._last is None:
@@ -164,7 +182,7 @@ class StreamRecorder:
         res = self.result
         res.e2e = now - res.start
         if not res.usage_reported:
-            res.output_tokens = res.num_chunks
+            res.output_tokens = max(self._counted_tokens, res.num_chunks)
         if not res.error and res.num_chunks == 0:
             res.error = "stream ended without generated text"
         res.success = not res.error

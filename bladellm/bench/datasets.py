@@ -74,8 +74,12 @@ class PromptMaker:
             special = set(getattr(tokenizer, "all_special_ids", []) or [])
             size = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size
             # Skip partial-UTF-8 byte tokens: they decode to U+FFFD, which re-encodes longer.
-            self._vocab_ids = [i for i in range(size) if i not in special
-                               and "\ufffd" not in tokenizer.decode([i])]
+            ids = list(range(size))
+            batch_decode = getattr(tokenizer, "batch_decode", None)
+            texts = (batch_decode([[i] for i in ids]) if batch_decode
+                     else [tokenizer.decode([i]) for i in ids])
+            self._vocab_ids = [i for i, t in zip(ids, texts)
+                               if i not in special and "\ufffd" not in t]
 
     def make(self, num_tokens: int) -> tuple[str, int]:
         """Return (text, its token count)."""

@@ -21,13 +21,15 @@ PLOTS = (
 
 
 def _points(run: dict[str, Any], key: str, stat: str) -> tuple[list[float], list[float]]:
+    # In order of the offered rate, not of x: past saturation the achieved rate stalls (or dips)
+    # while latency climbs, and the curve should show that hook rather than zigzag.
     pts = []
     for e in run["rates"]:
         y = (e.get(key) or {}).get(stat)
         if e.get("completed") and y is not None and not math.isnan(y):
-            pts.append((e["request_throughput"], y))
-    pts.sort()
-    return [p[0] for p in pts], [p[1] for p in pts]
+            pts.append((float(e["request_rate"]), e["request_throughput"], y))
+    pts.sort(key=lambda p: p[0])
+    return [p[1] for p in pts], [p[2] for p in pts]
 
 
 def plot_runs(runs: Sequence[dict[str, Any]], output_dir: str, stat: str = "mean",

@@ -214,8 +214,10 @@ class AsyncMPClient:
 
     def close(self) -> None:
         if self.proc.is_alive():
+            # A synchronous view of the same socket: close() may run outside any event loop.
+            sync_input = zmq.Socket.shadow(self._input.underlying)
             try:
-                self._input.send_multipart((Msg.SHUTDOWN.value, b""), flags=zmq.NOBLOCK)
+                sync_input.send_multipart((Msg.SHUTDOWN.value, b""), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             self.proc.join(timeout=10)
@@ -227,7 +229,6 @@ class AsyncMPClient:
                 self.proc.join()
         if self.dead_reason is None:
             self.dead_reason = "engine shut down"
-        self._input.close(linger=0)
-        self._output.close(linger=0)
-        self._ctx.term()
+        # destroy(linger=0): unsent messages to a dead core must not block shutdown.
+        self._ctx.destroy(linger=0)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)

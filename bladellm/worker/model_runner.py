@@ -41,6 +41,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self.hf_config = resolved.hf_config
+        self.max_model_len = resolved.max_model_len
         self.dtype = resolved.dtype
         self.attn_backend = get_attn_backend(None, self.device)
         start = time.perf_counter()
@@ -68,9 +69,12 @@ class ModelRunner:
             return cache.num_kv_blocks
         if self.device.type != "cpu":
             raise ValueError("--device: only cpu is supported so far")
-        budget = (default_kv_cache_bytes() if cache.kv_cache_memory == "auto"
-                  else parse_size(cache.kv_cache_memory))
-        return max(2, budget // self.bytes_per_block)
+        if cache.kv_cache_memory != "auto":
+            return max(2, parse_size(cache.kv_cache_memory) // self.bytes_per_block)
+        # auto: a share of free memory, but never more than max_num_seqs full-length requests
+        # can use (+1 for the null block): zero-filling unused GiBs only slows start-up.
+        usable = self.config.scheduler.max_num_seqs * -(-self.max_model_len // self.block_size)
+        return max(2, min(default_kv_cache_bytes() // self.bytes_per_block, usable + 1))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)

@@ -86,6 +86,8 @@ def build_plot_parser() -> argparse.ArgumentParser:
     _add(p, "--slo", default=None, help="re-judge goodput under this SLO (default: the files')")
     _add(p, "--slo_target", type=float, default=0.9)
     _add(p, "--stat", choices=("mean", "p50", "p90", "p99"), default="mean")
+    _add(p, "--labels", default=None, help="comma list of legend names, one per file "
+         "(default: each file's label)")
     return p
 
 
@@ -123,8 +125,12 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                       show_progress=not args.disable_tqdm)
     model = args.model
     if model is None:
-        async with make_session(cfg) as session:
-            model = await fetch_model_name(session, args.base_url)
+        try:
+            async with make_session(cfg) as session:
+                model = await fetch_model_name(session, args.base_url)
+        except Exception as exc:  # noqa: BLE001 - report, don't trace
+            raise SystemExit(f"blade_llm_bench: cannot list models at {args.base_url}/v1/models "
+                             f"({type(exc).__name__}: {exc}); is the server up? (or pass --model)")
     cfg.options = RequestOptions(model=model, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
                                  eos_logit_bias=args.eos_ids, temperature=args.temperature,
                                  include_usage=not args.no_usage)
@@ -202,8 +208,12 @@ def plot_main(argv: list[str]) -> int:
             run["rates"] = [resummarize(e, slo) for e in run["rates"]]
     elif runs and all(r.get("slo") == runs[0].get("slo") for r in runs) and runs[0].get("slo"):
         slo = SLO(**runs[0]["slo"])  # one common SLO: draw its lines
-    for run, path in zip(runs, args.files):
-        run["label"] = run.get("label") or os.path.splitext(os.path.basename(path))[0]
+    labels = args.labels.split(",") if args.labels else []
+    if labels and len(labels) != len(runs):
+        parser.error(f"--labels: {len(labels)} names for {len(runs)} files")
+    for i, (run, path) in enumerate(zip(runs, args.files)):
+        run["label"] = (labels[i] if labels else run.get("label")
+                        or os.path.splitext(os.path.basename(path))[0])
     paths = plot_runs(runs, args.output_dir, args.stat, slo, args.slo_target)
     for run in runs:
         best = max_qps_meeting_slo(run["rates"], args.slo_target)

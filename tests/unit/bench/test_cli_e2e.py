@@ -89,11 +89,11 @@ def test_plot_command_compares_servers(tmp_path, server, capsys):
     (out / "slower.json").write_text(json.dumps(other))
     plots = tmp_path / "plots"
     assert main(["plot", str(out / "fake.json"), str(out / "slower.json"),
-                 "--output-dir", str(plots), "--slo", "ttft:1"]) == 0
+                 "--output-dir", str(plots), "--slo", "ttft:1", "--labels", "A,B"]) == 0
     assert sorted(p.name for p in plots.iterdir()) == ["tbt_vs_qps.png", "ttft_vs_qps.png"]
     printed = capsys.readouterr().out
     # Re-judged under a 1 ms TTFT target no rate passes.
-    assert "fake: max rate meeting SLO: none" in printed
+    assert "A: max rate meeting SLO: none" in printed
 
 
 def test_bad_flag_names_the_flag(tmp_path, capsys):

@@ -124,3 +124,15 @@ def test_max_qps_meeting_slo_picks_highest_passing_rate():
     assert max_qps_meeting_slo(rates, 0.9)["request_throughput"] == 2.0
     assert max_qps_meeting_slo(rates, 0.99)["request_throughput"] == 1.0
     assert max_qps_meeting_slo(rates[2:], 0.9) is None
+
+
+def test_empty_text_token_chunks_are_counted_without_usage():
+    # llama.cpp: one chunk per token, partial-UTF-8 tokens with text "", no usage chunk.
+    rec = StreamRecorder(0.0, 3)
+    for t, text in [(0.1, "a"), (0.2, ""), (0.3, "b")]:
+        rec.on_event('{"choices":[{"text":"%s","finish_reason":null}]}' % text, t)
+    rec.on_event('{"choices":[{"text":"","finish_reason":"length"}]}', 0.3)
+    r = rec.finish(0.3)
+    assert r.output_tokens == 3
+    assert r.itl == pytest.approx([0.2])  # gaps between chunks a user sees
+    assert tpot(r) == pytest.approx(0.1)
