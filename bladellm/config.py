@@ -56,6 +56,10 @@ class ModelConfig:
     served_model_name: str | None = field(
         default=None, metadata={"help": "Model name in the API; defaults to the directory name."})
     seed: int = field(default=0, metadata={"help": "Seed for unseeded sampling."})
+    attn_cls: str = field(
+        default="auto",
+        metadata={"help": "Attention backend: auto (best for the device) or torch (the "
+                          "PyTorch reference, the CPU path)."})
     load_format: str = field(
         default="auto",
         metadata={"help": "auto (safetensors, then pytorch .bin), safetensors, pt, gguf, or "
@@ -66,6 +70,8 @@ class ModelConfig:
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len",
                f"must be positive, got {self.max_model_len}")
+        _check(self.attn_cls in ("auto", "torch"), "attn_cls",
+               f"unknown attention backend {self.attn_cls!r}; supported: auto, torch")
         _check(self.load_format in ("auto", "safetensors", "pt", "gguf", "dummy"), "load_format",
                f"unknown format {self.load_format!r}")
 
@@ -183,6 +189,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.device == "cpu", "device",
                f"only cpu is supported so far, got {self.device!r}")
+        # A GPU-only knob must not be silently ignored on CPU.
+        default_util = CacheConfig.__dataclass_fields__["max_gpu_memory_utilization"].default
+        _check(self.cache.max_gpu_memory_utilization == default_util,
+               "max_gpu_memory_utilization",
+               "applies to GPU devices; on CPU size the KV cache with --kv_cache_memory")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -38,7 +38,7 @@ class LLMEngine:
         self.core = EngineCore(config, resolved)
 
     def default_sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.model_info.generation_defaults)
+        return SamplingParams(**self.model_info.sampling_defaults)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> None:

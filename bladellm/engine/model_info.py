@@ -42,11 +42,6 @@ class ModelInfo:
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     hf_config: Any = None
 
-    @property
-    def generation_defaults(self) -> dict[str, float | int]:
-        """Alias of ``sampling_defaults`` (the name some callers use)."""
-        return self.sampling_defaults
-
 
 def load_model_info(model_dir: str, tokenizer_dir: str | None = None,
                     trust_remote_code: bool = False, max_model_len: int | None = None,

@@ -43,7 +43,7 @@ class ModelRunner:
         self.hf_config = resolved.hf_config
         self.max_model_len = resolved.max_model_len
         self.dtype = resolved.dtype
-        self.attn_backend = get_attn_backend(None, self.device)
+        self.attn_backend = get_attn_backend(config.model.attn_cls, self.device)
         start = time.perf_counter()
         self.model = resolved.load_model(self.device, self.attn_backend)
         self.model.eval()

@@ -40,16 +40,14 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     tokenizer: Any
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_engine(cls, engine: Any) -> "ServingContext":
         info = engine.model_info
-        defaults = (getattr(info, "sampling_defaults", None)
-                    or getattr(info, "generation_defaults", None) or {})
         return cls(engine=engine, model_name=info.served_model_name,
                    max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-                   tokenizer=info.tokenizer, generation_defaults=dict(defaults))
+                   tokenizer=info.tokenizer, sampling_defaults=dict(info.sampling_defaults))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -96,7 +94,7 @@ def build_sampling_params(req: SamplingRequest, ctx: ServingContext, *, max_toke
     for name in _DEFAULTABLE:
         value = getattr(req, name)
         if value is None:
-            value = ctx.generation_defaults.get(name, _FALLBACKS[name])
+            value = ctx.sampling_defaults.get(name, _FALLBACKS[name])
         values[name] = value
     if max_tokens is not None and max_tokens > ctx.max_model_len:
         raise bad_request(f"max_tokens: {max_tokens} exceeds the model's context length "

@@ -49,7 +49,6 @@ def test_preloaded_config_and_tokenizer_are_used(info, tiny_llama):
     loaded = load_model_info(tiny_llama, hf_config=config, tokenizer=info.tokenizer)
     assert loaded.tokenizer is info.tokenizer
     assert (loaded.max_model_len, loaded.vocab_size) == (64, 400)
-    assert loaded.generation_defaults is loaded.sampling_defaults
 
 
 def test_max_model_len_above_the_model_limit_is_rejected(tiny_llama):
