@@ -15,7 +15,7 @@ from bladellm.entrypoints.openai.errors import bad_request, from_exception, unsu
 from bladellm.entrypoints.openai.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, DeltaMessage)
-from bladellm.entrypoints.openai.serving_common import (
+from bladellm.entrypoints.openai.serving_common import (stream_usage_flags,
     SSE_DONE, SSE_HEADERS, ServingContext, UsageCounter, build_sampling_params, chat_logprobs,
     check_output, merge_streams, reject_unsupported, sse, until_disconnect)
 from bladellm.outputs import RequestOutput
@@ -148,10 +148,7 @@ async def _collect(req: ChatCompletionRequest, merged: AsyncIterator, choices: l
 async def _stream(req: ChatCompletionRequest, request_id: str, model: str, first, merged,
                   choices: list[_Choice]) -> AsyncIterator[str]:
     created = int(time.time())
-    options = req.stream_options
-    include_usage = bool(options and options.include_usage)
-    continuous = bool(options and options.include_usage and options.continuous_usage_stats)
-    exclude = None if include_usage else {"usage"}
+    include_usage, continuous, exclude = stream_usage_flags(req.stream_options)
     usage = UsageCounter()
 
     def chunk(k: int, delta: DeltaMessage, lp=None, finish=None) -> str:

@@ -275,3 +275,11 @@ def sse(payload: str) -> str:
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def stream_usage_flags(options) -> tuple[bool, bool, set[str] | None]:
+    """From ``stream_options``: (usage chunk at the end, usage in every chunk, fields to exclude
+    from each chunk's JSON)."""
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(include_usage and options.continuous_usage_stats)
+    return include_usage, continuous, None if include_usage else {"usage"}

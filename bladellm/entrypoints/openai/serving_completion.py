@@ -14,7 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 from bladellm.entrypoints.openai.errors import bad_request, from_exception, unsupported
 from bladellm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse)
-from bladellm.entrypoints.openai.serving_common import (
+from bladellm.entrypoints.openai.serving_common import (stream_usage_flags,
     SSE_DONE, SSE_HEADERS, ServingContext, UsageCounter, build_sampling_params, check_output,
     check_token_ids, completion_logprobs, merge_streams, reject_unsupported, sse,
     until_disconnect)
@@ -130,10 +130,7 @@ async def _collect(req: CompletionRequest, merged: AsyncIterator, choices: list[
 async def _stream(req: CompletionRequest, request_id: str, model: str, first, merged,
                   choices: list[_Choice]) -> AsyncIterator[str]:
     created = int(time.time())
-    options = req.stream_options
-    include_usage = bool(options and options.include_usage)
-    continuous = bool(options and options.include_usage and options.continuous_usage_stats)
-    exclude = None if include_usage else {"usage"}
+    include_usage, continuous, exclude = stream_usage_flags(req.stream_options)
     usage = UsageCounter()
 
     def chunk(k: int, text: str, lp, finish) -> str:
