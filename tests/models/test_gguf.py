@@ -517,7 +517,6 @@ def test_llm_demo_answers_paris(demo_llm):
     assert "Paris" in answer.outputs[0].text
 
 
-@pytest.mark.slow  # ~140 s on a busy 2-core machine: transformers' generate is the slow half
 def test_llm_demo_greedy_matches_transformers(demo_llm):
     from bladellm.sampling_params import SamplingParams
 
