@@ -31,10 +31,9 @@ from bladellm.core.block_pool import _require
 from bladellm.core.interface import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                      SampleLogprobs, SchedulerOutput)
 from bladellm.core.kv_cache_manager import KVCacheManager, cdiv
-from bladellm.engine.messages import EngineCoreOutput, Logprobs, SchedulerStats
+from bladellm.engine.messages import (QUEUE_TIMEOUT_ERROR, EngineCoreOutput, Logprobs,
+                                      SchedulerStats)
 from bladellm.request import Request, RequestStatus
-
-QUEUE_TIMEOUT_ERROR = "queue_timeout"
 
 
 class Scheduler:

@@ -18,7 +18,7 @@ from bladellm.config import EngineConfig
 from bladellm.engine.core_client import AsyncMPClient
 from bladellm.engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from bladellm.engine.input_processor import InputProcessor
-from bladellm.engine.messages import SchedulerStats
+from bladellm.engine.messages import QUEUE_TIMEOUT_ERROR, SchedulerStats
 from bladellm.engine.metrics import StatLogger
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.model.checkpoint import resolve_model
@@ -27,8 +27,6 @@ from bladellm.sampling_params import SamplingParams
 from bladellm.worker.threads import configure_frontend_threads
 
 logger = logging.getLogger(__name__)
-
-QUEUE_TIMEOUT_ERROR = "queue_timeout"
 
 
 class AsyncLLM:

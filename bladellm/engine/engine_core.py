@@ -61,8 +61,7 @@ class EngineCore:
                          len(sched.num_scheduled_tokens), traceback.format_exc())
             req_ids = list(sched.num_scheduled_tokens)
             # The runner must forget them too (their blocks are freed by the scheduler).
-            for req_id in req_ids:
-                self.runner.states.states.pop(req_id, None)
+            self.runner.drop_requests(req_ids)
             return ModelRunnerOutput(
                 req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
                 errored={r: f"{type(exc).__name__}: {exc}" for r in req_ids})

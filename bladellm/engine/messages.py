@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import enum
-
 import msgspec
 
 from bladellm.sampling_params import SamplingParams
 
 
-class EngineCoreRequestType(enum.IntEnum):
-    ADD = 0
-    ABORT = 1
-    UTILITY = 2  # e.g. "stats", "check_blocks", "shutdown"
+# EngineCoreOutput.error of a request that waited past --max_queue_time (front end: HTTP 503).
+QUEUE_TIMEOUT_ERROR = "queue_timeout"
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):

@@ -64,7 +64,7 @@ def load_model_info(model_dir: str, tokenizer_dir: str | None = None,
         model_dir=str(model_dir),
         tokenizer=tokenizer,
         eos_token_ids=_eos_token_ids(gen_config, tokenizer),
-        max_model_len=_resolve_max_model_len(hf_config, max_model_len),
+        max_model_len=resolve_max_model_len(hf_config, max_model_len),
         served_model_name=served_model_name or _default_served_name(model_dir),
         vocab_size=int(vocab_size),
         has_chat_template=bool(chat_template),
@@ -148,7 +148,7 @@ def _get_text_attr(hf_config, keys: tuple[str, ...]):
     return None
 
 
-def _resolve_max_model_len(hf_config, override: int | None) -> int:
+def resolve_max_model_len(hf_config, override: int | None) -> int:
     derived = _get_text_attr(hf_config, _MAX_LEN_KEYS)
     if override is None:
         if derived is None:

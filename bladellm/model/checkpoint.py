@@ -62,6 +62,7 @@ def _default_name(model: str, path: str) -> str:
 
 def resolve_model(model_config: ModelConfig) -> ResolvedModel:
     """Find the checkpoint and read its config (cheap); weights are read by ``load_model``."""
+    from bladellm.engine.model_info import resolve_max_model_len
     from bladellm.model.demo import resolve_model_path
     from bladellm.model.loader import load_hf_config, resolve_dtype
 
@@ -76,10 +77,5 @@ def resolve_model(model_config: ModelConfig) -> ResolvedModel:
     else:
         hf_config = load_hf_config(path, model_config.trust_remote_code)
     dtype = resolve_dtype(hf_config, model_config.dtype)
-    max_len = getattr(hf_config, "max_position_embeddings", None) or 2048
-    if model_config.max_model_len is not None:
-        if model_config.max_model_len > max_len:
-            raise ValueError(f"--max_model_len: {model_config.max_model_len} exceeds the "
-                             f"model's context length ({max_len})")
-        max_len = model_config.max_model_len
+    max_len = resolve_max_model_len(hf_config, model_config.max_model_len)
     return ResolvedModel(model_config, path, hf_config, dtype, max_len, gguf)

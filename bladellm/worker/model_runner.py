@@ -67,8 +67,6 @@ class ModelRunner:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        if self.device.type != "cpu":
-            raise ValueError("--device: only cpu is supported so far")
         if cache.kv_cache_memory != "auto":
             return max(2, parse_size(cache.kv_cache_memory) // self.bytes_per_block)
         # auto: a share of free memory, but never more than max_num_seqs full-length requests
@@ -82,6 +80,11 @@ class ModelRunner:
                           for _ in range(self.num_layers)]
         logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size,
                     num_blocks * self.bytes_per_block / (1 << 30))
+
+    def drop_requests(self, req_ids: list[str]) -> None:
+        """Forget requests without a scheduler diff (their step failed)."""
+        for req_id in req_ids:
+            self.states.states.pop(req_id, None)
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
