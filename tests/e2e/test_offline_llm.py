@@ -146,3 +146,26 @@ def test_bad_prompt_leaves_nothing_in_engine(tiny_llama):
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_failed_step_fails_its_requests_not_the_engine(tiny_llama):
+    llm = LLM(model=tiny_llama, dtype="float32", debug_block_accounting=True)
+    runner = llm.engine.core.runner
+    real = runner.execute_model
+    calls = {"n": 0}
+
+    def flaky(sched):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second step blows up
+            raise RuntimeError("injected kernel failure")
+        return real(sched)
+
+    runner.execute_model = flaky
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7], [8, 9, 10]], params, use_tqdm=False)
+    assert all(o.error and "injected kernel failure" in o.error for o in outs)
+    assert all(o.outputs[0].finish_reason == "error" for o in outs)
+    assert llm.engine.core.scheduler.get_stats().num_used_blocks == 0
+    # The engine keeps serving afterwards.
+    again = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    assert again.error is None and len(again.outputs[0].token_ids) == 8
