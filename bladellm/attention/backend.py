@@ -13,7 +13,8 @@ block_size``; ``slot_mapping`` gives that slot for each new token of the step.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,6 +32,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     max_seq_len: int
+    # Backend-private data derived from the fields above (e.g. the CPU decode plan): built by the
+    # first layer that needs it and reused by every later layer of the same step.
+    backend_cache: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,17 +1,73 @@
 """Plain-PyTorch paged attention: the CPU path and the reference for every other backend.
 
 Per step: (1) scatter this step's K/V into the paged cache at ``slot_mapping``; (2) the first
-``num_decodes`` requests (one query token each) run as ONE batched SDPA over their gathered
-blocks; (3) each remaining request (a prefill chunk, maybe after a cached prefix) runs one SDPA
-whose queries are the last ``query_len`` of its ``seq_len`` positions.
+``num_decodes`` requests (one query token each) run as a few batched SDPAs over their gathered
+blocks, grouped by length (see ``DecodePlan``); (3) each remaining request (a prefill chunk, maybe
+after a cached prefix) runs one SDPA whose queries are the last ``query_len`` of its ``seq_len``
+positions.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from bladellm.attention.backend import AttentionBackend, AttentionMetadata
+
+# Upper bound on rows x padded length (token slots) of K/V gathered for one decode SDPA call.
+# One call over the whole batch pads every row to the longest one and gathers K/V far larger than
+# the L2 cache before SDPA reads it back; chunks of ~4k slots (4 MiB of bf16 K+V at 4 KV heads x
+# 64) stay cache-resident. Measured on 2 EPYC cores, 128 decodes of 100..500 tokens: ~4x faster
+# per layer; 32 decodes of ~170 tokens: ~1.3x. Per-row results do not change (see DecodePlan).
+DECODE_CHUNK_TOKENS = 4096
+
+
+@dataclass
+class DecodeChunk:
+    rows: torch.Tensor  # [b] int64: indices into the decode batch
+    blocks: torch.Tensor  # [b * num_blocks] int64: each row's first num_blocks block ids
+    length: int  # num_blocks * block_size: every row's K/V padded to this
+    mask: torch.Tensor  # [b, 1, 1, length] bool: key position < the row's seq_len
+
+
+@dataclass
+class DecodePlan:
+    """The decode rows sorted by seq_len and cut into chunks of at most ``DECODE_CHUNK_TOKENS``
+    padded slots (a row longer than that gets a chunk of its own).
+
+    A row's output does not depend on its chunk in exact arithmetic: masked padding keys get zero
+    weight and SDPA treats each (row, head) independently. In bf16, torch's CPU SDPA kernel can
+    round a row differently (by an ulp) depending on its batch-mates, with or without chunks, so
+    this matches one batched call to rounding, as any change of batch composition does.
+    Built once per step (it depends only on the metadata) and shared by all layers.
+    """
+
+    chunks: list[DecodeChunk]
+
+    @classmethod
+    def build(cls, metadata: AttentionMetadata, block_size: int,
+              max_tokens: int = DECODE_CHUNK_TOKENS) -> "DecodePlan":
+        seq_lens = metadata.seq_lens_cpu[:metadata.num_decodes]
+        order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+        groups: list[list[int]] = [[]]
+        for row in order:
+            padded = -(-seq_lens[row] // block_size) * block_size  # the longest so far: sorted
+            if groups[-1] and (len(groups[-1]) + 1) * padded > max_tokens:
+                groups.append([])
+            groups[-1].append(row)
+        device = metadata.block_tables.device
+        chunks = []
+        for rows in groups:
+            num_blocks = -(-seq_lens[rows[-1]] // block_size)
+            length = num_blocks * block_size
+            index = torch.tensor(rows, dtype=torch.int64, device=device)
+            blocks = metadata.block_tables.index_select(0, index)[:, :num_blocks].reshape(-1)
+            lens = metadata.seq_lens.index_select(0, index)
+            mask = (torch.arange(length, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            chunks.append(DecodeChunk(index, blocks, length, mask))
+        return cls(chunks)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -42,22 +98,23 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         """q [B, nh, d] -> [B, nh, d]; one query per request, keys masked beyond seq_len."""
-        nd = q.shape[0]
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        max_len = max(metadata.seq_lens_cpu[:nd])
-        num_blocks = -(-max_len // block_size)  # gather only the blocks the longest one needs
-        blocks = metadata.block_tables[:nd, :num_blocks].reshape(-1)
-        length = num_blocks * block_size
-        k = _gather(k_cache, blocks).view(nd, length, num_kv_heads, head_dim).transpose(1, 2)
-        v = _gather(v_cache, blocks).view(nd, length, num_kv_heads, head_dim).transpose(1, 2)
+        plan = metadata.backend_cache.get("decode_plan")
+        if plan is None:
+            plan = metadata.backend_cache["decode_plan"] = DecodePlan.build(metadata, block_size)
         # A single query needs no causal mask, so the query heads sharing a KV head can ride
-        # in the "query length" axis: [B, kvh, group, d] against [B, kvh, L, d], no K/V expand.
+        # in the "query length" axis: [b, kvh, group, d] against [b, kvh, L, d], no K/V expand.
         group = q.shape[1] // num_kv_heads
-        qg = q.view(nd, num_kv_heads, group, head_dim)
-        positions = torch.arange(length, device=q.device)
-        mask = (positions[None, :] < metadata.seq_lens[:nd, None])[:, None, None, :]
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-        return out.reshape(nd, num_kv_heads * group, head_dim)
+        out = torch.empty_like(q)
+        for chunk in plan.chunks:
+            b = chunk.rows.shape[0]
+            k = _gather(k_cache, chunk.blocks).view(b, chunk.length, num_kv_heads, head_dim)
+            v = _gather(v_cache, chunk.blocks).view(b, chunk.length, num_kv_heads, head_dim)
+            qg = q.index_select(0, chunk.rows).view(b, num_kv_heads, group, head_dim)
+            o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=chunk.mask, scale=scale)
+            out.index_copy_(0, chunk.rows, o.view(b, num_kv_heads * group, head_dim))
+        return out
 
     @staticmethod
     def _prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

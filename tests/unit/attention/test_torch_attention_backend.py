@@ -135,3 +135,41 @@ def test_selector():
     assert isinstance(get_attn_backend("torch", torch.device("cpu")), TorchAttentionBackend)
     with pytest.raises(ValueError, match="--attn_cls.*torch"):
         get_attn_backend("flashinfer", "cpu")
+
+
+# Decode seq_lens around block boundaries (block_size 4): exact multiples, one past, one short.
+BOUNDARY_DECODES = [(1, s) for s in (4, 5, 3, 8, 9, 16, 17, 1, 31, 12)]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 8, 20, 64, 1 << 20],
+                         ids=["row-each", "tiny", "small", "medium", "one-chunk"])
+def test_decode_plan_chunks_match_reference(max_tokens):
+    """Sorted, length-bucketed decode chunks give the same attention as the dense reference,
+    whatever the chunk budget (a row longer than the budget gets a chunk of its own)."""
+    from bladellm.attention.torch_backend import DecodePlan
+
+    block_size = 4
+    q, k, v, cache, md, full_k, full_v = build_case(BOUNDARY_DECODES + [(5, 14)], 8, 2, 16,
+                                                    block_size, seed=7, extra_table_cols=2)
+    plan = DecodePlan.build(md, block_size, max_tokens)
+    rows = torch.cat([c.rows for c in plan.chunks]).tolist()
+    assert sorted(rows) == list(range(md.num_decodes))  # every decode row exactly once
+    lens = [md.seq_lens_cpu[r] for r in rows]
+    assert lens == sorted(lens)
+    for c in plan.chunks:
+        longest = max(md.seq_lens_cpu[r] for r in c.rows.tolist())
+        assert c.length == -(-longest // block_size) * block_size
+        assert len(c.rows) == 1 or len(c.rows) * c.length <= max_tokens
+    md.backend_cache["decode_plan"] = plan  # what forward() would build, with this budget
+    out = TorchAttentionBackend().forward(q, k, v, cache, md, 0.25)
+    torch.testing.assert_close(out.double(), dense_reference(q, full_k, full_v, md, 0.25),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_decode_plan_is_built_once_per_step():
+    q, k, v, cache, md, *_ = build_case([(1, 7), (1, 3), (2, 6)], 4, 2, 8, 4)
+    backend = TorchAttentionBackend()
+    backend.forward(q, k, v, cache, md, 0.3)
+    plan = md.backend_cache["decode_plan"]
+    backend.forward(q, k, v, cache, md, 0.3)  # the next layer of the same step
+    assert md.backend_cache["decode_plan"] is plan
