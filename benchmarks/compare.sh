@@ -6,7 +6,8 @@
 #
 # Each server is started, waited for (/v1/models), measured, and stopped before the next one
 # starts, so they never share the CPU. OUT_DIR (default bench_results/compare-<time>) gets
-# <server>.json/.csv, <server>.log (server output), startup.tsv, env.txt and the two plots.
+# <server>.json/.csv, <server>.log (server output), startup.tsv, env.txt, the two plots and
+# comparison.md (one Markdown table of all servers, as pasted into docs/benchmarks.md).
 #
 # Environment (defaults in brackets):
 #   SERVERS ["bladellm vllm llamacpp"]   which servers, in order

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any, Sequence
 
 from bladellm.bench.client import RequestResult
-from bladellm.bench.metrics import SLO, summarize
+from bladellm.bench.metrics import SLO, max_qps_meeting_slo, summarize
 
 DIST_KEYS = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
 STATS = ("mean", "p50", "p90", "p99")
@@ -128,4 +128,34 @@ def format_table(run: dict[str, Any]) -> str:
                  dist("tpot_ms", ("mean", "p99")), dist("e2e_ms", ("p50", "p99")),
                  _fmt(e.get("goodput"), 2), str(e["errors"])]
         lines.append("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)))
+    return "\n".join(lines)
+
+
+def format_markdown_comparison(runs: Sequence[dict[str, Any]], slo_target: float = 0.9) -> str:
+    """One Markdown table over several runs (servers), rows grouped by request rate, plus each
+    run's highest achieved req/s meeting the SLO. Rates keep the first run's order."""
+
+    lines = ["| rate | server | req/s | out tok/s | TTFT mean / p50 / p99 ms "
+             "| TBT mean / p50 / p99 ms | TPOT mean ms | goodput req/s | errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    rates: list[str] = []
+    for run in runs:
+        rates += [e["request_rate"] for e in run["rates"] if e["request_rate"] not in rates]
+    for rate in rates:
+        for run in runs:
+            for e in (e for e in run["rates"] if e["request_rate"] == rate):
+                def dist(key: str, stats: Sequence[str]) -> str:
+                    return " / ".join(_fmt((e.get(key) or {}).get(s)) for s in stats)
+                lines.append("| " + " | ".join([
+                    rate, run.get("label", ""), _fmt(e["request_throughput"], 2),
+                    _fmt(e["output_throughput"], 1), dist("ttft_ms", ("mean", "p50", "p99")),
+                    dist("itl_ms", ("mean", "p50", "p99")), dist("tpot_ms", ("mean",)),
+                    _fmt(e.get("goodput"), 2), str(e["errors"])]) + " |")
+    best = []
+    for run in runs:
+        b = max_qps_meeting_slo(run["rates"], slo_target)
+        best.append(f"{run.get('label', '')} "
+                    + (f"{b['request_throughput']:.2f} req/s" if b else "none"))
+    lines += ["", f"Highest achieved rate with {slo_target:.0%} of requests meeting the SLO: "
+              + ", ".join(best) + "."]
     return "\n".join(lines)

@@ -21,8 +21,8 @@ from bladellm.bench.client import RequestOptions, fetch_model_name
 from bladellm.bench.datasets import DatasetConfig, build_dataset, load_tokenizer, parse_range
 from bladellm.bench.metrics import SLO, max_qps_meeting_slo, parse_slo
 from bladellm.bench.plots import plot_runs
-from bladellm.bench.report import (format_table, load_json, rate_entry, rate_name, resummarize,
-                                   write_csv, write_json)
+from bladellm.bench.report import (format_markdown_comparison, format_table, load_json,
+                                   rate_entry, rate_name, resummarize, write_csv, write_json)
 from bladellm.bench.runner import SweepConfig, make_session, parse_rates, run_rate, warm_up
 
 
@@ -80,7 +80,8 @@ def build_run_parser() -> argparse.ArgumentParser:
 
 def build_plot_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blade_llm_bench plot",
-                                description="TTFT-vs-QPS and TBT-vs-QPS, one line per file.")
+                                description="TTFT-vs-QPS and TBT-vs-QPS, one line per file, "
+                                            "and comparison.md: one Markdown table of all.")
     p.add_argument("files", nargs="+", help="result JSON files from blade_llm_bench")
     _add(p, "--output_dir", default=".")
     _add(p, "--slo", default=None, help="re-judge goodput under this SLO (default: the files')")
@@ -215,6 +216,10 @@ def plot_main(argv: list[str]) -> int:
         run["label"] = (labels[i] if labels else run.get("label")
                         or os.path.splitext(os.path.basename(path))[0])
     paths = plot_runs(runs, args.output_dir, args.stat, slo, args.slo_target)
+    table = os.path.join(args.output_dir, "comparison.md")
+    with open(table, "w", encoding="utf-8") as f:
+        f.write(format_markdown_comparison(runs, args.slo_target) + "\n")
+    paths.append(table)
     for run in runs:
         best = max_qps_meeting_slo(run["rates"], args.slo_target)
         print(f"{run['label']}: max rate meeting SLO: "

@@ -90,10 +90,17 @@ def test_plot_command_compares_servers(tmp_path, server, capsys):
     plots = tmp_path / "plots"
     assert main(["plot", str(out / "fake.json"), str(out / "slower.json"),
                  "--output-dir", str(plots), "--slo", "ttft:1", "--labels", "A,B"]) == 0
-    assert sorted(p.name for p in plots.iterdir()) == ["tbt_vs_qps.png", "ttft_vs_qps.png"]
+    assert sorted(p.name for p in plots.iterdir()) == [
+        "comparison.md", "tbt_vs_qps.png", "ttft_vs_qps.png"]
     printed = capsys.readouterr().out
     # Re-judged under a 1 ms TTFT target no rate passes.
     assert "A: max rate meeting SLO: none" in printed
+    # One Markdown row per (rate, server), rates in sweep order, servers in file order.
+    table = (plots / "comparison.md").read_text().splitlines()
+    rows = [line.split(" | ")[:2] for line in table[2:] if line.startswith("| ")]
+    assert rows == [["| 10", "A"], ["| 10", "B"], ["| inf", "A"], ["| inf", "B"]]
+    assert table[-1] == ("Highest achieved rate with 90% of requests meeting the SLO: "
+                         "A none, B none.")
 
 
 def test_bad_flag_names_the_flag(tmp_path, capsys):
