@@ -19,10 +19,11 @@ from the model dir at --dtype (or --gguf). Engines run one after another, never 
 from __future__ import annotations
 
 import argparse
-import json
 import gc
+import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -173,9 +174,12 @@ def run_peer(engine: str, model_dir: str, dtype: str, prompts, out_lens, args) -
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 "max_model_len": 2048, "threads": os.cpu_count()}
     (work / "workload.json").write_text(json.dumps(workload))
-    proc = subprocess.run([str(python), str(here / "offline_peer.py"), engine,
-                           str(work / "workload.json")],
-                          check=True, stdout=subprocess.PIPE, text=True)
+    try:
+        proc = subprocess.run([str(python), str(here / "offline_peer.py"), engine,
+                               str(work / "workload.json")],
+                              check=True, stdout=subprocess.PIPE, text=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the workload and any converted GGUF
     rows = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if not rows:
         raise SystemExit(f"{engine}: offline_peer.py printed no result")
@@ -208,6 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output_json", default=None)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    unknown = set(args.engines.split(",")) - {"bladellm", "transformers", "vllm", "llamacpp"}
+    if unknown:
+        ap.error(f"--engines: unknown {sorted(unknown)}")
 
     in_range = tuple(int(x) for x in args.input_len.split(","))
     out_range = tuple(int(x) for x in args.output_len.split(","))
