@@ -26,7 +26,7 @@ DECODE_CHUNK_TOKENS = 4096
 
 @dataclass
 class DecodeChunk:
-    rows: torch.Tensor  # [b] int64: indices into the decode batch
+    rows: torch.Tensor | None  # [b] int64 indices into the decode batch; None: all, in order
     blocks: torch.Tensor  # [b * num_blocks] int64: each row's first num_blocks block ids
     length: int  # num_blocks * block_size: every row's K/V padded to this
     mask: torch.Tensor  # [b, 1, 1, length] bool: key position < the row's seq_len
@@ -58,16 +58,26 @@ class DecodePlan:
                 groups.append([])
             groups[-1].append(row)
         device = metadata.block_tables.device
+        if len(groups) == 1:  # the common small batch: no reordering, no row gather/scatter
+            num_blocks = -(-max(seq_lens) // block_size)
+            tables = metadata.block_tables[:len(seq_lens)]
+            lens = metadata.seq_lens[:len(seq_lens)]
+            return cls([cls._chunk(None, tables, lens, num_blocks, block_size)])
         chunks = []
         for rows in groups:
-            num_blocks = -(-seq_lens[rows[-1]] // block_size)
-            length = num_blocks * block_size
             index = torch.tensor(rows, dtype=torch.int64, device=device)
-            blocks = metadata.block_tables.index_select(0, index)[:, :num_blocks].reshape(-1)
-            lens = metadata.seq_lens.index_select(0, index)
-            mask = (torch.arange(length, device=device)[None, :] < lens[:, None])[:, None, None, :]
-            chunks.append(DecodeChunk(index, blocks, length, mask))
+            chunks.append(cls._chunk(index, metadata.block_tables.index_select(0, index),
+                                     metadata.seq_lens.index_select(0, index),
+                                     -(-seq_lens[rows[-1]] // block_size), block_size))
         return cls(chunks)
+
+    @staticmethod
+    def _chunk(rows: torch.Tensor | None, tables: torch.Tensor, lens: torch.Tensor,
+               num_blocks: int, block_size: int) -> DecodeChunk:
+        length = num_blocks * block_size
+        positions = torch.arange(length, device=tables.device)
+        mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+        return DecodeChunk(rows, tables[:, :num_blocks].reshape(-1), length, mask)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -105,15 +115,19 @@ class TorchAttentionBackend(AttentionBackend):
         # A single query needs no causal mask, so the query heads sharing a KV head can ride
         # in the "query length" axis: [b, kvh, group, d] against [b, kvh, L, d], no K/V expand.
         group = q.shape[1] // num_kv_heads
-        out = torch.empty_like(q)
+        out = None if plan.chunks[0].rows is None else torch.empty_like(q)
         for chunk in plan.chunks:
-            b = chunk.rows.shape[0]
+            b = chunk.mask.shape[0]
             k = _gather(k_cache, chunk.blocks).view(b, chunk.length, num_kv_heads, head_dim)
             v = _gather(v_cache, chunk.blocks).view(b, chunk.length, num_kv_heads, head_dim)
-            qg = q.index_select(0, chunk.rows).view(b, num_kv_heads, group, head_dim)
-            o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+            qc = q if chunk.rows is None else q.index_select(0, chunk.rows)
+            o = F.scaled_dot_product_attention(qc.view(b, num_kv_heads, group, head_dim),
+                                               k.transpose(1, 2), v.transpose(1, 2),
                                                attn_mask=chunk.mask, scale=scale)
-            out.index_copy_(0, chunk.rows, o.view(b, num_kv_heads * group, head_dim))
+            o = o.reshape(b, num_kv_heads * group, head_dim)
+            if chunk.rows is None:
+                return o
+            out.index_copy_(0, chunk.rows, o)
         return out
 
     @staticmethod

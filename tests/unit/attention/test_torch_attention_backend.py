@@ -152,14 +152,19 @@ def test_decode_plan_chunks_match_reference(max_tokens):
     q, k, v, cache, md, full_k, full_v = build_case(BOUNDARY_DECODES + [(5, 14)], 8, 2, 16,
                                                     block_size, seed=7, extra_table_cols=2)
     plan = DecodePlan.build(md, block_size, max_tokens)
-    rows = torch.cat([c.rows for c in plan.chunks]).tolist()
-    assert sorted(rows) == list(range(md.num_decodes))  # every decode row exactly once
-    lens = [md.seq_lens_cpu[r] for r in rows]
-    assert lens == sorted(lens)
-    for c in plan.chunks:
-        longest = max(md.seq_lens_cpu[r] for r in c.rows.tolist())
+    if len(plan.chunks) == 1:  # one chunk keeps the batch order: no row gather/scatter
+        assert plan.chunks[0].rows is None
+        chunk_rows = [list(range(md.num_decodes))]
+    else:
+        chunk_rows = [c.rows.tolist() for c in plan.chunks]
+        rows = [r for cr in chunk_rows for r in cr]
+        assert sorted(rows) == list(range(md.num_decodes))  # every decode row exactly once
+        lens = [md.seq_lens_cpu[r] for r in rows]
+        assert lens == sorted(lens)
+    for c, cr in zip(plan.chunks, chunk_rows):
+        longest = max(md.seq_lens_cpu[r] for r in cr)
         assert c.length == -(-longest // block_size) * block_size
-        assert len(c.rows) == 1 or len(c.rows) * c.length <= max_tokens
+        assert len(cr) == 1 or len(cr) * c.length <= max_tokens
     md.backend_cache["decode_plan"] = plan  # what forward() would build, with this budget
     out = TorchAttentionBackend().forward(q, k, v, cache, md, 0.25)
     torch.testing.assert_close(out.double(), dense_reference(q, full_k, full_v, md, 0.25),
