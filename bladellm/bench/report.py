@@ -110,6 +110,11 @@ def _fmt(v: Any, digits: int = 1) -> str:
     return str(v)
 
 
+def _dist(entry: dict[str, Any], key: str, stats: Sequence[str], sep: str = "/") -> str:
+    """Some statistics of one latency distribution of a rate entry, e.g. "12.0/11.5/20.1"."""
+    return sep.join(_fmt((entry.get(key) or {}).get(s)) for s in stats)
+
+
 def format_table(run: dict[str, Any]) -> str:
     """Fixed-width summary: one row per rate. Latencies in ms as mean/p50/p90/p99."""
     cols = [("rate", 6), ("req/s", 7), ("out tok/s", 9), ("TTFT mean/p50/p90/p99", 27),
@@ -121,36 +126,32 @@ def format_table(run: dict[str, Any]) -> str:
              f"dataset={run.get('dataset', '')}  slo(ms)={slo}  latencies in ms", header,
              "-" * len(header)]
     for e in run["rates"]:
-        def dist(key: str, stats: Sequence[str]) -> str:
-            return "/".join(_fmt((e.get(key) or {}).get(s)) for s in stats)
         cells = [e["request_rate"], _fmt(e["request_throughput"], 2),
-                 _fmt(e["output_throughput"], 1), dist("ttft_ms", STATS), dist("itl_ms", STATS),
-                 dist("tpot_ms", ("mean", "p99")), dist("e2e_ms", ("p50", "p99")),
-                 _fmt(e.get("goodput"), 2), str(e["errors"])]
+                 _fmt(e["output_throughput"], 1), _dist(e, "ttft_ms", STATS),
+                 _dist(e, "itl_ms", STATS), _dist(e, "tpot_ms", ("mean", "p99")),
+                 _dist(e, "e2e_ms", ("p50", "p99")), _fmt(e.get("goodput"), 2), str(e["errors"])]
         lines.append("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)))
     return "\n".join(lines)
 
 
 def format_markdown_comparison(runs: Sequence[dict[str, Any]], slo_target: float = 0.9) -> str:
     """One Markdown table over several runs (servers), rows grouped by request rate, plus each
-    run's highest achieved req/s meeting the SLO. Rates keep the first run's order."""
-
+    run's highest achieved req/s meeting the SLO. Rates keep the order they first appear in."""
     lines = ["| rate | server | req/s | out tok/s | TTFT mean / p50 / p99 ms "
              "| TBT mean / p50 / p99 ms | TPOT mean ms | goodput req/s | errors |",
              "|---|---|---|---|---|---|---|---|---|"]
-    rates: list[str] = []
+    by_rate: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for run in runs:
-        rates += [e["request_rate"] for e in run["rates"] if e["request_rate"] not in rates]
-    for rate in rates:
-        for run in runs:
-            for e in (e for e in run["rates"] if e["request_rate"] == rate):
-                def dist(key: str, stats: Sequence[str]) -> str:
-                    return " / ".join(_fmt((e.get(key) or {}).get(s)) for s in stats)
-                lines.append("| " + " | ".join([
-                    rate, run.get("label", ""), _fmt(e["request_throughput"], 2),
-                    _fmt(e["output_throughput"], 1), dist("ttft_ms", ("mean", "p50", "p99")),
-                    dist("itl_ms", ("mean", "p50", "p99")), dist("tpot_ms", ("mean",)),
-                    _fmt(e.get("goodput"), 2), str(e["errors"])]) + " |")
+        for e in run["rates"]:
+            by_rate.setdefault(e["request_rate"], []).append((run.get("label", ""), e))
+    three = ("mean", "p50", "p99")
+    for rate, entries in by_rate.items():
+        for label, e in entries:
+            cells = [rate, label, _fmt(e["request_throughput"], 2),
+                     _fmt(e["output_throughput"], 1), _dist(e, "ttft_ms", three, " / "),
+                     _dist(e, "itl_ms", three, " / "), _dist(e, "tpot_ms", ("mean",)),
+                     _fmt(e.get("goodput"), 2), str(e["errors"])]
+            lines.append("| " + " | ".join(cells) + " |")
     best = []
     for run in runs:
         b = max_qps_meeting_slo(run["rates"], slo_target)

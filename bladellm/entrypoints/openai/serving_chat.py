@@ -15,9 +15,9 @@ from bladellm.entrypoints.openai.errors import bad_request, from_exception, unsu
 from bladellm.entrypoints.openai.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, DeltaMessage)
-from bladellm.entrypoints.openai.serving_common import (stream_usage_flags,
+from bladellm.entrypoints.openai.serving_common import (
     SSE_DONE, SSE_HEADERS, ServingContext, UsageCounter, build_sampling_params, chat_logprobs,
-    check_output, merge_streams, reject_unsupported, sse, until_disconnect)
+    check_output, merge_streams, reject_unsupported, sse, stream_usage_flags, until_disconnect)
 from bladellm.outputs import RequestOutput
 
 _MAX_TOP_LOGPROBS = 20

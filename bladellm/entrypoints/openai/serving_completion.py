@@ -14,10 +14,10 @@ from fastapi.responses import Response, StreamingResponse
 from bladellm.entrypoints.openai.errors import bad_request, from_exception, unsupported
 from bladellm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse)
-from bladellm.entrypoints.openai.serving_common import (stream_usage_flags,
+from bladellm.entrypoints.openai.serving_common import (
     SSE_DONE, SSE_HEADERS, ServingContext, UsageCounter, build_sampling_params, check_output,
     check_token_ids, completion_logprobs, merge_streams, reject_unsupported, sse,
-    until_disconnect)
+    stream_usage_flags, until_disconnect)
 from bladellm.outputs import RequestOutput
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for legacy completions
