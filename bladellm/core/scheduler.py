@@ -31,7 +31,7 @@ from bladellm.core.block_pool import _require
 from bladellm.core.interface import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                      SampleLogprobs, SchedulerOutput)
 from bladellm.core.kv_cache_manager import KVCacheManager, cdiv
-from bladellm.engine.messages import (QUEUE_TIMEOUT_ERROR, EngineCoreOutput, Logprobs,
+from bladellm.core.outputs import (QUEUE_TIMEOUT_ERROR, EngineCoreOutput, Logprobs,
                                       SchedulerStats)
 from bladellm.request import Request, RequestStatus
 

@@ -21,6 +21,7 @@ from bladellm.engine.input_processor import InputProcessor
 from bladellm.engine.messages import QUEUE_TIMEOUT_ERROR, SchedulerStats
 from bladellm.engine.metrics import StatLogger
 from bladellm.engine.output_processor import OutputProcessor
+from bladellm.engine.model_info import model_info_for
 from bladellm.model.checkpoint import resolve_model
 from bladellm.outputs import RequestOutput
 from bladellm.sampling_params import SamplingParams
@@ -34,7 +35,7 @@ class AsyncLLM:
         configure_frontend_threads()
         self.config = config
         resolved = resolve_model(config.model)
-        self.model_info = resolved.model_info()
+        self.model_info = model_info_for(resolved)
         self.input_processor = InputProcessor(self.model_info)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
         self.stat_loggers = list(stat_loggers or [])

@@ -17,6 +17,7 @@ from bladellm.config import EngineConfig
 from bladellm.engine.engine_core import EngineCore
 from bladellm.engine.input_processor import InputProcessor
 from bladellm.engine.output_processor import OutputProcessor
+from bladellm.engine.model_info import model_info_for
 from bladellm.model.checkpoint import resolve_model
 from bladellm.outputs import RequestOutput
 from bladellm.sampling_params import SamplingParams
@@ -32,7 +33,7 @@ class LLMEngine:
         self.config = config
         configure_engine_threads(config.parallel.num_threads)
         resolved = resolve_model(config.model)
-        self.model_info = resolved.model_info()
+        self.model_info = model_info_for(resolved)
         self.input_processor = InputProcessor(self.model_info)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
         self.core = EngineCore(config, resolved)

@@ -13,20 +13,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from bladellm.model.checkpoint import ResolvedModel, default_served_name
+from bladellm.model.model_len import get_text_attr, resolve_max_model_len
 from bladellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # generation_config.json keys that map 1:1 onto SamplingParams fields.
 _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-# Where configs keep the context length, in order of preference.
-_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
-                 "max_sequence_length", "n_ctx")
-
-# When the config states no context length at all (rare; some remote-code models).
-_FALLBACK_MAX_MODEL_LEN = 2048
-
 
 @dataclass
 class ModelInfo:
@@ -58,7 +52,7 @@ def load_model_info(model_dir: str, tokenizer_dir: str | None = None,
     if hf_config is None:
         hf_config = _load_hf_config(model_dir, trust_remote_code)
     gen_config = _read_generation_config(model_dir)
-    vocab_size = _get_text_attr(hf_config, ("vocab_size",)) or len(tokenizer)
+    vocab_size = get_text_attr(hf_config, ("vocab_size",)) or len(tokenizer)
     chat_template = getattr(tokenizer, "chat_template", None)
     return ModelInfo(
         model_dir=str(model_dir),
@@ -134,35 +128,15 @@ def _sampling_defaults(gen_config: dict) -> dict[str, float | int]:
     return defaults
 
 
-def _get_text_attr(hf_config, keys: tuple[str, ...]):
-    """First of ``keys`` set on the config or, for multimodal configs, on its text_config."""
-    if hf_config is None:
-        return None
-    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
-        if cfg is None:
-            continue
-        for key in keys:
-            value = getattr(cfg, key, None)
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
-
-
-def resolve_max_model_len(hf_config, override: int | None) -> int:
-    derived = _get_text_attr(hf_config, _MAX_LEN_KEYS)
-    if override is None:
-        if derived is None:
-            logger.warning("config states no context length; using max_model_len=%d",
-                           _FALLBACK_MAX_MODEL_LEN)
-            return _FALLBACK_MAX_MODEL_LEN
-        return derived
-    if override <= 0:
-        raise ValueError(f"--max_model_len: must be positive, got {override}")
-    if derived is not None and override > derived:
-        raise ValueError(f"--max_model_len: {override} exceeds the model's context length "
-                         f"({derived}, max_position_embeddings in config.json)")
-    return override
-
-
 def _default_served_name(model_dir: str) -> str:
     return os.path.basename(os.path.normpath(str(model_dir))) or str(model_dir)
+
+
+def model_info_for(resolved: ResolvedModel) -> ModelInfo:
+    """The API process's view of a resolved model (tokenizer from the GGUF file when served from
+    one)."""
+    cfg = resolved.model_config
+    name = cfg.served_model_name or default_served_name(cfg.model, resolved.path)
+    tokenizer = resolved.gguf.load_tokenizer() if resolved.gguf is not None else None
+    return load_model_info(resolved.path, cfg.tokenizer, cfg.trust_remote_code,
+                           resolved.max_model_len, resolved.hf_config, name, tokenizer=tokenizer)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from bladellm.config import ModelConfig
+from bladellm.model.model_len import resolve_max_model_len
 
 
 @dataclass
@@ -40,20 +41,8 @@ class ResolvedModel:
         check_all_loaded(model, model.load_weights(self.gguf.iter_hf_weights(self.dtype)))
         return model.eval()
 
-    def model_info(self):
-        from bladellm.engine.model_info import load_model_info
 
-        cfg = self.model_config
-        name = cfg.served_model_name or _default_name(cfg.model, self.path)
-        if self.gguf is None:
-            return load_model_info(self.path, cfg.tokenizer, cfg.trust_remote_code,
-                                   self.max_model_len, self.hf_config, name)
-        return load_model_info(self.path, cfg.tokenizer, cfg.trust_remote_code,
-                               self.max_model_len, self.hf_config, name,
-                               tokenizer=self.gguf.load_tokenizer())
-
-
-def _default_name(model: str, path: str) -> str:
+def default_served_name(model: str, path: str) -> str:
     if model == "demo":
         return "SmolLM2-135M-Instruct"
     base = os.path.basename(os.path.normpath(path))
@@ -62,7 +51,6 @@ def _default_name(model: str, path: str) -> str:
 
 def resolve_model(model_config: ModelConfig) -> ResolvedModel:
     """Find the checkpoint and read its config (cheap); weights are read by ``load_model``."""
-    from bladellm.engine.model_info import resolve_max_model_len
     from bladellm.model.demo import resolve_model_path
     from bladellm.model.loader import load_hf_config, resolve_dtype
 

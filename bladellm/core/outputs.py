@@ -1,0 +1,47 @@
+"""What the scheduler reports each step: one ``EngineCoreOutput`` per request that changed, plus
+``SchedulerStats``.
+
+They are msgspec structs because the same objects cross the process boundary unchanged
+(``engine/messages.py`` wraps them in ``EngineCoreOutputs``): built once in the scheduler, encoded
+once, never re-packed. Pure data: nothing here imports torch or the engine.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# EngineCoreOutput.error of a request that waited past --max_queue_time (front end: HTTP 503).
+QUEUE_TIMEOUT_ERROR = "queue_timeout"
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """For each new token: [sampled, top-1..top-k] ids and logprobs, and the sampled rank."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Logprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    error: str | None = None
+    num_cached_tokens: int = 0  # prompt-cache hit (tokens) on first admission
+    queued_time: float = 0.0  # seconds from arrival to first scheduled; sent with the first output
+
+
+class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks held by requests
+    num_used_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
+    prefix_cache_hits: int = 0  # cumulative prompt tokens found cached
+    num_preemptions: int = 0  # cumulative
+    num_prompt_tokens: int = 0  # cumulative tokens prefilled (after cache hits)
+    num_generation_tokens: int = 0  # cumulative tokens sampled
+    num_steps: int = 0

@@ -1,0 +1,1 @@
+"""What the machine offers (ISA, cores, memory), read once at start-up."""
