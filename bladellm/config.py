@@ -58,8 +58,9 @@ class ModelConfig:
     seed: int = field(default=0, metadata={"help": "Seed for unseeded sampling."})
     attn_cls: str = field(
         default="auto",
-        metadata={"help": "Attention backend: auto (best for the device) or torch (the "
-                          "PyTorch reference, the CPU path)."})
+        metadata={"help": "Attention backend: auto / paged (paged-attention kernels compiled "
+                          "for this CPU's ISA; the PyTorch reference if they cannot be built) "
+                          "or torch (the plain-PyTorch reference twins)."})
     load_format: str = field(
         default="auto",
         metadata={"help": "auto (safetensors, then pytorch .bin), safetensors, pt, gguf, or "
@@ -70,8 +71,8 @@ class ModelConfig:
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len",
                f"must be positive, got {self.max_model_len}")
-        _check(self.attn_cls in ("auto", "torch"), "attn_cls",
-               f"unknown attention backend {self.attn_cls!r}; supported: auto, torch")
+        _check(self.attn_cls in ("auto", "paged", "torch"), "attn_cls",
+               f"unknown attention backend {self.attn_cls!r}; supported: auto, paged, torch")
         _check(self.load_format in ("auto", "safetensors", "pt", "gguf", "dummy"), "load_format",
                f"unknown format {self.load_format!r}")
 

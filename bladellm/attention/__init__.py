@@ -4,26 +4,27 @@ from __future__ import annotations
 
 import torch
 
-from bladellm.attention.backend import AttentionBackend, AttentionContext, AttentionMetadata
+from bladellm.attention.backend import AttentionBackend, AttentionMetadata
 
-# --attn_cls value -> backend; "auto" / None picks per device.
-_BACKENDS = ("torch",)
+_BACKENDS = ("auto", "paged", "torch")
 
 
 def get_attn_backend(name: str | None, device: str | torch.device) -> AttentionBackend:
-    """Backend for ``--attn_cls`` (None or "auto": the best available for ``device``).
+    """Backend for ``--attn_cls``: ``auto`` / ``paged`` run the compiled kernels chosen for this
+    CPU (the reference if they cannot be built), ``torch`` the plain-PyTorch reference twins."""
+    from bladellm.attention.paged_backend import PagedAttentionBackend
 
-    Only the torch reference exists so far; a Triton backend will become the GPU default here.
-    """
     name = (name or "auto").lower()
-    if name == "auto":
-        name = "torch"
+    if name in ("auto", "paged"):
+        from bladellm.kernels import get_kernels
+
+        return PagedAttentionBackend(get_kernels(), "paged")
     if name == "torch":
-        from bladellm.attention.torch_backend import TorchAttentionBackend
+        from bladellm.kernels import ref
 
-        return TorchAttentionBackend()
+        return PagedAttentionBackend(ref, "torch")
     raise ValueError(f"--attn_cls: unknown attention backend {name!r}; supported: "
-                     f"auto, {', '.join(_BACKENDS)}")
+                     f"{', '.join(_BACKENDS)}")
 
 
-__all__ = ["AttentionBackend", "AttentionContext", "AttentionMetadata", "get_attn_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_attn_backend"]

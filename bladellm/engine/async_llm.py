@@ -25,7 +25,7 @@ from bladellm.engine.model_info import model_info_for
 from bladellm.model.checkpoint import resolve_model
 from bladellm.outputs import RequestOutput
 from bladellm.sampling_params import SamplingParams
-from bladellm.worker.threads import configure_frontend_threads
+from bladellm.platforms.threads import configure_frontend_threads
 
 logger = logging.getLogger(__name__)
 

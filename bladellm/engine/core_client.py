@@ -55,9 +55,6 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
     try:
         from bladellm.engine.engine_core import EngineCore
         from bladellm.model.checkpoint import resolve_model
-        from bladellm.worker.threads import configure_engine_threads
-
-        configure_engine_threads(config.parallel.num_threads)
         core = EngineCore(config, resolve_model(config.model))
     except BaseException as exc:  # noqa: BLE001 - report any start-up failure to the parent
         ready_conn.send({"status": "failed",

@@ -13,10 +13,10 @@ import traceback
 from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.core.scheduler import Scheduler
+from bladellm.executor import get_executor_class
 from bladellm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from bladellm.model.checkpoint import ResolvedModel
 from bladellm.request import Request
-from bladellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +25,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
         self.config = config
         self.max_model_len = resolved.max_model_len
-        self.runner = ModelRunner(config, resolved)
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.initialize_kv_cache(num_blocks)
+        self.executor = get_executor_class(config)(config, resolved)
+        num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
         self.num_blocks = num_blocks
 
@@ -55,13 +55,13 @@ class EngineCore:
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run the batch; if it fails, fail the requests in it rather than the engine."""
         try:
-            return self.runner.execute_model(sched)
+            return self.executor.execute_model(sched)
         except Exception as exc:  # noqa: BLE001 - one bad batch must not kill the server
             logger.error("step failed; failing its %d requests:\n%s",
                          len(sched.num_scheduled_tokens), traceback.format_exc())
             req_ids = list(sched.num_scheduled_tokens)
-            # The runner must forget them too (their blocks are freed by the scheduler).
-            self.runner.drop_requests(req_ids)
+            # The workers must forget them too (their blocks are freed by the scheduler).
+            self.executor.drop_requests(req_ids)
             return ModelRunnerOutput(
                 req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
                 errored={r: f"{type(exc).__name__}: {exc}" for r in req_ids})

@@ -21,7 +21,6 @@ from bladellm.engine.model_info import model_info_for
 from bladellm.model.checkpoint import resolve_model
 from bladellm.outputs import RequestOutput
 from bladellm.sampling_params import SamplingParams
-from bladellm.worker.threads import configure_engine_threads
 
 PromptType = str | list[int]
 
@@ -31,7 +30,6 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        configure_engine_threads(config.parallel.num_threads)
         resolved = resolve_model(config.model)
         self.model_info = model_info_for(resolved)
         self.input_processor = InputProcessor(self.model_info)

@@ -1,118 +1,171 @@
-"""The runner's persistent per-request state, and the flat batch built from it each step.
+"""The runner's persistent batch: one row per running request, kept across steps.
 
-The scheduler sends new requests in full and running ones as diffs; ``RequestStates`` applies them
-so the runner always knows every scheduled request's tokens and block table. ``build_step_inputs``
-turns one ``SchedulerOutput`` into flat, unpadded tensors: decodes first (query_len 1), then
-prefill chunks, the order the attention backend expects.
+A request gets a row when it first arrives (``scheduled_new_reqs``) and keeps it until it
+finishes or is preempted; running requests arrive as diffs (tokens sampled since, new blocks, the
+new ``num_computed_tokens``) that are written into the row in place. Token ids, counts, block
+tables and sampling parameters live in arrays preallocated from ``--max_num_seqs``,
+``--max_model_len`` and ``--max_num_batched_tokens``; each step's flat inputs are gathered from
+them with vectorised numpy into preallocated step buffers that the tensors handed to the model
+share memory with. Nothing is rebuilt for rows that did not change, and there is no per-request
+Python loop beyond mapping request ids to rows.
+
+Every request contributes ``q >= 1`` query tokens to the flat batch (prefill chunk, one decode
+token, or 1 + k to verify); it samples when the step reaches the end of its known tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from bladellm.attention.backend import AttentionMetadata
-from bladellm.core.interface import SchedulerOutput
-from bladellm.sampling_params import SamplingParams
-
-
-@dataclass
-class RequestState:
-    req_id: str
-    token_ids: list[int]  # prompt + output so far
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    eos_token_ids: frozenset[int] = frozenset()
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-
-@dataclass
-class RequestStates:
-    states: dict[str, RequestState] = field(default_factory=dict)
-
-    def apply(self, sched: SchedulerOutput) -> None:
-        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
-            self.states.pop(req_id, None)
-        for new in sched.scheduled_new_reqs:
-            self.states[new.req_id] = RequestState(
-                req_id=new.req_id, token_ids=list(new.token_ids),
-                num_prompt_tokens=new.num_prompt_tokens, sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                eos_token_ids=frozenset(new.eos_token_ids))
-        for diff in sched.scheduled_cached_reqs:
-            state = self.states[diff.req_id]
-            state.token_ids.extend(diff.new_token_ids)
-            state.block_ids.extend(diff.new_block_ids)
-            state.num_computed_tokens = diff.num_computed_tokens
+from bladellm.core.interface import NewRequestData, SchedulerOutput
+from bladellm.sample.metadata import SamplingMetadata
+from bladellm.worker.sampling_rows import SamplingRows
 
 
 @dataclass
 class StepInputs:
-    req_ids: list[str]  # batch order: decodes first, then prefill chunks
+    req_ids: list[str]  # flat-batch order (the scheduler's)
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    metadata: AttentionMetadata
-    # Requests whose step reaches the end of their known tokens: they sample one token.
-    sample_req_ids: list[str]
-    logits_indices: torch.Tensor  # [len(sample_req_ids)] index into the flat tokens
+    attn_metadata: AttentionMetadata
+    # Requests that sample this step, as indices into req_ids, and the flat token index whose
+    # hidden state gives each one's logits.
+    sample_indices: np.ndarray  # [S] int64
+    logits_indices: torch.Tensor  # [S] int64
+    sampling: SamplingMetadata | None  # None when nothing samples
 
 
-def build_step_inputs(sched: SchedulerOutput, states: RequestStates, block_size: int,
-                      device: torch.device) -> StepInputs:
-    num_sched = sched.num_scheduled_tokens
-    # Stable order: decodes (one token) first, then chunks; within each, scheduler order.
-    req_ids = sorted(num_sched, key=lambda r: num_sched[r] != 1)
-    num_decodes = sum(1 for r in req_ids if num_sched[r] == 1)
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
+                 block_size: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.max_num_tokens = max_num_batched_tokens
+        self.block_size = block_size
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        R, B, T = max_num_reqs, self.max_blocks_per_req, max_num_batched_tokens
+        # Per-row state.
+        self.token_ids = np.zeros((R, max_model_len), np.int64)
+        self.num_tokens = np.zeros(R, np.int64)
+        self.num_prompt_tokens = np.zeros(R, np.int64)
+        self.num_computed_tokens = np.zeros(R, np.int64)
+        self.block_table = np.zeros((R, B), np.int32)
+        self.num_blocks = np.zeros(R, np.int64)
+        self.sampling = SamplingRows(R)
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(R - 1, -1, -1))  # pop() hands out the lowest row
+        # Step buffers: the model's input tensors are views of these (torch.from_numpy shares).
+        self._input_ids = np.zeros(T, np.int64)
+        self._positions = np.zeros(T, np.int64)
+        self._slot_mapping = np.zeros(T, np.int64)
+        self._query_start_loc = np.zeros(R + 1, np.int32)
+        self._seq_lens = np.zeros(R, np.int32)
+        self._block_tables = np.zeros(R * B, np.int32)  # flat: a [n, b] prefix is contiguous
+        self._arange = np.arange(max(T, max_model_len) + 1, dtype=np.int64)
 
-    input_ids: list[int] = []
-    positions: list[np.ndarray] = []
-    slots: list[np.ndarray] = []
-    query_start = [0]
-    seq_lens: list[int] = []
-    tables: list[list[int]] = []
-    sample_req_ids: list[str] = []
-    logits_indices: list[int] = []
-    for req_id in req_ids:
-        state = states.states[req_id]
-        start = state.num_computed_tokens
-        n = num_sched[req_id]
-        end = start + n
-        input_ids.extend(state.token_ids[start:end])
-        pos = np.arange(start, end, dtype=np.int64)
-        blocks = np.asarray(state.block_ids, dtype=np.int64)
-        positions.append(pos)
-        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-        query_start.append(query_start[-1] + n)
-        seq_lens.append(end)
-        tables.append(state.block_ids)
-        if end == len(state.token_ids):
-            sample_req_ids.append(req_id)
-            logits_indices.append(query_start[-1] - 1)
+    # ---- applying the scheduler's diffs ---------------------------------------------------------
+    @property
+    def num_reqs(self) -> int:
+        return len(self.row_of)
 
-    max_blocks = max(len(t) for t in tables)
-    table_arr = np.zeros((len(tables), max_blocks), dtype=np.int64)
-    for i, t in enumerate(tables):
-        table_arr[i, :len(t)] = t
+    def apply(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids | sched.preempted_req_ids:
+            self.remove(req_id)
+        for new in sched.scheduled_new_reqs:
+            self.add(new)
+        for diff in sched.scheduled_cached_reqs:
+            row = self.row_of[diff.req_id]
+            if diff.new_token_ids:
+                n = int(self.num_tokens[row])
+                self.token_ids[row, n:n + len(diff.new_token_ids)] = diff.new_token_ids
+                self.num_tokens[row] = n + len(diff.new_token_ids)
+            if diff.new_block_ids:
+                b = int(self.num_blocks[row])
+                self.block_table[row, b:b + len(diff.new_block_ids)] = diff.new_block_ids
+                self.num_blocks[row] = b + len(diff.new_block_ids)
+            self.num_computed_tokens[row] = diff.num_computed_tokens
 
-    def dev(x) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(x, dtype=np.int64)).to(device, non_blocking=True)
+    def add(self, new: NewRequestData) -> None:
+        if new.req_id in self.row_of:  # resumed without a preemption notice: start over
+            self.remove(new.req_id)
+        row = self._free_rows.pop()
+        self.row_of[new.req_id] = row
+        n, b = len(new.token_ids), len(new.block_ids)
+        self.token_ids[row, :n] = new.token_ids
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = new.num_prompt_tokens
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.block_table[row, :b] = new.block_ids
+        self.num_blocks[row] = b
+        self.sampling.set_row(row, new.sampling_params, new.eos_token_ids)
 
-    metadata = AttentionMetadata(
-        num_reqs=len(req_ids), num_decodes=num_decodes, num_actual_tokens=len(input_ids),
-        query_start_loc=dev(query_start), seq_lens=dev(seq_lens), block_tables=dev(table_arr),
-        slot_mapping=dev(np.concatenate(slots)), query_start_loc_cpu=query_start,
-        seq_lens_cpu=seq_lens, max_seq_len=max(seq_lens))
-    return StepInputs(
-        req_ids=req_ids, input_ids=dev(input_ids), positions=dev(np.concatenate(positions)),
-        metadata=metadata, sample_req_ids=sample_req_ids, logits_indices=dev(logits_indices))
+    def remove(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.sampling.clear_row(row)
+            self._free_rows.append(row)
+
+    def output_token_ids(self, req_id: str) -> list[int]:
+        row = self.row_of[req_id]
+        return self.token_ids[row, self.num_prompt_tokens[row]:self.num_tokens[row]].tolist()
+
+    # ---- one step's flat inputs -----------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        num_sched = sched.num_scheduled_tokens
+        req_ids = list(num_sched)
+        n = len(req_ids)
+        rows = np.fromiter(map(self.row_of.__getitem__, req_ids), np.int64, n)
+        q_lens = np.fromiter(num_sched.values(), np.int32, n)
+        qsl = self._query_start_loc[:n + 1]
+        np.cumsum(q_lens, out=qsl[1:], dtype=np.int32)
+        T = int(qsl[n])
+        if T > self.max_num_tokens:
+            raise ValueError(f"step has {T} tokens; --max_num_batched_tokens is "
+                             f"{self.max_num_tokens}")
+        computed = self.num_computed_tokens[rows]
+        seq_lens = self._seq_lens[:n]
+        np.add(computed, q_lens, out=seq_lens)
+
+        positions = self._positions[:T]
+        if T == n:  # one token per request: no repeat needed
+            tok_rows = rows
+            positions[:] = computed
+        else:
+            tok_rows = np.repeat(rows, q_lens)
+            np.add(np.repeat(computed - qsl[:n], q_lens), self._arange[:T], out=positions)
+        input_ids = self._input_ids[:T]
+        np.take(self.token_ids.reshape(-1), tok_rows * self.max_model_len + positions,
+                out=input_ids)
+        block_idx = tok_rows * self.max_blocks_per_req + positions // self.block_size
+        slots = self._slot_mapping[:T]
+        slots[:] = self.block_table.reshape(-1)[block_idx]
+        slots *= self.block_size
+        slots += positions % self.block_size
+
+        max_seq_len = int(seq_lens.max())
+        width = -(-max_seq_len // self.block_size)
+        tables = self._block_tables[:n * width].reshape(n, width)
+        np.take(self.block_table[:, :width], rows, axis=0, out=tables)
+
+        # A request samples when this step reaches the end of its known tokens.
+        sample_indices = np.flatnonzero(seq_lens >= self.num_tokens[rows])
+        sampling = None
+        if len(sample_indices):
+            sampling = self.sampling.metadata(rows[sample_indices], self.token_ids,
+                                              self.num_tokens, self.num_prompt_tokens)
+        metadata = AttentionMetadata(
+            num_reqs=n, num_actual_tokens=T, max_query_len=int(q_lens.max()),
+            max_seq_len=max_seq_len, query_start_loc=torch.from_numpy(qsl),
+            seq_lens=torch.from_numpy(seq_lens), block_tables=torch.from_numpy(tables),
+            slot_mapping=torch.from_numpy(slots), query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens)
+        return StepInputs(
+            req_ids=req_ids, input_ids=torch.from_numpy(input_ids),
+            positions=torch.from_numpy(positions), attn_metadata=metadata,
+            sample_indices=sample_indices,
+            logits_indices=torch.from_numpy(qsl[1:][sample_indices].astype(np.int64) - 1),
+            sampling=sampling)

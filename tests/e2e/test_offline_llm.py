@@ -150,7 +150,7 @@ def test_bad_prompt_leaves_nothing_in_engine(tiny_llama):
 
 def test_failed_step_fails_its_requests_not_the_engine(tiny_llama):
     llm = LLM(model=tiny_llama, dtype="float32", debug_block_accounting=True)
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.worker.model_runner
     real = runner.execute_model
     calls = {"n": 0}
 

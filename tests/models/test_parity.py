@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from bladellm.attention import get_attn_backend
-from bladellm.attention.backend import AttentionContext
+from bladellm.model.forward_context import ForwardContext
 from bladellm.config import ModelConfig
 from bladellm.model.loader import load_hf_config, load_model
 from tiny_paged_kv import PagedKV, Seq
@@ -130,7 +130,7 @@ def test_forward_without_kv_cache(tiny_model_factory):
     """metadata=None (profiling run): plain causal attention over one sequence."""
     ours, ref = load_both(tiny_model_factory("qwen3"))
     ids = prompt(ref.config.vocab_size, 10)
-    ctx = AttentionContext(metadata=None, kv_caches=[])
+    ctx = ForwardContext.no_cache()
     logits = ours.compute_logits(ours(ids, torch.arange(10), ctx))
     torch.testing.assert_close(logits, ref(ids[None]).logits[0], atol=ATOL, rtol=0)
 

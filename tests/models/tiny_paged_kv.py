@@ -1,14 +1,16 @@
 """A tiny paged-KV harness for model tests: allocates blocks per request and builds the
-``AttentionMetadata`` the model runner would (decodes first, then prefill chunks)."""
+``AttentionMetadata`` the model runner would (any order, any query length per request)."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from bladellm.attention.backend import AttentionContext, AttentionMetadata
+from bladellm.attention.backend import AttentionMetadata
+from bladellm.model.forward_context import ForwardContext
 
 
 @dataclass
@@ -25,9 +27,9 @@ class PagedKV:
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)  # non-contiguous blocks on purpose
 
-    def step(self, seqs: list[Seq], query_lens: list[int]) -> tuple[AttentionContext, torch.Tensor]:
+    def step(self, seqs: list[Seq], query_lens: list[int]) -> tuple[ForwardContext, torch.Tensor]:
         """Metadata for one step where seqs[i] computes its next query_lens[i] tokens.
-        Returns (ctx, positions). Callers order decodes (query_len 1) first."""
+        Returns (ctx, positions)."""
         slots, positions, qsl, seq_lens = [], [], [0], []
         for seq, q in zip(seqs, query_lens):
             start, end = seq.num_computed, seq.num_computed + q
@@ -42,14 +44,12 @@ class PagedKV:
             seq.num_computed = end
         width = max(len(s.block_table) for s in seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                              dtype=torch.int64)
-        num_decodes = 0
-        while num_decodes < len(seqs) and query_lens[num_decodes] == 1:
-            num_decodes += 1
+                              dtype=torch.int32)
+        qsl_np, seq_lens_np = np.array(qsl, dtype=np.int32), np.array(seq_lens, dtype=np.int32)
         md = AttentionMetadata(
-            num_reqs=len(seqs), num_decodes=num_decodes, num_actual_tokens=qsl[-1],
-            query_start_loc=torch.tensor(qsl, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64), block_tables=tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens, max_seq_len=max(seq_lens))
-        return AttentionContext(md, self.caches), torch.tensor(positions, dtype=torch.int64)
+            num_reqs=len(seqs), num_actual_tokens=qsl[-1], max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens), query_start_loc=torch.from_numpy(qsl_np),
+            seq_lens=torch.from_numpy(seq_lens_np), block_tables=tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc_cpu=qsl_np,
+            seq_lens_cpu=seq_lens_np)
+        return ForwardContext(md, self.caches), torch.tensor(positions, dtype=torch.int64)

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bladellm.attention.backend import AttentionBackend, AttentionContext
+from bladellm.attention.backend import AttentionBackend
+from bladellm.model.forward_context import ForwardContext
 
 
 class Attention(nn.Module):
@@ -21,17 +22,17 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_ctx: AttentionContext) -> torch.Tensor:
+                ctx: ForwardContext) -> torch.Tensor:
         """q [T, nh*hd], k/v [T, nkv*hd] -> [T, nh*hd]."""
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if attn_ctx.metadata is None:
+        if ctx.attn_metadata is None:
             out = self._causal_no_cache(q, k, v)
         else:
-            out = self.backend.forward(q, k, v, attn_ctx.kv_caches[self.layer_idx],
-                                       attn_ctx.metadata, self.scale)
+            out = self.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx],
+                                       ctx.attn_metadata, self.scale)
         return out.reshape(T, self.num_heads * self.head_dim)
 
     def _causal_no_cache(self, q: torch.Tensor, k: torch.Tensor,

@@ -6,9 +6,10 @@ that shard, so the loader never needs to know about TP.
 
 The matmul goes through ``layer.quant_method.apply(layer, x, bias)``: quantization swaps the
 method (its ``create_weights`` registers e.g. qweight/scales instead of ``weight``).
-LoRA hook: a LoRA-wrapped layer (``bladellm/lora``) wraps a base layer and adds
-``x @ A @ B`` to ``base.quant_method.apply(base, x, bias)``; ``output_partition_sizes`` tells it
-where the q/k/v or gate/up slices of a fused output start.
+LoRA hook: every ``forward(x, ctx)`` receives the step's ``ForwardContext``; a LoRA-wrapped layer
+(``bladellm/lora``) wraps a base layer and adds ``x @ A[ctx.lora...] @ B[...]`` per token to
+``base.quant_method.apply(base, x, bias)``; ``output_partition_sizes`` tells it where the q/k/v or
+gate/up slices of a fused output start. Base layers ignore ``ctx``.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class ReplicatedLinear(LinearBase):
                       shard_id: Any = None) -> None:
         copy_checked(param.data, loaded_weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
 
@@ -133,7 +134,7 @@ class ColumnParallelLinear(LinearBase):
         copy_checked(param.data, _shard(loaded_weight, param.output_dim, self.tp_rank, shard,
                                         self.tp_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)
         return tp_all_gather(y) if self.gather_output else y
 
@@ -226,7 +227,7 @@ class RowParallelLinear(LinearBase):
         copy_checked(param.data, _shard(loaded_weight, param.input_dim, self.tp_rank, shard,
                                         self.tp_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         # Bias only on rank 0 so the all-reduce adds it exactly once.
         bias = self.bias if self.tp_rank == 0 else None
         y = self.quant_method.apply(self, x, bias)

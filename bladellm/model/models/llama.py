@@ -7,7 +7,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from bladellm.attention.backend import AttentionBackend, AttentionContext
+from bladellm.attention.backend import AttentionBackend
+from bladellm.model.forward_context import ForwardContext
 from bladellm.model.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead,
                                    QKVParallelLinear, RMSNorm, RotaryEmbedding,
                                    RowParallelLinear, SiluAndMul, VocabParallelEmbedding, get_rope)
@@ -34,8 +35,8 @@ class LlamaMLP(nn.Module):
             quant_config=quant_config, prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x, ctx)), ctx)
 
 
 class LlamaAttention(nn.Module):
@@ -59,10 +60,11 @@ class LlamaAttention(nn.Module):
                               self.num_kv_heads, layer_idx, attn_backend)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                attn_ctx: AttentionContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden, ctx).split([self.q_size, self.kv_size, self.kv_size],
+                                                   dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, attn_ctx))
+        return self.o_proj(self.attn(q, k, v, ctx), ctx)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -79,14 +81,14 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None,
-                attn_ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, attn_ctx)
+        hidden = self.self_attn(positions, hidden, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, ctx), residual
 
 
 class LlamaModel(nn.Module):
@@ -105,10 +107,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_ctx: AttentionContext) -> torch.Tensor:
+                ctx: ForwardContext) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, attn_ctx)
+            hidden, residual = layer(positions, hidden, residual, ctx)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -147,8 +149,8 @@ class LlamaForCausalLM(nn.Module):
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_ctx: AttentionContext) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_ctx)
+                ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bladellm.attention.backend import AttentionContext
+from bladellm.model.forward_context import ForwardContext
 from bladellm.model.layers import RMSNorm
 from bladellm.model.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -20,13 +20,14 @@ class Qwen3Attention(LlamaAttention):
         self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps, params_dtype=dtype)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                attn_ctx: AttentionContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden, ctx).split([self.q_size, self.kv_size, self.kv_size],
+                                                   dim=-1)
         T = q.shape[0]
         q = self.q_norm(q.view(T, self.num_heads, self.head_dim)).view(T, self.q_size)
         k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)).view(T, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, attn_ctx))
+        return self.o_proj(self.attn(q, k, v, ctx), ctx)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,35 @@
+"""Paged attention over the flat batch: store this step's K/V, then one kernel call for all
+requests, whatever their query lengths (prefill chunks, decodes, verification tokens).
+
+The kernels come from ``bladellm.kernels``: the compiled CPU set chosen at start-up, or the
+plain-PyTorch reference twins (``--attn_cls torch``). Both read the KV blocks in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from bladellm.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class PagedAttentionBackend(AttentionBackend):
+    def __init__(self, kernels: Any, name: str) -> None:
+        self.kernels = kernels  # any object with reshape_and_cache and paged_attention
+        self.name = name
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        n = metadata.num_actual_tokens
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        self.kernels.reshape_and_cache(key[:n], value[:n], k_cache, v_cache,
+                                       metadata.slot_mapping)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if n < query.shape[0]:
+            out[n:].zero_()  # padding tokens (e.g. a CUDA-graph bucket) get a defined output
+        self.kernels.paged_attention(out[:n], query[:n], k_cache, v_cache,
+                                     metadata.block_tables, metadata.query_start_loc,
+                                     metadata.seq_lens, scale)
+        return out

@@ -1,0 +1,51 @@
+"""The executor interface: the engine core's only way to its workers."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from bladellm.config import EngineConfig
+from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
+from bladellm.model.checkpoint import ResolvedModel
+
+
+class Executor(ABC):
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
+        self.config = config
+        self.resolved = resolved
+
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Call ``Worker.<method>(*args)`` on every rank; results in rank order."""
+
+    @abstractmethod
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on all ranks; the output of the rank that samples (rank 0 / last stage)."""
+
+    def determine_num_blocks(self) -> int:
+        """Every rank must fit the pool: the smallest of their answers."""
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    def drop_requests(self, req_ids: list[str]) -> None:
+        self.collective_rpc("drop_requests", (req_ids,))
+
+    def check_health(self) -> None:
+        """Raises if any worker is dead or unresponsive."""
+        self.collective_rpc("check_health")
+
+    def shutdown(self) -> None:
+        """Stop the workers (no-op where they live in this process)."""
+
+
+def get_executor_class(config: EngineConfig) -> type[Executor]:
+    if config.parallel.world_size == 1:
+        from bladellm.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor
+    raise ValueError("--tensor_parallel_size/--pipeline_parallel_size: world size "
+                     f"{config.parallel.world_size} needs a multi-process executor, which does "
+                     "not exist yet")

@@ -1,0 +1,23 @@
+"""World size 1: the worker lives in the engine-core process and is called directly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bladellm.config import EngineConfig
+from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
+from bladellm.executor.base import Executor
+from bladellm.model.checkpoint import ResolvedModel
+from bladellm.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
+        super().__init__(config, resolved)
+        self.worker = Worker(config, resolved, rank=0)
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(sched)

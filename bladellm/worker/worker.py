@@ -1,0 +1,60 @@
+"""Worker: one per rank. Owns the device, the thread settings, KV-cache memory sizing and the
+``ModelRunner``; the executor calls it and nothing else does."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from bladellm.config import EngineConfig, parse_size
+from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
+from bladellm.model.checkpoint import ResolvedModel
+from bladellm.platforms.cpu import detect_cpu
+from bladellm.platforms.cpu_defaults import auto_kv_cache_bytes, total_memory_bytes
+from bladellm.platforms.threads import configure_engine_threads
+from bladellm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = torch.device(config.device)
+        num_threads = configure_engine_threads(config.parallel.num_threads)
+        logger.info("worker %d on %s: %d threads (%s)", rank, self.device, num_threads,
+                    detect_cpu().describe())
+        self.model_runner = ModelRunner(config, resolved, self.device)
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks this rank can hold: ``--num_kv_blocks``, ``--kv_cache_memory SIZE``, or
+        auto (a fixed share of total memory minus the weights; deterministic per machine), never
+        more than ``--max_num_seqs`` full-length requests can use (+1 for the null block)."""
+        cache, runner = self.config.cache, self.model_runner
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        per_block = runner.bytes_per_block
+        if cache.kv_cache_memory != "auto":
+            return max(2, parse_size(cache.kv_cache_memory) // per_block)
+        usable = self.config.scheduler.max_num_seqs * -(-runner.max_model_len // runner.block_size)
+        budget = auto_kv_cache_bytes(total_memory_bytes(), runner.weight_bytes)
+        return max(2, min(budget // per_block, usable + 1))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        runner = self.model_runner
+        runner.initialize_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, --kv_cache_memory "
+                    "%s)", num_blocks, runner.block_size, num_blocks * runner.block_size,
+                    num_blocks * runner.bytes_per_block / (1 << 30),
+                    self.config.cache.kv_cache_memory)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(sched)
+
+    def drop_requests(self, req_ids: list[str]) -> None:
+        self.model_runner.drop_requests(req_ids)
+
+    def check_health(self) -> None:
+        """Raises if this worker cannot serve (in-process: it is alive if we got here)."""
