@@ -1,4 +1,5 @@
-"""The process boundary: an engine core in its own process, driven over ZMQ with msgpack.
+"""The API process's side of the process boundary: starts the engine-core process
+(``core_proc.py``) and drives it over ZMQ with msgpack.
 
 API process                                   engine-core process
   AsyncMPClient.input  (PUSH, bind) ──────►  (PULL, connect)  ADD / ABORT / UTILITY / SHUTDOWN
@@ -11,15 +12,11 @@ gone within ``_DEAD_POLL_MS``. Either way every pending request fails with ``Eng
 
 from __future__ import annotations
 
-import enum
 import logging
 import multiprocessing
-import os
 import shutil
-import signal
 import tempfile
 import time
-import traceback
 from typing import Any
 
 import msgspec
@@ -27,107 +24,16 @@ import zmq
 import zmq.asyncio
 
 from bladellm.config import EngineConfig
+from bladellm.engine.core_proc import Msg, run_engine_core_proc
 from bladellm.engine.errors import EngineDeadError
 from bladellm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from bladellm.platforms.threads import engine_process_env, process_env
 
 logger = logging.getLogger(__name__)
 
 _DEAD_POLL_MS = 500
 _READY_TIMEOUT_S = 1800.0
 
-
-class Msg(bytes, enum.Enum):
-    ADD = b"A"
-    ABORT = b"X"
-    UTILITY = b"U"
-    SHUTDOWN = b"S"
-
-
-# ---- engine-core process side -------------------------------------------------------------------
-
-def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str,
-                         ready_conn: Any, log_level: int) -> None:
-    """Entry point of the engine-core process."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(message)s")
-    # The parent handles Ctrl-C and tells us to shut down; we must not die half-way on SIGINT.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
-    try:
-        from bladellm.engine.engine_core import EngineCore
-        from bladellm.model.checkpoint import resolve_model
-        core = EngineCore(config, resolve_model(config.model))
-    except BaseException as exc:  # noqa: BLE001 - report any start-up failure to the parent
-        ready_conn.send({"status": "failed",
-                         "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"})
-        return
-    ready_conn.send({"status": "ready", "num_blocks": core.num_blocks})
-    ready_conn.close()
-
-    ctx = zmq.Context()
-    inp = ctx.socket(zmq.PULL)
-    inp.connect(input_addr)
-    out = ctx.socket(zmq.PUSH)
-    out.connect(output_addr)
-    out.setsockopt(zmq.LINGER, 2000)
-    try:
-        _busy_loop(core, inp, out, parent)
-    except BaseException:  # noqa: BLE001
-        reason = traceback.format_exc()
-        logger.error("engine core died:\n%s", reason)
-        out.send(msgspec.msgpack.encode(EngineCoreOutputs(engine_dead=reason, timestamp=time.time())))
-        raise
-    finally:
-        inp.close(linger=0)
-        out.close()
-        ctx.term()
-
-
-def _busy_loop(core: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> None:
-    req_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
-    encoder = msgspec.msgpack.Encoder()
-    while True:
-        idle = not core.has_unfinished_requests()
-        # Block while idle (waking up now and then to notice an orphaned process).
-        if not inp.poll(_DEAD_POLL_MS if idle else 0):
-            if idle and os.getppid() != parent_pid:
-                return
-            if idle:
-                continue
-        extra = []
-        while inp.poll(0):
-            kind, payload = inp.recv_multipart()
-            if kind == Msg.ADD:
-                core.add_request(req_decoder.decode(payload))
-            elif kind == Msg.ABORT:
-                extra.extend(core.abort_requests(msgspec.msgpack.decode(payload)))
-            elif kind == Msg.UTILITY:
-                call_id, method, args = msgspec.msgpack.decode(payload)
-                result = _utility(core, method, args)
-                out.send(encoder.encode(EngineCoreOutputs(utility_result=(call_id, result))))
-            elif kind == Msg.SHUTDOWN:
-                return
-        if core.has_unfinished_requests():
-            outputs = core.step()
-            if extra:
-                outputs.outputs = extra + outputs.outputs
-            out.send(encoder.encode(outputs))
-        elif extra:
-            out.send(encoder.encode(EngineCoreOutputs(
-                outputs=extra, scheduler_stats=core.scheduler.get_stats(), timestamp=time.time())))
-
-
-def _utility(core: Any, method: str, args: list) -> Any:
-    if method == "check_invariants":
-        core.scheduler.check_invariants()
-        return True
-    if method == "get_stats":
-        return msgspec.to_builtins(core.scheduler.get_stats())
-    if method == "raise":  # test hook: prove that a dead core fails requests instead of hanging
-        raise RuntimeError(f"raise requested: {args}")
-    raise ValueError(f"unknown utility {method!r}")
-
-
-# ---- API process side ---------------------------------------------------------------------------
 
 class AsyncMPClient:
     """Starts the engine-core process and talks to it from an asyncio event loop."""
@@ -151,7 +57,8 @@ class AsyncMPClient:
         self.proc = mp.Process(
             target=run_engine_core_proc, name="bladellm-engine-core", daemon=True,
             args=(config, input_addr, output_addr, writer, logging.getLogger().level or 20))
-        self.proc.start()
+        with process_env(engine_process_env()):  # OpenMP reads it when the child starts
+            self.proc.start()
         writer.close()
         self.num_blocks = self._wait_ready(reader)
 

@@ -1,0 +1,119 @@
+"""The engine-core process: its entry point and busy loop (the API process starts it through
+``core_client.AsyncMPClient``).
+
+It builds the ``EngineCore`` (which builds the executor and its workers), reports ready, then loops:
+drain the input socket (ADD / ABORT / UTILITY / SHUTDOWN), step while there is work, send
+``EngineCoreOutputs``; it blocks on the input socket when idle. If it raises, it sends
+``engine_dead`` before exiting.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from bladellm.config import EngineConfig
+from bladellm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+# Idle: how long to block on the input socket before checking that the parent is alive.
+_DEAD_POLL_MS = 500
+
+
+class Msg(bytes, enum.Enum):
+    ADD = b"A"
+    ABORT = b"X"
+    UTILITY = b"U"
+    SHUTDOWN = b"S"
+
+
+def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str,
+                         ready_conn: Any, log_level: int) -> None:
+    """Entry point of the engine-core process."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(message)s")
+    # The parent handles Ctrl-C and tells us to shut down; we must not die half-way on SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    try:
+        from bladellm.engine.engine_core import EngineCore
+        from bladellm.model.checkpoint import resolve_model
+
+        core = EngineCore(config, resolve_model(config.model))
+    except BaseException as exc:  # noqa: BLE001 - report any start-up failure to the parent
+        ready_conn.send({"status": "failed",
+                         "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"})
+        return
+    ready_conn.send({"status": "ready", "num_blocks": core.num_blocks})
+    ready_conn.close()
+
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.connect(output_addr)
+    out.setsockopt(zmq.LINGER, 2000)
+    try:
+        _busy_loop(core, inp, out, parent)
+    except BaseException:  # noqa: BLE001
+        reason = traceback.format_exc()
+        logger.error("engine core died:\n%s", reason)
+        out.send(msgspec.msgpack.encode(EngineCoreOutputs(engine_dead=reason, timestamp=time.time())))
+        raise
+    finally:
+        inp.close(linger=0)
+        out.close()
+        ctx.term()
+
+
+def _busy_loop(core: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> None:
+    req_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+    encoder = msgspec.msgpack.Encoder()
+    while True:
+        idle = not core.has_unfinished_requests()
+        # Block while idle (waking up now and then to notice an orphaned process).
+        if not inp.poll(_DEAD_POLL_MS if idle else 0):
+            if idle and os.getppid() != parent_pid:
+                return
+            if idle:
+                continue
+        extra = []
+        while inp.poll(0):
+            kind, payload = inp.recv_multipart()
+            if kind == Msg.ADD:
+                core.add_request(req_decoder.decode(payload))
+            elif kind == Msg.ABORT:
+                extra.extend(core.abort_requests(msgspec.msgpack.decode(payload)))
+            elif kind == Msg.UTILITY:
+                call_id, method, args = msgspec.msgpack.decode(payload)
+                result = _utility(core, method, args)
+                out.send(encoder.encode(EngineCoreOutputs(utility_result=(call_id, result))))
+            elif kind == Msg.SHUTDOWN:
+                return
+        if core.has_unfinished_requests():
+            outputs = core.step()
+            if extra:
+                outputs.outputs = extra + outputs.outputs
+            out.send(encoder.encode(outputs))
+        elif extra:
+            out.send(encoder.encode(EngineCoreOutputs(
+                outputs=extra, scheduler_stats=core.scheduler.get_stats(), timestamp=time.time())))
+
+
+def _utility(core: Any, method: str, args: list) -> Any:
+    if method == "check_invariants":
+        core.scheduler.check_invariants()
+        return True
+    if method == "get_stats":
+        return msgspec.to_builtins(core.scheduler.get_stats())
+    if method == "raise":  # test hook: prove that a dead core fails requests instead of hanging
+        raise RuntimeError(f"raise requested: {args}")
+    raise ValueError(f"unknown utility {method!r}")
