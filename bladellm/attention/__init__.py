@@ -20,9 +20,9 @@ def get_attn_backend(name: str | None, device: str | torch.device) -> AttentionB
 
         return PagedAttentionBackend(get_kernels(), "paged")
     if name == "torch":
-        from bladellm.kernels import ref
+        from bladellm.kernels import Kernels
 
-        return PagedAttentionBackend(ref, "torch")
+        return PagedAttentionBackend(Kernels(), "torch")  # the reference set
     raise ValueError(f"--attn_cls: unknown attention backend {name!r}; supported: "
                      f"{', '.join(_BACKENDS)}")
 

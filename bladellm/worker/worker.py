@@ -11,7 +11,8 @@ from bladellm.config import EngineConfig, parse_size
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.model.checkpoint import ResolvedModel
 from bladellm.platforms.cpu import detect_cpu
-from bladellm.platforms.cpu_defaults import auto_kv_cache_bytes, total_memory_bytes
+from bladellm.platforms.cpu_defaults import (auto_kv_cache_bytes, model_weight_bytes,
+                                             total_memory_bytes)
 from bladellm.platforms.threads import configure_engine_threads
 from bladellm.worker.model_runner import ModelRunner
 
@@ -39,7 +40,7 @@ class Worker:
         if cache.kv_cache_memory != "auto":
             return max(2, parse_size(cache.kv_cache_memory) // per_block)
         usable = self.config.scheduler.max_num_seqs * -(-runner.max_model_len // runner.block_size)
-        budget = auto_kv_cache_bytes(total_memory_bytes(), runner.weight_bytes)
+        budget = auto_kv_cache_bytes(total_memory_bytes(), model_weight_bytes(runner.model))
         return max(2, min(budget // per_block, usable + 1))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

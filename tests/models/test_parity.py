@@ -111,7 +111,7 @@ def test_continuous_batch_with_chunked_prefill(tiny_model_factory):
         ids = torch.cat([tokens[r][seqs[r].num_computed - q:seqs[r].num_computed]
                          for r, q in plan])
         logits = ours.compute_logits(ours(ids, pos, ctx))
-        ends = ctx.metadata.query_start_loc_cpu[1:]
+        ends = ctx.attn_metadata.query_start_loc_cpu[1:]
         for (r, q), end in zip(plan, ends):
             want = ref(tokens[r][None]).logits[0, seqs[r].num_computed - q:seqs[r].num_computed]
             torch.testing.assert_close(logits[end - q:end], want, atol=ATOL, rtol=0)
