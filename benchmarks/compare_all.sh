@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # The published comparison (docs/benchmarks.md): bladellm vs vLLM-CPU vs llama.cpp on the 88M
-# Llama shape and on the demo model (SmolLM2-135M-Instruct), offline max throughput plus serving
-# sweeps on a random and a shared-prefix dataset. Everything runs one engine at a time; run it on
-# an otherwise idle machine. Needs the peers' venvs (benchmarks/peers/install_*.sh).
+# Llama shape and on the demo model (SmolLM2-135M-Instruct), offline max throughput, serving
+# sweeps on a random and a shared-prefix dataset, and single-stream TBT (concurrency 1, 88M shape,
+# bladellm vs llama.cpp at the same dtype). Everything runs one engine at a time; run it on an
+# otherwise idle machine. Needs the peers' venvs (benchmarks/peers/install_*.sh).
 #
 #   benchmarks/compare_all.sh [OUT_DIR]
 #
-# Environment: PARTS ["offline serve"], MODELS ["llama88m demo"], DATASETS ["random shared"],
-# RATES [1,2,4,8,inf], NUM_PROMPTS [32] (serving, per rate), OFFLINE_PROMPTS [128].
+# Environment: PARTS ["offline serve tbt"], MODELS ["llama88m demo"], DATASETS ["random shared"],
+# DTYPES [bfloat16] (add float32 where the CPU has native bf16: both are published),
+# RATES [1,2,4,8,inf], NUM_PROMPTS [32] (serving, per rate), OFFLINE_PROMPTS [128],
+# TBT_PROMPTS [16].
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:-$ROOT/bench_results/all-$(date -u +%Y%m%dT%H%M%SZ)}
-PARTS=${PARTS:-offline serve}
+PARTS=${PARTS:-offline serve tbt}
+DTYPES=${DTYPES:-bfloat16}
 MODELS=${MODELS:-llama88m demo}
 DATASETS=${DATASETS:-random shared}
 PYTHON=${PYTHON:-python}
@@ -34,18 +38,20 @@ model_dir() { case $1 in llama88m) echo "$LLAMA88M" ;; demo) echo "$DEMO_HF" ;; 
 # the demo model in its native 4-bit GGUF.
 model_gguf() { case $1 in demo) echo "$DEMO_GGUF" ;; *) echo "" ;; esac; }
 
+for dtype in $DTYPES; do
 for model in $MODELS; do
     dir=$(model_dir "$model"); gguf=$(model_gguf "$model")
+    tag=$model-$dtype
     if [[ " $PARTS " == *" offline "* ]]; then
-        echo "=== offline $model ==="
-        "$PYTHON" "$ROOT/benchmarks/offline_throughput.py" --model_dir "$dir" \
+        echo "=== offline $tag ==="
+        "$PYTHON" "$ROOT/benchmarks/offline_throughput.py" --model_dir "$dir" --dtype "$dtype" \
             --engines bladellm,vllm,llamacpp --num_prompts "${OFFLINE_PROMPTS:-128}" \
-            ${gguf:+--gguf "$gguf"} --quiet --output_json "$OUT/offline-$model.json" \
-            | tee "$OUT/offline-$model.log"
+            ${gguf:+--gguf "$gguf"} --quiet --output_json "$OUT/offline-$tag.json" \
+            | tee "$OUT/offline-$tag.log"
     fi
     if [[ " $PARTS " == *" serve "* ]]; then
         for dataset in $DATASETS; do
-            echo "=== serve $model $dataset ==="
+            echo "=== serve $tag $dataset ==="
             if [ "$dataset" = shared ]; then
                 # 4 system prompts of 512 tokens, each followed by a 32-64-token question.
                 ds=(DATASET=shared_prefix INPUT_LEN=32,64 BENCH_ARGS="--num_groups 4 --prefix_len 512")
@@ -53,10 +59,18 @@ for model in $MODELS; do
                 ds=(DATASET=random INPUT_LEN=128,128 BENCH_ARGS=)
             fi
             env "${ds[@]}" GGUF="$gguf" SERVERS="bladellm vllm llamacpp" VLLM_BIND_ALL=1 \
-                RATES="${RATES:-1,2,4,8,inf}" NUM_PROMPTS="${NUM_PROMPTS:-32}" OUTPUT_LEN=64,64 \
-                SLO=ttft:1000,tpot:100 bash "$ROOT/benchmarks/compare.sh" "$dir" \
-                "$OUT/serve-$model-$dataset"
+                DTYPE="$dtype" RATES="${RATES:-1,2,4,8,inf}" NUM_PROMPTS="${NUM_PROMPTS:-32}" \
+                OUTPUT_LEN=64,64 SLO=ttft:1000,tpot:100 bash "$ROOT/benchmarks/compare.sh" \
+                "$dir" "$OUT/serve-$tag-$dataset"
         done
     fi
+    if [[ " $PARTS " == *" tbt "* ]] && [ "$model" = llama88m ]; then
+        # One request at a time: time between tokens of a single stream, same dtype for both.
+        echo "=== tbt $tag ==="
+        env DATASET=random INPUT_LEN=128,128 OUTPUT_LEN=128,128 SERVERS="bladellm llamacpp" \
+            DTYPE="$dtype" RATES=inf MAX_CONCURRENCY=1 NUM_PROMPTS="${TBT_PROMPTS:-16}" \
+            SLO=ttft:1000,tpot:100 bash "$ROOT/benchmarks/compare.sh" "$dir" "$OUT/tbt-$tag"
+    fi
+done
 done
 echo "results in $OUT"
