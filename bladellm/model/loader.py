@@ -20,6 +20,8 @@ from bladellm.attention.backend import AttentionBackend
 from bladellm.config import ModelConfig
 from bladellm.model.registry import get_model_class
 from bladellm.model.layers.rotary import RotaryEmbedding
+from bladellm.platforms.cpu import CpuInfo, detect_cpu
+from bladellm.platforms.cpu_defaults import choose_cpu_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -57,21 +59,25 @@ def load_hf_config(model_dir: str, trust_remote_code: bool) -> Any:
         raise ValueError(f"cannot load {path}: {e}") from e
 
 
-def resolve_dtype(hf_config: Any, dtype: str, device: str | torch.device = "cpu") -> torch.dtype:
-    """``--dtype`` -> torch dtype; ``auto`` takes the checkpoint's dtype (float32 if unknown)."""
-    if dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"--dtype: must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-        result = _DTYPES[dtype]
-    else:
-        cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(cfg, str):
-            cfg = getattr(torch, cfg, None)
-        result = cfg if cfg in _DTYPES.values() else torch.float32
-    if result == torch.float16 and torch.device(device).type == "cpu":
-        logger.warning("float16 on CPU is slow and overflow-prone; --dtype bfloat16 is "
-                       "recommended")
-    return result
+def resolve_dtype(hf_config: Any, dtype: str, device: str | torch.device = "cpu",
+                  cpu: CpuInfo | None = None) -> torch.dtype:
+    """``--dtype`` -> torch dtype. ``auto`` takes the checkpoint's dtype (float32 if unknown);
+    on CPU a 16-bit checkpoint becomes bfloat16 only where the CPU has native bf16, else float32
+    (``choose_cpu_dtype``; ``cpu`` defaults to this machine's)."""
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise ValueError(f"--dtype: must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(cfg, str):
+        cfg = getattr(torch, cfg, None)
+    checkpoint = str(cfg).removeprefix("torch.") if isinstance(cfg, torch.dtype) else None
+    if torch.device(device).type != "cpu":
+        return _DTYPES[dtype] if dtype != "auto" else _DTYPES.get(checkpoint or "", torch.float32)
+    choice = choose_cpu_dtype(dtype, checkpoint, cpu or detect_cpu())
+    if choice.warning:
+        logger.warning(choice.warning)
+    if dtype == "auto":
+        logger.info("dtype auto: %s (%s)", choice.dtype, choice.reason)
+    return _DTYPES[choice.dtype]
 
 
 def load_model(model_config: ModelConfig, hf_config: Any, dtype: torch.dtype,

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from bladellm.kernels import get_kernels
 
 
 class SiluAndMul(nn.Module):
     """[..., 2*d] (gate | up) -> silu(gate) * up, [..., d]."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = get_kernels()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.kernels.silu_and_mul(x)

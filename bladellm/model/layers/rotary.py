@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from bladellm.kernels import get_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -146,24 +148,17 @@ class RotaryEmbedding(nn.Module):
             pos = torch.arange(num_positions, dtype=torch.float32)
             freqs = pos[:, None] * inv_freq[None, :]
         self.max_position = num_positions
+        self.kernels = get_kernels()
         # Kept in the model dtype: transformers casts cos/sin to the activation dtype too.
         self.register_buffer("cos_cache", (freqs.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin_cache", (freqs.sin() * scaling).to(dtype), persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
-        x = x.view(T, -1, self.head_dim)
-        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
-        x1, x2 = rot.chunk(2, dim=-1)
-        # Equals transformers' x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), bit for bit.
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
-        return out.view(T, -1)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim / 2]
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *,
+                inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (q, k). ``inplace=True`` overwrites q and k (which may be views of a fused
+        qkv output): the models do that, since nothing reads the unrotated values."""
+        return self.kernels.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache,
+                                             self.head_dim, self.rotary_dim, inplace=inplace)
 
 
 def get_rope(hf_config: Any, head_dim: int, dtype: torch.dtype) -> RotaryEmbedding:

@@ -63,7 +63,7 @@ class LlamaAttention(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden, ctx).split([self.q_size, self.kv_size, self.kv_size],
                                                    dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, inplace=True)
         return self.o_proj(self.attn(q, k, v, ctx), ctx)
 
 

@@ -26,7 +26,7 @@ class Qwen3Attention(LlamaAttention):
         T = q.shape[0]
         q = self.q_norm(q.view(T, self.num_heads, self.head_dim)).view(T, self.q_size)
         k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)).view(T, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, inplace=True)
         return self.o_proj(self.attn(q, k, v, ctx), ctx)
 
 

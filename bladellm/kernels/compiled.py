@@ -1,0 +1,233 @@
+"""ctypes bindings of the compiled CPU kernels (``cpu/*.cpp``).
+
+Tensors cross as data pointers plus element strides; the argument structs mirror the C ones
+field for field. A call the C code does not handle (float16, a GPU tensor, a dtype mix, a head
+dim that is not a multiple of 16, a non-unit last stride) runs the reference instead, so callers
+never need to check. These run hundreds of times per step: the checks are attribute reads and
+the prototypes are set once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
+
+import torch
+
+from bladellm.kernels.interface import Kernels
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class _PagedAttentionArgs(ctypes.Structure):
+    _fields_ = [(n, c_void_p) for n in ("out", "query", "k_cache", "v_cache", "block_tables",
+                                        "query_start_loc", "seq_lens")] + \
+               [(n, c_int64) for n in ("q_stride_token", "q_stride_head", "block_table_stride")] + \
+               [(n, c_int32) for n in ("num_reqs", "num_heads", "num_kv_heads", "head_dim",
+                                       "block_size", "dtype", "num_threads")] + \
+               [("scale", c_float)]
+
+
+class _RmsNormArgs(ctypes.Structure):
+    _fields_ = [(n, c_void_p) for n in ("out", "residual_out", "x", "residual", "weight")] + \
+               [(n, c_int64) for n in ("x_outer_stride", "x_inner_stride", "r_outer_stride",
+                                       "r_inner_stride", "outer", "inner")] + \
+               [(n, c_int32) for n in ("hidden", "dtype", "sum_lanes", "num_threads")] + \
+               [("eps", c_float)]
+
+
+class _RotaryArgs(ctypes.Structure):
+    _fields_ = [(n, c_void_p) for n in ("positions", "q_in", "q_out", "k_in", "k_out", "cos",
+                                        "sin")] + \
+               [(n, c_int64) for n in ("q_in_stride", "q_out_stride", "k_in_stride",
+                                       "k_out_stride", "tokens", "max_position")] + \
+               [(n, c_int32) for n in ("num_q_heads", "num_k_heads", "head_dim", "rotary_dim",
+                                       "dtype", "positions_int64", "num_threads")]
+
+
+class _CacheWriteArgs(ctypes.Structure):
+    _fields_ = [(n, c_void_p) for n in ("key", "value", "k_cache", "v_cache", "slots")] + \
+               [(n, c_int64) for n in ("k_token_stride", "k_head_stride", "v_token_stride",
+                                       "v_head_stride", "tokens")] + \
+               [(n, c_int32) for n in ("num_kv_heads", "head_dim", "element_size",
+                                       "slots_int64", "num_threads")]
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+def _rows_view(x: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(outer, inner, outer_stride, inner_stride) of x's rows (last dim contiguous), or None
+    if they do not form such a two-level grid."""
+    if x.stride(-1) != 1:
+        return None
+    if x.dim() == 2:
+        return x.shape[0], 1, x.stride(0), 0
+    if x.dim() == 3:
+        return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+    if x.dim() == 1:
+        return 1, 1, 0, 0
+    return (x.numel() // x.shape[-1], 1, x.shape[-1], 0) if x.is_contiguous() else None
+
+
+def _torch_sum_lanes(lib: ctypes.CDLL) -> int:
+    """The vector width at which the RMSNorm kernel's sum of squares reproduces torch's
+    ``pow(2).mean(-1)`` bit for bit. torch's reduction order depends on the width its kernel
+    was built for, which is not its reported CPU capability (an AVX512 build sums fp32 rows
+    8 lanes wide), so ask torch once instead of guessing. 8 if neither width matches."""
+    x = torch.randn(64, 100, generator=torch.Generator().manual_seed(0))
+    want = x.pow(2).sum(-1)
+    got = torch.empty(64)
+    fn = lib.bl_sum_squares
+    fn.argtypes = [c_void_p, c_int64, c_int64, c_int32, c_void_p]
+    fn.restype = None
+    for lanes in (8, 16):
+        fn(x.data_ptr(), 64, 100, lanes, got.data_ptr())
+        if torch.equal(got, want):
+            return lanes
+    return 8
+
+
+class CompiledKernels(Kernels):
+    name = "compiled"
+
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        self.isa = isa
+        self.lanes: int = lib.bl_vector_lanes()
+        self.sum_lanes = _torch_sum_lanes(lib)
+        self._attention = self._bind(lib.bl_paged_attention, [POINTER(_PagedAttentionArgs)])
+        self._rms_norm = self._bind(lib.bl_rms_norm, [POINTER(_RmsNormArgs)])
+        self._rotary = self._bind(lib.bl_rotary_embedding, [POINTER(_RotaryArgs)])
+        self._cache_write = self._bind(lib.bl_reshape_and_cache, [POINTER(_CacheWriteArgs)])
+        self._silu = self._bind(lib.bl_silu_and_mul, [c_void_p, c_void_p, c_int64, c_int64,
+                                                      c_int64, c_int64, c_int32, c_int32])
+        # torch's elementwise loops take two vectors per step and finish rows with scalar code;
+        # silu's scalar exp differs from its vector one, so the kernel splits rows the same way.
+        cap = torch.backends.cpu.get_cpu_capability().upper()
+        self.silu_chunk = max(self.lanes, 32 if cap.startswith("AVX512") else 16)
+
+    @staticmethod
+    def _bind(fn, argtypes: list) -> ctypes._CFuncPtr:
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        return fn
+
+    def describe(self) -> str:
+        return f"compiled {self.isa} ({self.lanes}-lane vectors)"
+
+    def paged_attention(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        scale: float) -> None:
+        dtype = query.dtype
+        code = _DTYPES.get(dtype)
+        head_dim = query.shape[2]
+        if (code is None or not query.is_cpu or k_cache.dtype != dtype or v_cache.dtype != dtype
+                or out.dtype != dtype or head_dim % 16 or query.stride(2) != 1
+                or not (out.is_contiguous() and k_cache.is_contiguous()
+                        and v_cache.is_contiguous())):
+            return super().paged_attention(out, query, k_cache, v_cache, block_tables,
+                                           query_start_loc, seq_lens, scale)
+        tables, starts, lens = _int32(block_tables), _int32(query_start_loc), _int32(seq_lens)
+        args = _PagedAttentionArgs(
+            out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
+            query.stride(0), query.stride(1), tables.stride(0),
+            lens.shape[0], query.shape[1], k_cache.shape[2], head_dim, k_cache.shape[1], code,
+            torch.get_num_threads(), scale)
+        rc = self._attention(args)
+        if rc != 0:
+            raise ValueError(f"paged_attention: unsupported arguments (code {rc}): "
+                             f"{query.shape[1]} heads, {k_cache.shape[2]} KV heads")
+
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        dtype = k_cache.dtype
+        if (dtype not in _DTYPES or not key.is_cpu or key.dtype != dtype
+                or value.dtype != dtype or v_cache.dtype != dtype or key.stride(2) != 1
+                or value.stride(2) != 1 or slot_mapping.dtype not in (torch.int64, torch.int32)
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous()
+                        and slot_mapping.is_contiguous())):
+            return super().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        args = _CacheWriteArgs(
+            key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            slot_mapping.data_ptr(), key.stride(0), key.stride(1), value.stride(0),
+            value.stride(1), key.shape[0], k_cache.shape[2], k_cache.shape[3],
+            k_cache.element_size(), slot_mapping.dtype == torch.int64, torch.get_num_threads())
+        self._cache_write(args)
+
+    def _norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        code = _DTYPES.get(x.dtype)
+        if code is None or not x.is_cpu or weight.dtype != x.dtype or not weight.is_contiguous():
+            return None
+        grid = _rows_view(x)
+        rgrid = None if residual is None else _rows_view(residual)
+        if grid is None or (residual is not None and (
+                rgrid is None or residual.dtype != x.dtype or residual.shape != x.shape
+                or rgrid[:2] != grid[:2])):
+            return None
+        out = torch.empty(x.shape, dtype=x.dtype)
+        res_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
+        outer, inner, so, si = grid
+        ro, ri = (0, 0) if rgrid is None else rgrid[2:]
+        args = _RmsNormArgs(
+            out.data_ptr(), 0 if res_out is None else res_out.data_ptr(), x.data_ptr(),
+            0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+            so, si, ro, ri, outer, inner, x.shape[-1], code, self.sum_lanes,
+            torch.get_num_threads(), eps)
+        self._rms_norm(args)
+        return out, res_out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        done = self._norm(x, None, weight, eps)
+        return super().rms_norm(x, weight, eps) if done is None else done[0]
+
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        done = self._norm(x, residual, weight, eps)
+        if done is None:
+            return super().fused_add_rms_norm(x, residual, weight, eps)
+        return done[0], done[1]
+
+    def rotary_embedding(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
+                         rotary_dim: int, *, inplace: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = q.dtype
+        code = _DTYPES.get(dtype)
+        if (code is None or not q.is_cpu or k.dtype != dtype or cos_cache.dtype != dtype
+                or sin_cache.dtype != dtype or q.dim() != 2 or k.dim() != 2
+                or q.stride(1) != 1 or k.stride(1) != 1 or q.shape[1] % head_dim
+                or k.shape[1] % head_dim or rotary_dim % 2 or rotary_dim > head_dim
+                or positions.dtype not in (torch.int64, torch.int32)
+                or not (positions.is_contiguous() and cos_cache.is_contiguous()
+                        and sin_cache.is_contiguous())
+                or cos_cache.shape[-1] * 2 != rotary_dim):
+            return super().rotary_embedding(positions, q, k, cos_cache, sin_cache, head_dim,
+                                            rotary_dim, inplace=inplace)
+        q_out = q if inplace else torch.empty(q.shape, dtype=dtype)
+        k_out = k if inplace else torch.empty(k.shape, dtype=dtype)
+        args = _RotaryArgs(
+            positions.data_ptr(), q.data_ptr(), q_out.data_ptr(), k.data_ptr(), k_out.data_ptr(),
+            cos_cache.data_ptr(), sin_cache.data_ptr(), q.stride(0), q_out.stride(0),
+            k.stride(0), k_out.stride(0), q.shape[0], cos_cache.shape[0],
+            q.shape[1] // head_dim, k.shape[1] // head_dim, head_dim, rotary_dim, code,
+            positions.dtype == torch.int64, torch.get_num_threads())
+        if self._rotary(args) == 1:
+            raise IndexError(f"rotary_embedding: a position is outside [0, {cos_cache.shape[0]})")
+        return q_out, k_out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        code = _DTYPES.get(x.dtype)
+        if code is None or not x.is_cpu or x.stride(-1) != 1 or x.shape[-1] % 2:
+            return super().silu_and_mul(x)
+        if x.dim() != 2:
+            if not x.is_contiguous():
+                return super().silu_and_mul(x)
+            return self.silu_and_mul(x.view(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        d = x.shape[1] // 2
+        out = torch.empty((x.shape[0], d), dtype=x.dtype)
+        self._silu(out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], d, self.silu_chunk,
+                   code, torch.get_num_threads())
+        return out

@@ -1,0 +1,157 @@
+// Rotary embedding, SiLU-and-mul and the KV-cache write. Semantics: kernels/ref.py. Compiled with
+// -ffp-contract=off and rounding through the dtype after every op torch rounds after, so bf16
+// results are bit-identical to the reference (silu's exp is SLEEF's, as torch's on x86).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "vec.h"
+
+extern "C" {
+struct RotaryArgs {     // mirrored by kernels/compiled.py; strides in elements
+  const void* positions;  // [tokens], int64 or int32
+  const void* q_in;       // [tokens, num_q_heads * head_dim] rows, last dim contiguous
+  void* q_out;            // may equal q_in (in place)
+  const void* k_in;
+  void* k_out;
+  const void* cos;        // [max_position, rotary_dim / 2], the dtype of q
+  const void* sin;
+  int64_t q_in_stride, q_out_stride, k_in_stride, k_out_stride, tokens, max_position;
+  int32_t num_q_heads, num_k_heads, head_dim, rotary_dim, dtype, positions_int64, num_threads;
+};
+
+struct CacheWriteArgs {  // mirrored by kernels/compiled.py; strides in elements
+  const void* key;       // [tokens, num_kv_heads, head_dim], last dim contiguous
+  const void* value;
+  void* k_cache;         // [num_slots, num_kv_heads, head_dim] contiguous
+  void* v_cache;
+  const void* slots;     // [tokens] int64 or int32; negative: skip (padding)
+  int64_t k_token_stride, k_head_stride, v_token_stride, v_head_stride, tokens;
+  int32_t num_kv_heads, head_dim, element_size, slots_int64, num_threads;
+};
+}
+
+namespace {
+
+static inline int64_t index_at(const void* p, int is_int64, int64_t i) {
+  return is_int64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+
+// x1' = x1*cos - x2*sin, x2' = x2*cos + x1*sin, each product and result rounded to T as torch
+// does for `x1 * cos - x2 * sin` on T tensors.
+template <typename T>
+static void rotate_head(const T* in, T* out, const T* cos, const T* sin, int half, int rest) {
+  const T* x1 = in;
+  const T* x2 = in + half;
+  int c = 0;
+  for (; c + VLEN <= half; c += VLEN) {
+    vfloat a = loadu(x1 + c), b = loadu(x2 + c), co = loadu(cos + c), si = loadu(sin + c);
+    vfloat o1 = round_to(a * co, out) - round_to(b * si, out);
+    vfloat o2 = round_to(b * co, out) + round_to(a * si, out);
+    storeu(out + c, o1);
+    storeu(out + half + c, o2);
+  }
+  for (; c < half; ++c) {
+    float a = to_float(x1[c]), b = to_float(x2[c]), co = to_float(cos[c]), si = to_float(sin[c]);
+    float o1 = round_to(a * co, out) - round_to(b * si, out);
+    float o2 = round_to(b * co, out) + round_to(a * si, out);
+    store1(out + c, o1);
+    store1(out + half + c, o2);
+  }
+  if (out != in && rest > 0) std::memcpy(out + 2 * half, in + 2 * half, rest * sizeof(T));
+}
+
+template <typename T>
+static void rotary(const RotaryArgs& a) {
+  const int half = a.rotary_dim / 2, rest = a.head_dim - a.rotary_dim;
+  const bool par = a.num_threads > 1 && a.tokens >= 64;
+#pragma omp parallel for num_threads(a.num_threads) if (par) schedule(static)
+  for (int64_t t = 0; t < a.tokens; ++t) {
+    const int64_t pos = index_at(a.positions, a.positions_int64, t);
+    const T* cos = static_cast<const T*>(a.cos) + pos * half;
+    const T* sin = static_cast<const T*>(a.sin) + pos * half;
+    const T* qi = static_cast<const T*>(a.q_in) + t * a.q_in_stride;
+    T* qo = static_cast<T*>(a.q_out) + t * a.q_out_stride;
+    for (int h = 0; h < a.num_q_heads; ++h)
+      rotate_head(qi + h * a.head_dim, qo + h * a.head_dim, cos, sin, half, rest);
+    const T* ki = static_cast<const T*>(a.k_in) + t * a.k_in_stride;
+    T* ko = static_cast<T*>(a.k_out) + t * a.k_out_stride;
+    for (int h = 0; h < a.num_k_heads; ++h)
+      rotate_head(ki + h * a.head_dim, ko + h * a.head_dim, cos, sin, half, rest);
+  }
+}
+
+// silu(g) * u: torch computes silu as g / (1 + exp(-g)) in fp32 and rounds it to the dtype,
+// then rounds the product again. Its vector loop covers whole chunks of `vec_chunk` elements
+// per row with SLEEF's exp and the rest with libm's expf; so do we, to match it bit for bit.
+template <typename T>
+static inline vfloat silu_mul(vfloat g, vfloat u, T* tag) {
+  vfloat s = round_to(g / (splat(1.0f) + exp_sleef(-g)), tag);
+  return s * u;
+}
+
+template <typename T>
+static void silu_and_mul(T* out, const T* x, int64_t x_stride, int64_t rows, int64_t d,
+                         int64_t vec_chunk, int num_threads) {
+  const int64_t vec_end = d / vec_chunk * vec_chunk;
+  const bool par = num_threads > 1 && rows > 1 && rows * d >= (1 << 15);
+#pragma omp parallel for num_threads(num_threads) if (par) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = x + r * x_stride;
+    const T* up = gate + d;
+    T* o = out + r * d;
+    for (int64_t c = 0; c < vec_end; c += VLEN)
+      storeu(o + c, silu_mul(loadu(gate + c), loadu(up + c), o));
+    for (int64_t c = vec_end; c < d; ++c) {
+      const float g = to_float(gate[c]);
+      store1(o + c, round_to(g / (1.0f + std::exp(-g)), o) * to_float(up[c]));
+    }
+  }
+}
+
+}  // namespace
+
+// 0: done; 1: a position outside [0, max_position) (nothing written); 2: unsupported dtype.
+extern "C" int bl_rotary_embedding(const RotaryArgs* a) {
+  for (int64_t t = 0; t < a->tokens; ++t) {
+    const int64_t pos = index_at(a->positions, a->positions_int64, t);
+    if (pos < 0 || pos >= a->max_position) return 1;
+  }
+  if (a->dtype == kFloat32) return rotary<float>(*a), 0;
+  if (a->dtype == kBFloat16) return rotary<bf16_t>(*a), 0;
+  return 2;
+}
+
+// vec_chunk: a multiple of VLEN (torch's 2 x Vectorized<float>::size()).
+extern "C" int bl_silu_and_mul(void* out, const void* x, int64_t x_stride, int64_t rows,
+                               int64_t d, int64_t vec_chunk, int32_t dtype, int32_t num_threads) {
+  if (vec_chunk <= 0 || vec_chunk % VLEN != 0) return 3;
+  if (dtype == kFloat32)
+    return silu_and_mul(static_cast<float*>(out), static_cast<const float*>(x), x_stride, rows,
+                        d, vec_chunk, num_threads), 0;
+  if (dtype == kBFloat16)
+    return silu_and_mul(static_cast<bf16_t*>(out), static_cast<const bf16_t*>(x), x_stride,
+                        rows, d, vec_chunk, num_threads), 0;
+  return 2;
+}
+
+// 0: done. A copy of whole head rows; a token with a negative slot (padding) is skipped.
+extern "C" int bl_reshape_and_cache(const CacheWriteArgs* a) {
+  const int64_t es = a->element_size, row = int64_t(a->head_dim) * es;
+  const int64_t slot_bytes = row * a->num_kv_heads;
+  const bool par = a->num_threads > 1 && a->tokens * slot_bytes >= (1 << 20);
+#pragma omp parallel for num_threads(a->num_threads) if (par) schedule(static)
+  for (int64_t t = 0; t < a->tokens; ++t) {
+    const int64_t slot = index_at(a->slots, a->slots_int64, t);
+    if (slot < 0) continue;
+    char* kd = static_cast<char*>(a->k_cache) + slot * slot_bytes;
+    char* vd = static_cast<char*>(a->v_cache) + slot * slot_bytes;
+    const char* ks = static_cast<const char*>(a->key) + t * a->k_token_stride * es;
+    const char* vs = static_cast<const char*>(a->value) + t * a->v_token_stride * es;
+    for (int h = 0; h < a->num_kv_heads; ++h) {
+      std::memcpy(kd + h * row, ks + h * a->k_head_stride * es, row);
+      std::memcpy(vd + h * row, vs + h * a->v_head_stride * es, row);
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,66 @@
+"""The kernel set the layers call: one object whose methods are either compiled or reference.
+
+``Kernels`` itself is the reference set (every method is the plain-PyTorch twin in ``ref.py``);
+``CompiledKernels`` overrides the methods and hands any call it cannot take (a dtype, shape or
+device it does not support) back to these.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bladellm.kernels import ref
+
+
+class Kernels:
+    """Reference kernels. ``name`` is ``"ref"`` or ``"compiled"``; ``isa`` the ISA the
+    compiled code targets (``"none"`` for the reference)."""
+
+    name: str = "ref"
+    isa: str = "none"
+
+    def paged_attention(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        scale: float) -> None:
+        ref.paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc,
+                            seq_lens, scale)
+
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        ref.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return ref.rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.fused_add_rms_norm(x, residual, weight, eps)
+
+    def rotary_embedding(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
+                         rotary_dim: int, *, inplace: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.rotary_embedding(positions, q, k, cos_cache, sin_cache, head_dim, rotary_dim,
+                                    inplace=inplace)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return ref.silu_and_mul(x)
+
+    def describe(self) -> str:
+        return "reference (plain PyTorch)"
+
+    # A process-wide, stateless service held by layers: copying a model must not copy it
+    # (the compiled set holds a ctypes library, which cannot be copied or pickled).
+    def __copy__(self) -> "Kernels":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "Kernels":
+        return self
+
+    def __reduce__(self) -> tuple:
+        if self.name == "ref":
+            return (Kernels, ())
+        from bladellm.kernels import get_kernels
+
+        return (get_kernels, ())

@@ -1,0 +1,102 @@
+"""Plain-PyTorch twins of every kernel: the semantics the compiled kernels must reproduce, and
+the path taken wherever those cannot run (no compiler, float16, GPU tensors, odd shapes).
+
+Shapes: T tokens, nh query heads, kvh KV heads (nh a multiple of kvh), d head dim; caches are
+[num_blocks, block_size, kvh, d].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float) -> None:
+    """Causal attention of each request's query tokens over its paged context, into ``out``.
+
+    Request r owns query rows ``query_start_loc[r]:query_start_loc[r+1]`` (q_len >= 1); its
+    context is ``seq_lens[r]`` tokens (this step's included, already in the cache), so query j
+    sits at position ``seq_len - q_len + j`` and sees keys ``0..position``. Scores and softmax
+    in fp32; the output is rounded to ``out.dtype`` once.
+    """
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = query.shape[1] // num_kv_heads
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for r, seq_len in enumerate(lens):
+        begin, end = starts[r], starts[r + 1]
+        q_len = end - begin
+        blocks = block_tables[r, :-(-seq_len // block_size)].long()
+        k = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k = k.float().repeat_interleave(group, dim=1)  # [L, nh, d]
+        v = v.float().repeat_interleave(group, dim=1)
+        q = query[begin:end].float()  # [Q, nh, d]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        future = torch.arange(seq_len, device=q.device)[None, :] > positions[:, None]
+        scores.masked_fill_(future, float("-inf"))
+        out[begin:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(out.dtype)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store key/value [N, kvh, d] at flat slots ``slot_mapping`` [N] of the caches."""
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    slots = slot_mapping.long()
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' rounding: normalise in fp32, cast to x's dtype, then scale by weight."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); the sum is rounded to the dtype first."""
+    x = x + residual
+    return rms_norm(x, weight, eps), x
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
+                     rotary_dim: int, *, inplace: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox (rotate-half) rotary embedding of q [T, nh*d] and k [T, kvh*d] at ``positions``.
+
+    ``cos_cache``/``sin_cache`` are [max_position, rotary_dim / 2]; dims >= rotary_dim pass
+    through. Each of ``x1*cos``, ``x2*sin``, ... is rounded to the dtype, as torch does on
+    tensors of that dtype. ``inplace``: write into q and k and return them; else return new
+    contiguous tensors and leave q and k alone.
+    """
+    cos = cos_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim / 2]
+    sin = sin_cache[positions].unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        x = x.view(T, -1, head_dim)
+        rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+        x1, x2 = rot.chunk(2, dim=-1)
+        # Equals transformers' x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), bit for bit.
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1).view(T, -1)
+
+    q_rot, k_rot = rotate(q), rotate(k)
+    if not inplace:
+        return q_rot, k_rot
+    q.copy_(q_rot)
+    k.copy_(k_rot)
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2d] (gate | up) -> silu(gate) * up [T, d]; silu rounds to the dtype, then the
+    product does."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
