@@ -15,6 +15,13 @@ thread's CPU time instead, which a descheduled thread does not inflate.
 
     python benchmarks/kernels_cpu.py --threads 2 --reps 30
     python benchmarks/kernels_cpu.py --threads 1 --clock cpu
+    python benchmarks/kernels_cpu.py --gemm --threads 1 --clock cpu --reps 15
+
+``--gemm``: the linear layers of the 88M model and SmolLM2-135M at M = 1..256 rows: F.linear
+(what the engine ran before), oneDNN with a prepacked weight, MKL packed (fp32), the compiled
+small-M kernel alone, and ``Kernels.linear`` without / with ``pack_linear_weight``. The same
+weight is reused call after call, so the smaller ones run from cache (a decode step streams
+them from DRAM: expect ~10-15 GB/s on one core there).
 """
 
 from __future__ import annotations
@@ -179,11 +186,85 @@ def bench_elementwise(dtype: torch.dtype, reps: int, compiled, reference) -> Non
             print(f"| {name} | {T} | {t_c:.1f} | {t_r:.1f} | {t_r / t_c:.1f}x |")
 
 
+GEMM_SHAPES = {  # name: (N, K)
+    "88M qkv": (1280, 768), "88M o": (768, 768), "88M gate_up": (4096, 768),
+    "88M down": (768, 2048), "88M lm_head": (8192, 768),
+    "135M qkv": (960, 576), "135M o": (576, 576), "135M gate_up": (3072, 576),
+    "135M down": (576, 1536), "135M lm_head": (49152, 576),
+}
+GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
+
+
+def time_us_budget(fn: Callable[[], object], reps: int, budget_s: float = 1.5) -> float:
+    """time_us with fewer reps for slow calls (the large-M lm_head ones)."""
+    start = time.perf_counter()
+    fn()
+    once = time.perf_counter() - start
+    return time_us(fn, max(5, min(reps, int(budget_s / max(once, 1e-6)))))
+
+
+def gemm_methods(dtype: torch.dtype, w: torch.Tensor, M: int, compiled) -> dict:
+    """name -> zero-arg callable taking x; prepacking happens here, outside the timing."""
+    methods = {"F.linear": lambda x: torch.nn.functional.linear(x, w)}
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, M)
+        methods["onednn packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(
+            x, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        pass
+    if dtype == torch.float32:
+        try:
+            mkl_w = torch.ops.mkl._mkl_reorder_linear_weight(w, M)
+            methods["mkl packed"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl_w, w, None, M)
+        except (RuntimeError, AttributeError):
+            pass
+    # The kernel itself (bypassing the crossover), and what Kernels.linear dispatches to.
+    lib_linear, code = compiled._linear, 0 if dtype == torch.float32 else 1
+    N, K = w.shape
+
+    def kernel(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((M, N), dtype=dtype)
+        lib_linear(out.data_ptr(), x.data_ptr(), w.data_ptr(), None, M, N, K, K, N, code,
+                   torch.get_num_threads())
+        return out
+
+    methods["kernel"] = kernel
+    methods["Kernels.linear"] = lambda x: compiled.linear(x, w)
+    packed_w = compiled.pack_linear_weight(w)
+    methods["Kernels.linear packed"] = lambda x: compiled.linear(x, w, None, packed_w)
+    return methods
+
+
+def bench_gemm(dtype: torch.dtype, reps: int, compiled, rows: tuple[int, ...]) -> None:
+    print(f"\n## linear (x [M, K] @ w[N, K].T), {dtype}: us per call; GB/s = weight bytes / "
+          "time; ratio = F.linear / best other")
+    g = torch.Generator().manual_seed(0)
+    names = None
+    for shape, (N, K) in GEMM_SHAPES.items():
+        w = torch.randn(N, K, generator=g).to(dtype)
+        for M in rows:
+            x = torch.randn(M, K, generator=g).to(dtype)
+            methods = gemm_methods(dtype, w, M, compiled)
+            if names is None:
+                names = list(methods)
+                print("| shape | M | " + " | ".join(names) + " | kernel GB/s | F.linear / kernel |")
+                print("|---|---:|" + "---:|" * (len(names) + 2))
+            times = {n: time_us_budget(lambda: fn(x), reps) for n, fn in methods.items()}
+            gbs = w.numel() * w.element_size() / times["kernel"] / 1e3
+            cells = " | ".join(f"{times[n]:.1f}" if n in times else "-" for n in names)
+            print(f"| {shape} {N}x{K} | {M} | {cells} | {gbs:.1f} | "
+                  f"{times['F.linear'] / times['kernel']:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--gemm", action="store_true",
+                        help="only the linear-layer section (small-M GEMM shapes)")
+    parser.add_argument("--rows", default=",".join(map(str, GEMM_ROWS)),
+                        help="M values of the --gemm section")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: the calling thread's CPU time (needs --threads 1)")
     args = parser.parse_args()
@@ -201,6 +282,9 @@ def main() -> None:
     reference = Kernels()  # the plain-PyTorch twins
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
+        if args.gemm:
+            bench_gemm(dtype, args.reps, compiled, tuple(map(int, args.rows.split(","))))
+            continue
         bench_attention(dtype, args.reps, compiled, reference)
         bench_elementwise(dtype, args.reps, compiled, reference)
 

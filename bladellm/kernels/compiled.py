@@ -17,6 +17,14 @@ import torch
 from bladellm.kernels.interface import Kernels
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# Largest M (rows of x) the small-M linear kernel takes, from benchmarks/kernels_cpu.py --gemm
+# (one thread, AMD EPYC Zen 4 class, 88M and SmolLM2-135M shapes): against F.linear the
+# kernel wins 2-3.4x (bf16) / 1.2-2.9x (fp32) at M <= 2, bf16 breaks even near M = 4 with the
+# weights in cache (1.3x ahead streamed from DRAM), fp32 stays ahead up to M = 16. Against a
+# weight prepacked for oneDNN (pack_linear_weight) the crossovers are lower.
+LINEAR_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4}
+LINEAR_MAX_ROWS_PACKED = {torch.float32: 4, torch.bfloat16: 2}
+LINEAR_MAX_ROWS_BF16_NO_DPBF16 = 2  # bf16 widened to fp32 FMAs (AVX2 / AVX-512 without BF16)
 
 
 class _PagedAttentionArgs(ctypes.Structure):
@@ -51,6 +59,15 @@ class _CacheWriteArgs(ctypes.Structure):
                                        "v_head_stride", "tokens")] + \
                [(n, c_int32) for n in ("num_kv_heads", "head_dim", "element_size",
                                        "slots_int64", "num_threads")]
+
+
+class _PackedLinear:
+    """A weight reordered for oneDNN, and the weight it was made from (by identity)."""
+
+    __slots__ = ("onednn", "weight")
+
+    def __init__(self, onednn: torch.Tensor, weight: torch.Tensor) -> None:
+        self.onednn, self.weight = onednn, weight
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -106,6 +123,17 @@ class CompiledKernels(Kernels):
         # silu's scalar exp differs from its vector one, so the kernel splits rows the same way.
         cap = torch.backends.cpu.get_cpu_capability().upper()
         self.silu_chunk = max(self.lanes, 32 if cap.startswith("AVX512") else 16)
+        self._linear = self._bind(lib.bl_linear, [c_void_p, c_void_p, c_void_p, c_void_p,
+                                                  c_int64, c_int64, c_int64, c_int64, c_int64,
+                                                  c_int32, c_int32])
+        self.linear_dpbf16 = bool(lib.bl_linear_dpbf16())
+        # Largest M the GEMV kernel takes (without / with a packed weight); above it F.linear or
+        # the prepacked oneDNN GEMM.
+        self.linear_max_rows = dict(LINEAR_MAX_ROWS)
+        self.linear_max_rows_packed = dict(LINEAR_MAX_ROWS_PACKED)
+        if not self.linear_dpbf16:
+            for table in (self.linear_max_rows, self.linear_max_rows_packed):
+                table[torch.bfloat16] = min(table[torch.bfloat16], LINEAR_MAX_ROWS_BF16_NO_DPBF16)
 
     @staticmethod
     def _bind(fn, argtypes: list) -> ctypes._CFuncPtr:
@@ -230,4 +258,46 @@ class CompiledKernels(Kernels):
         out = torch.empty((x.shape[0], d), dtype=x.dtype)
         self._silu(out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], d, self.silu_chunk,
                    code, torch.get_num_threads())
+        return out
+
+    def pack_linear_weight(self, weight: torch.Tensor) -> object | None:
+        """The weight reordered for oneDNN (a second copy: the small-M kernel reads the
+        original), which runs M above the kernel's crossover 1.2-2x faster than F.linear
+        (bf16, M 4..32; about even from M = 64). None where oneDNN cannot take it."""
+        if (weight.dtype not in _DTYPES or not weight.is_cpu or weight.dim() != 2
+                or not weight.is_contiguous()):
+            return None
+        try:
+            return _PackedLinear(torch.ops.mkldnn._reorder_linear_weight(weight, 16), weight)
+        except (RuntimeError, AttributeError):
+            return None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               packed: object | None = None) -> torch.Tensor:
+        dtype = x.dtype
+        if isinstance(packed, _PackedLinear) and packed.weight is not weight:
+            packed = None  # made for another weight (the layer's weight was replaced)
+        max_rows = (self.linear_max_rows if packed is None
+                    else self.linear_max_rows_packed).get(dtype)
+        K = x.shape[-1]
+        if (max_rows is None or weight.dtype != dtype or not x.is_cpu or weight.dim() != 2
+                or weight.shape[1] != K or not weight.is_contiguous() or x.stride(-1) != 1
+                or (bias is not None and (bias.dtype != dtype or not bias.is_contiguous()))):
+            return super().linear(x, weight, bias, packed)
+        if x.dim() == 2:
+            M, x_stride = x.shape[0], x.stride(0)
+        elif x.dim() == 1 or x.is_contiguous():
+            M, x_stride = x.numel() // K if K else 0, K
+        else:
+            return super().linear(x, weight, bias, packed)
+        if M > max_rows or M == 0 or K == 0:
+            if packed is not None and M > 0 and x.dim() >= 2 and (
+                    bias is None or bias.dtype == dtype):
+                return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+            return super().linear(x, weight, bias, packed)
+        N = weight.shape[0]
+        out = torch.empty((*x.shape[:-1], N), dtype=dtype)
+        self._linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(),
+                     None if bias is None else bias.data_ptr(), M, N, K, x_stride, N,
+                     _DTYPES[dtype], torch.get_num_threads())
         return out

@@ -47,6 +47,16 @@ class Kernels:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return ref.silu_and_mul(x)
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               packed: object | None = None) -> torch.Tensor:
+        """F.linear. ``packed``: what ``pack_linear_weight(weight)`` returned for this weight
+        (made once at load time); the reference ignores it."""
+        return ref.linear(x, weight, bias)
+
+    def pack_linear_weight(self, weight: torch.Tensor) -> object | None:
+        """A load-time form of ``weight`` that makes ``linear`` faster, or None (none needed)."""
+        return None
+
     def describe(self) -> str:
         return "reference (plain PyTorch)"
 

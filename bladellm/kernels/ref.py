@@ -100,3 +100,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     product does."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """``x @ weight.T + bias`` (F.linear): x [..., K], weight [N, K], bias [N] -> [..., N]."""
+    return F.linear(x, weight, bias)

@@ -17,6 +17,7 @@ from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from bladellm.model.checkpoint import ResolvedModel
 from bladellm.model.forward_context import ForwardContext
+from bladellm.platforms.cpu_defaults import model_weight_bytes, total_memory_bytes
 from bladellm.sample.sampler import Sampler, SamplerOutput
 from bladellm.worker.input_batch import InputBatch, StepInputs
 
@@ -35,6 +36,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = resolved.load_model(device, self.attn_backend)
         self.model.eval()
+        self.packed_weight_bytes = self._prepack_weights()
         logger.info("loaded %s (%s) in %.1f s; attention: %s", resolved.architecture,
                     self.dtype, time.perf_counter() - start, self.attn_backend.name)
         self.sampler = Sampler()
@@ -45,6 +47,29 @@ class ModelRunner:
         spec = self.model.get_kv_cache_spec()  # per rank: stays right under TP
         self.num_layers, self.num_kv_heads, self.head_dim = (
             spec.num_layers, spec.num_kv_heads, spec.head_dim)
+
+    def _prepack_weights(self) -> int:
+        """Let each linear layer keep its kernels' load-time weight layout (on CPU: a oneDNN
+        reordered copy that runs batched GEMMs 1.2-2x faster; the small-M kernel reads the
+        original). The copy doubles linear-weight memory, so it is made only while it takes at
+        most a quarter of the memory the weights leave. Returns the bytes it added."""
+        layers = [m for m in self.model.modules()
+                  if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")]
+        extra = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+        spare = total_memory_bytes() - model_weight_bytes(self.model)
+        if not layers or extra > spare // 4:
+            if layers:
+                logger.info("linear weights not prepacked: a copy (%.0f MiB) would exceed a "
+                            "quarter of the spare memory", extra / (1 << 20))
+            return 0
+        for m in layers:
+            m.quant_method.process_weights_after_loading(m)
+        added = sum(m.weight.numel() * m.weight.element_size() for m in layers
+                    if getattr(m, "packed_weight", None) is not None)
+        logger.info("prepacked %d linear weights for batched GEMMs (+%.0f MiB)",
+                    sum(getattr(m, "packed_weight", None) is not None for m in layers),
+                    added / (1 << 20))
+        return added
 
     # ---- KV cache -------------------------------------------------------------------------------
     @property

@@ -40,7 +40,8 @@ class Worker:
         if cache.kv_cache_memory != "auto":
             return max(2, parse_size(cache.kv_cache_memory) // per_block)
         usable = self.config.scheduler.max_num_seqs * -(-runner.max_model_len // runner.block_size)
-        budget = auto_kv_cache_bytes(total_memory_bytes(), model_weight_bytes(runner.model))
+        weights = model_weight_bytes(runner.model) + runner.packed_weight_bytes
+        budget = auto_kv_cache_bytes(total_memory_bytes(), weights)
         return max(2, min(budget // per_block, usable + 1))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

@@ -70,7 +70,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 [N, vocab] (matmul in the model dtype, like transformers)."""
-        logits = F.linear(hidden, self.weight, self.bias)
+        from bladellm.kernels import get_kernels
+
+        logits = get_kernels().linear(hidden, self.weight, self.bias)
         if self.tp_size > 1:
             logits = tp_all_gather(logits)
         return logits[..., :self.num_embeddings].float()

@@ -18,7 +18,6 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from bladellm.model.utils import (copy_checked, get_tp_rank_and_size, set_weight_attrs,
@@ -41,6 +40,19 @@ class LinearMethodBase(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
+    """``x @ weight.T + bias`` through ``Kernels.linear``: the compiled small-M kernel at decode
+    sizes (fp32 accumulation, within GEMM rounding of F.linear), F.linear otherwise."""
+
+    def __init__(self) -> None:
+        from bladellm.kernels import get_kernels
+
+        self.kernels = get_kernels()
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Once, after every weight is loaded: the kernels' load-time form of the weight
+        (None where the kernels need none; ``apply`` works either way)."""
+        layer.packed_weight = self.kernels.pack_linear_weight(layer.weight)
+
     def create_weights(self, layer: nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], params_dtype: torch.dtype,
                        weight_loader: Any) -> None:
@@ -51,7 +63,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return self.kernels.linear(x, layer.weight, bias, getattr(layer, "packed_weight", None))
 
 
 def _get_quant_method(quant_config: Any, layer: nn.Module, prefix: str) -> LinearMethodBase:

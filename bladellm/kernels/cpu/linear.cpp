@@ -1,0 +1,187 @@
+// Linear layer for small M (decode): out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), the
+// semantics of F.linear, fp32 accumulation, one rounding to the dtype at the end.
+//
+// At M of a few rows this is a GEMV: bound by streaming the weight from memory, so the weight
+// stays in its natural row-major [N, K] layout (no packed copy): a block of R weight rows is
+// streamed once per tile of up to MT activation rows, each (m, n) pair keeps a vector of
+// partial sums along K, reduced horizontally once at the end. A block's R rows (R * K * 2
+// bytes in bf16) stay in L1 while further M tiles reuse them.
+//
+// bf16 with AVX512_BF16: vdpbf16ps multiplies pairs of bf16 exactly and adds them into fp32
+// lanes (32 K elements per instruction). Elsewhere bf16 is widened to fp32 and FMA'd.
+// Compiled with -ffp-contract=fast (acc += x * w is an FMA); the summation order differs from
+// oneDNN's/MKL's like any two GEMMs do.
+#include <algorithm>
+#include <cstdint>
+
+#include "vec.h"
+
+namespace {
+
+#ifndef LINEAR_ROWS
+#define LINEAR_ROWS 4
+#endif
+constexpr int R = LINEAR_ROWS;  // weight rows per block
+#ifndef LINEAR_MT
+#define LINEAR_MT 4
+#endif
+constexpr int MT = LINEAR_MT;  // activation rows per tile
+
+// Weight rows are streamed from memory once per call (a model's weights do not stay in cache
+// between decode steps): prefetch the rows kPrefetchRows ahead of those being multiplied, at
+// the same K offset, so several blocks' cache lines are in flight (the hardware prefetchers
+// alone keep too few, at ~5 GB/s from DRAM on one core). Prefetching past the end of w is harmless.
+#ifndef LINEAR_PF
+#define LINEAR_PF 8
+#endif
+constexpr int64_t kPrefetchRows = LINEAR_PF;
+
+template <class T>
+static inline void prefetch(const T* p) {
+  __builtin_prefetch(p, 0, 3);
+}
+
+template <class T>
+static inline void write_out(T* out, int64_t out_stride, const T* bias, int64_t n0, int rr,
+                             int mm, float (*sums)[R]) {
+  for (int m = 0; m < mm; ++m)
+    for (int r = 0; r < rr; ++r) {
+      float v = sums[m][r];
+      if (bias) v += to_float(bias[n0 + r]);
+      store1(out + m * out_stride + n0 + r, v);
+    }
+}
+
+// Portable path: VLEN-lane vectors (bf16 widened), scalar tail over K % VLEN.
+template <class T, int RR, int MM>
+static inline void tile_generic(const T* x, int64_t xs, const T* w, int64_t K,
+                                float (*sums)[R]) {
+  vfloat acc[MM][RR];
+  for (int m = 0; m < MM; ++m)
+    for (int r = 0; r < RR; ++r) acc[m][r] = vfloat{};
+  int64_t k = 0;
+  for (; k + VLEN <= K; k += VLEN) {
+    vfloat wv[RR];
+    for (int r = 0; r < RR; ++r) {
+      if (k % (64 / sizeof(T)) == 0) prefetch(w + r * K + k + kPrefetchRows * K);
+      wv[r] = loadu(w + r * K + k);
+    }
+    for (int m = 0; m < MM; ++m) {
+      vfloat xv = loadu(x + m * xs + k);
+      for (int r = 0; r < RR; ++r) acc[m][r] += xv * wv[r];
+    }
+  }
+  for (int m = 0; m < MM; ++m)
+    for (int r = 0; r < RR; ++r) {
+      float s = hsum(acc[m][r]);
+      for (int64_t kk = k; kk < K; ++kk)
+        s += to_float(x[m * xs + kk]) * to_float(w[r * K + kk]);
+      sums[m][r] = s;
+    }
+}
+
+#if defined(__AVX512BF16__)
+// 32 bf16 of K per step; the tail is a zero-filling masked load (masked lanes never fault).
+template <int RR, int MM>
+static inline void tile_dpbf16(const bf16_t* x, int64_t xs, const bf16_t* w, int64_t K,
+                               float (*sums)[R]) {
+  __m512 acc[MM][RR];
+  for (int m = 0; m < MM; ++m)
+    for (int r = 0; r < RR; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k < K; k += 32) {
+    __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (K - k)) - 1;
+    __m512bh wv[RR];
+    for (int r = 0; r < RR; ++r) {
+      prefetch(w + r * K + k + kPrefetchRows * K);
+      wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * K + k);
+    }
+    for (int m = 0; m < MM; ++m) {
+      __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * xs + k);
+      for (int r = 0; r < RR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+    }
+  }
+  for (int m = 0; m < MM; ++m)
+    for (int r = 0; r < RR; ++r) sums[m][r] = hsum(bit_cast<vfloat>(acc[m][r]));
+}
+#endif
+
+template <class T, int RR, int MM>
+static inline void tile(const T* x, int64_t xs, const T* w, int64_t K, float (*sums)[R]) {
+#if defined(__AVX512BF16__)
+  if constexpr (sizeof(T) == 2) {
+    tile_dpbf16<RR, MM>(x, xs, w, K, sums);
+    return;
+  }
+#endif
+  tile_generic<T, RR, MM>(x, xs, w, K, sums);
+}
+
+template <class T, int RR>
+static inline void block(T* out, int64_t out_stride, const T* x, int64_t xs, const T* w,
+                         const T* bias, int64_t M, int64_t K, int64_t n0) {
+  float sums[MT][R];
+  for (int64_t m0 = 0; m0 < M; m0 += MT) {
+    int mm = int(std::min<int64_t>(MT, M - m0));
+    const T* xm = x + m0 * xs;
+    if constexpr (MT >= 4) {
+      if (mm == 4) { tile<T, RR, 4>(xm, xs, w, K, sums); goto done; }
+      if (mm == 3) { tile<T, RR, 3>(xm, xs, w, K, sums); goto done; }
+    }
+    if (mm >= 2)
+      tile<T, RR, 2>(xm, xs, w, K, sums);
+    else
+      tile<T, RR, 1>(xm, xs, w, K, sums);
+    [[maybe_unused]] done:;
+    write_out(out + m0 * out_stride, out_stride, bias, n0, RR, mm, sums);
+  }
+}
+
+template <class T>
+static void linear(T* out, int64_t out_stride, const T* x, int64_t xs, const T* w,
+                   const T* bias, int64_t M, int64_t N, int64_t K, int num_threads) {
+  const int64_t full = N / R;
+  const int64_t blocks = full + (N % R ? 1 : 0);
+  const bool par = num_threads > 1 && blocks >= 2 * num_threads;
+#pragma omp parallel for num_threads(num_threads) if (par) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    int64_t n0 = b * R;
+    if (b < full) {
+      block<T, R>(out, out_stride, x, xs, w + n0 * K, bias, M, K, n0);
+    } else {
+      for (int64_t n = n0; n < N; ++n)
+        block<T, 1>(out, out_stride, x, xs, w + n * K, bias, M, K, n);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+// x: [M, K] rows x_stride apart (last dim contiguous); w: [N, K] contiguous; bias: [N] or
+// null; out: [M, N] rows out_stride apart. All of dtype (0 fp32, 1 bf16). Returns 0.
+int bl_linear(void* out, const void* x, const void* w, const void* bias, int64_t M, int64_t N,
+              int64_t K, int64_t x_stride, int64_t out_stride, int32_t dtype,
+              int32_t num_threads) {
+  if (dtype == kBFloat16)
+    linear(static_cast<bf16_t*>(out), out_stride, static_cast<const bf16_t*>(x), x_stride,
+           static_cast<const bf16_t*>(w), static_cast<const bf16_t*>(bias), M, N, K,
+           num_threads);
+  else if (dtype == kFloat32)
+    linear(static_cast<float*>(out), out_stride, static_cast<const float*>(x), x_stride,
+           static_cast<const float*>(w), static_cast<const float*>(bias), M, N, K,
+           num_threads);
+  else
+    return 1;
+  return 0;
+}
+
+// 1 when bf16 runs on vdpbf16ps in this build.
+int bl_linear_dpbf16() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+}

@@ -1,0 +1,162 @@
+"""Kernels.linear (the compiled small-M GEMV, oneDNN / F.linear above its crossover) vs
+F.linear: equal within GEMM rounding (fp32 accumulation, one rounding to the dtype), on every
+supported dtype, M around the crossover, odd N and K, with and without bias, and the
+reference path for what the kernel does not take."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bladellm.kernels import Kernels, load_kernels
+
+DTYPES = [torch.float32, torch.bfloat16]
+SHAPES = [(1280, 768), (67, 100), (5, 33), (130, 7), (1, 64), (17, 2048)]  # (N, K)
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def check_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                b: torch.Tensor | None) -> None:
+    """got vs the exact (fp64) product: fp32 within accumulation rounding; bf16 within one
+    rounding of the fp32 sum (half an ulp, plus the accumulation error)."""
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == x.dtype and got.shape == exact.shape
+    K = x.shape[-1]
+    scale = float(exact.abs().max()) + 1.0
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=2e-6 * K ** 0.5 * scale)
+    else:
+        torch.testing.assert_close(got.double(), exact, rtol=2 ** -8, atol=1e-5 * K * scale)
+    # And no worse than F.linear itself in that dtype (beyond a unit in the last place).
+    want = F.linear(x, w, b).double()
+    ulp = exact.abs() * (2 ** -7 if x.dtype == torch.bfloat16 else 2 ** -22) + 1e-30
+    assert float(((got.double() - exact).abs() - (want - exact).abs() - ulp).max()) <= \
+        1e-6 * scale
+
+
+def rows_around(compiled, dtype: torch.dtype) -> list[int]:
+    top = compiled.linear_max_rows[dtype]
+    return sorted({1, 2, 3, 4, 5, max(1, top - 1), top, top + 1, 33})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear(compiled, dtype, shape, bias):
+    N, K = shape
+    w = randn(N, K, dtype=dtype, seed=1)
+    b = randn(N, dtype=dtype, seed=2) if bias else None
+    for M in rows_around(compiled, dtype):
+        x = randn(M, K, dtype=dtype, seed=M)
+        check_close(compiled.linear(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_with_packed_weight(compiled, dtype):
+    """What pack_linear_weight made at load time (if anything) gives the same products."""
+    w = randn(1280, 768, dtype=dtype, seed=1)
+    b = randn(1280, dtype=dtype, seed=2)
+    packed = compiled.pack_linear_weight(w)
+    for M in rows_around(compiled, dtype) + [64, 256]:
+        x = randn(M, 768, dtype=dtype, seed=M)
+        check_close(compiled.linear(x, w, b, packed), x, w, b)
+        check_close(compiled.linear(x, w, None, packed), x, w, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_views_and_leading_dims(compiled, dtype):
+    w = randn(96, 80, dtype=dtype, seed=1)
+    wide = randn(3, 200, dtype=dtype, seed=3)
+    x = wide[:, 40:120]  # rows 200 apart
+    check_close(compiled.linear(x, w), x, w, None)
+    x3 = randn(2, 2, 80, dtype=dtype, seed=4)  # [batch, seq, K]
+    got = compiled.linear(x3, w)
+    assert got.shape == (2, 2, 96)
+    check_close(got.view(4, 96), x3.view(4, 80), w, None)
+    x1 = randn(80, dtype=dtype, seed=5)  # 1-D
+    got = compiled.linear(x1, w)
+    assert got.shape == (96,)
+    check_close(got.view(1, 96), x1.view(1, 80), w, None)
+
+
+def test_linear_unsupported_inputs_fall_back_to_reference(compiled):
+    """float16, a non-contiguous weight, large M, dtype mixes: exactly F.linear's result (or
+    its error)."""
+    x = randn(2, 64, dtype=torch.float16)
+    w = randn(32, 64, dtype=torch.float16, seed=1)
+    assert torch.equal(compiled.linear(x, w), F.linear(x, w))
+    x = randn(2, 64, dtype=torch.float32)
+    wt = randn(64, 32, dtype=torch.float32, seed=1).t()  # [32, 64], column-major
+    assert torch.equal(compiled.linear(x, wt), F.linear(x, wt))
+    big = randn(compiled.linear_max_rows[torch.float32] + 1, 64, dtype=torch.float32)
+    w = randn(32, 64, dtype=torch.float32, seed=1)
+    assert torch.equal(compiled.linear(big, w), F.linear(big, w))
+    with pytest.raises(RuntimeError):
+        compiled.linear(x, w.to(torch.bfloat16))
+    empty = torch.empty(0, 64)
+    assert compiled.linear(empty, w).shape == (0, 32)
+
+
+def test_reference_linear_is_f_linear():
+    x, w, b = randn(3, 40, dtype=torch.float32), randn(8, 40, dtype=torch.float32, seed=1), \
+        randn(8, dtype=torch.float32, seed=2)
+    kernels = Kernels()
+    assert kernels.pack_linear_weight(w) is None
+    assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_linear_threads(compiled):
+    """The OpenMP split over N gives the same bits as one thread."""
+    w = randn(4099, 300, dtype=torch.bfloat16, seed=1)
+    x = randn(3, 300, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = compiled.linear(x, w)
+        torch.set_num_threads(2)
+        two = compiled.linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_unquantized_linear_method_uses_kernels(compiled, monkeypatch):
+    from bladellm.model.layers import linear as linear_mod
+
+    monkeypatch.setattr("bladellm.kernels.get_kernels", lambda: compiled)
+    method = linear_mod.UnquantizedLinearMethod()
+    layer = torch.nn.Module()
+    method.create_weights(layer, 64, [48, 16], torch.bfloat16, None)
+    layer.weight.data.copy_(randn(64, 64, dtype=torch.bfloat16, seed=1))
+    x = randn(1, 64, dtype=torch.bfloat16)
+    check_close(method.apply(layer, x), x, layer.weight, None)
+    method.process_weights_after_loading(layer)
+    check_close(method.apply(layer, randn(40, 64, dtype=torch.bfloat16)),
+                randn(40, 64, dtype=torch.bfloat16), layer.weight, None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic"])
+def test_other_isa_builds_linear(tmp_path, isa):
+    """Without vdpbf16ps (bf16 widened to fp32 FMAs) and narrower vectors: what AVX2-only CI
+    machines run."""
+    flags = set(open("/proc/cpuinfo").read().split())
+    needs = {"avx512": {"avx512bw"}, "avx2": {"avx2", "fma"}, "generic": set()}[isa]
+    if not needs <= flags:
+        pytest.skip(f"CPU without {isa}")
+    kernels = load_kernels(mode="auto", cache_root=tmp_path, isa=isa)
+    assert kernels.name == "compiled" and not kernels.linear_dpbf16
+    for dtype in DTYPES:
+        for N, K in SHAPES:
+            w = randn(N, K, dtype=dtype, seed=1)
+            b = randn(N, dtype=dtype, seed=2)
+            for M in (1, 3, 4, 5):
+                x = randn(M, K, dtype=dtype, seed=M)
+                check_close(kernels.linear(x, w, b), x, w, b)
