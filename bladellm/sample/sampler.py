@@ -4,7 +4,8 @@ Order of application (see docs/sampling.md):
   1. logprobs of the RAW logits (log_softmax of the model's output, before anything below);
   2. logit_bias; min_tokens banning (-inf); repetition penalty; presence/frequency penalties;
   3. greedy rows: argmax of the processed logits;
-  4. random rows: temperature, top-k, top-p, min-p, then one exponential-race draw per row.
+  4. random rows: temperature, top-k, top-p, min-p, then one inverse-CDF draw per row
+     (``ops.sample_random``).
 """
 
 from __future__ import annotations
@@ -44,13 +45,10 @@ class Sampler(nn.Module):
 
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)
+        elif md.all_random:
+            sampled = ops.sample_random(logits, _row_filters(md), md.generators)
         else:
-            greedy = None if md.all_random else logits.argmax(dim=-1)
-            # _sample_random works in place, so it must not see the caller's logits.
-            owned = logits if not md.no_logits_processing else logits.clone()
-            sampled = self._sample_random(owned, md)
-            if greedy is not None:
-                sampled = torch.where(md.temperature < GREEDY_TEMPERATURE, greedy, sampled)
+            sampled = _sample_mixed(logits, md)
 
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
@@ -70,27 +68,32 @@ class Sampler(nn.Module):
                 logits, md.presence_penalty, md.frequency_penalty, md.output_token_ids)
         return logits
 
-    @staticmethod
-    def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        if md.temperature is not None:
-            logits = ops.apply_temperature(logits, md.temperature, GREEDY_TEMPERATURE)
-        top_k = md.top_k
-        if top_k is not None and not md.all_random and md.temperature is not None:
-            # Greedy rows' k is irrelevant; 1 keeps a greedy row's "off" from forcing a full sort.
-            top_k = torch.where(md.temperature < GREEDY_TEMPERATURE, 1, top_k)
-        logits = ops.apply_top_k_top_p(logits, top_k, md.top_p)
-        if md.min_p is not None:
-            logits = ops.apply_min_p(logits, md.min_p)
-        return ops.random_sample(logits.softmax(dim=-1), md.generators)
+
+def _row_filters(md: SamplingMetadata) -> ops.RowFilters:
+    return ops.RowFilters(md.temperature, md.top_k, md.top_p, md.min_p)
+
+
+def _sample_mixed(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Greedy rows take their argmax; only the random rows go through the draw."""
+    is_random = md.temperature >= GREEDY_TEMPERATURE
+    sampled = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    greedy_rows = (~is_random).nonzero().squeeze(1)
+    sampled[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+    rows = is_random.nonzero().squeeze(1)
+    position = {row: i for i, row in enumerate(rows.tolist())}
+    generators = {position[row]: g for row, g in md.generators.items() if row in position}
+    sampled[rows] = ops.sample_random(logits[rows], _row_filters(md).select(rows), generators)
+    return sampled
 
 
 def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
                      num_logprobs: int) -> SamplerOutput:
     sampled = sampled.to(torch.int64)
     sampled_logprob = raw_logprobs.gather(1, sampled.unsqueeze(1))
-    top_logprobs, top_ids = raw_logprobs.topk(num_logprobs, dim=-1)
+    top_logprobs, top_ids = ops.top_candidates(raw_logprobs, num_logprobs)
     # Strictly greater: the sampled token shares the best rank of any tie it is in.
-    ranks = (raw_logprobs > sampled_logprob).sum(dim=-1) + 1
+    # An int32 sum: summing the bool mask into int64 converts the whole mask first.
+    ranks = (raw_logprobs > sampled_logprob).sum(dim=-1, dtype=torch.int32).to(torch.int64) + 1
     return SamplerOutput(
         sampled_token_ids=sampled,
         logprobs_token_ids=torch.cat([sampled.unsqueeze(1), top_ids], dim=1),
