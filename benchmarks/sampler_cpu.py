@@ -3,12 +3,12 @@
     python benchmarks/sampler_cpu.py
     python benchmarks/sampler_cpu.py --rows 64 --vocab 49152 --cases random top_p_top_k
 
-"Before" is ``bladellm/sample/{ops,sampler}.py`` at ``--before`` (default: the exponential-race
-sampler), read with ``git show`` so the working tree is untouched. Logits are synthetic but shaped
-like a language model's: N(0, 2) over the vocabulary plus a head of 40 tokens 3-12 above it, so
-that at temperature 0.8 the top token has ~0.5 of the mass and top-p 0.9 keeps 5 tokens (median)
-to a few hundred (``top_p_flat`` drops the head: top-p then keeps ~11% of the vocabulary, the
-worst case of the candidate search).
+"Before" is ``bladellm/sample/{ops,draw,sampler}.py`` at ``--before`` (default: the
+exponential-race sampler), read with ``git show`` so the working tree is untouched. Logits are
+synthetic but shaped like a language model's: N(0, 2) over the vocabulary plus a head of 40 tokens
+3-12 above it, so that at temperature 0.8 the top token has ~0.5 of the mass and top-p 0.9 keeps 5
+tokens (median) to a few hundred (``top_p_flat`` drops the head: top-p then keeps ~11% of the
+vocabulary, the worst case of the candidate search).
 
 The machine may be shared: the two samplers alternate call by call, each cell reports the median
 of its repetitions (and the minimum, less sensitive to other load), after one warm-up call each.
@@ -17,6 +17,7 @@ of its repetitions (and the minimum, less sensitive to other load), after one wa
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import subprocess
 import sys
@@ -47,16 +48,23 @@ CASES = {
 
 
 def load_before(rev: str) -> type:
-    """The ``Sampler`` class of revision ``rev``, with that revision's ops."""
-    def source(path: str) -> str:
-        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True,
-                              capture_output=True, text=True).stdout
+    """The ``Sampler`` class of revision ``rev``, with that revision's ops (and draw, if any)."""
+    def source(path: str) -> str | None:
+        done = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True,
+                              text=True)
+        return done.stdout if done.returncode == 0 else None
 
-    old_ops = types.ModuleType("sampler_before_ops")
-    exec(compile(source("bladellm/sample/ops.py"), "before/ops.py", "exec"), old_ops.__dict__)
     old_sampler = types.ModuleType("sampler_before")
-    old_sampler.__dict__["ops"] = old_ops
-    code = source("bladellm/sample/sampler.py").replace("from bladellm.sample import ops\n", "")
+    code = source("bladellm/sample/sampler.py")
+    if code is None:
+        raise SystemExit(f"no bladellm/sample/sampler.py at revision {rev}")
+    for name in ("ops", "draw"):  # draw.py: revisions after the draw left ops.py
+        module_source = source(f"bladellm/sample/{name}.py")
+        if module_source is not None:
+            module = types.ModuleType(f"sampler_before_{name}")
+            exec(compile(module_source, f"before/{name}.py", "exec"), module.__dict__)
+            old_sampler.__dict__[name] = module
+    code = re.sub(r"^from bladellm\.sample import [\w, ]+\n", "", code, flags=re.M)
     exec(compile(code, "before/sampler.py", "exec"), old_sampler.__dict__)
     return old_sampler.Sampler
 

@@ -5,7 +5,7 @@ Order of application (see docs/sampling.md):
   2. logit_bias; min_tokens banning (-inf); repetition penalty; presence/frequency penalties;
   3. greedy rows: argmax of the processed logits;
   4. random rows: temperature, top-k, top-p, min-p, then one inverse-CDF draw per row
-     (``ops.sample_random``).
+     (``draw.sample_random``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from bladellm.sample import ops
+from bladellm.sample import draw, ops
 from bladellm.sample.metadata import GREEDY_TEMPERATURE, SamplingMetadata
 
 
@@ -46,7 +46,7 @@ class Sampler(nn.Module):
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)
         elif md.all_random:
-            sampled = ops.sample_random(logits, _row_filters(md), md.generators)
+            sampled = draw.sample_random(logits, _row_filters(md), md.generators)
         else:
             sampled = _sample_mixed(logits, md)
 
@@ -69,8 +69,8 @@ class Sampler(nn.Module):
         return logits
 
 
-def _row_filters(md: SamplingMetadata) -> ops.RowFilters:
-    return ops.RowFilters(md.temperature, md.top_k, md.top_p, md.min_p)
+def _row_filters(md: SamplingMetadata) -> draw.RowFilters:
+    return draw.RowFilters(md.temperature, md.top_k, md.top_p, md.min_p)
 
 
 def _sample_mixed(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -82,7 +82,7 @@ def _sample_mixed(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     rows = is_random.nonzero().squeeze(1)
     position = {row: i for i, row in enumerate(rows.tolist())}
     generators = {position[row]: g for row, g in md.generators.items() if row in position}
-    sampled[rows] = ops.sample_random(logits[rows], _row_filters(md).select(rows), generators)
+    sampled[rows] = draw.sample_random(logits[rows], _row_filters(md).select(rows), generators)
     return sampled
 
 
@@ -90,7 +90,7 @@ def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
                      num_logprobs: int) -> SamplerOutput:
     sampled = sampled.to(torch.int64)
     sampled_logprob = raw_logprobs.gather(1, sampled.unsqueeze(1))
-    top_logprobs, top_ids = ops.top_candidates(raw_logprobs, num_logprobs)
+    top_logprobs, top_ids = draw.top_candidates(raw_logprobs, num_logprobs)
     # Strictly greater: the sampled token shares the best rank of any tie it is in.
     # An int32 sum: summing the bool mask into int64 converts the whole mask first.
     ranks = (raw_logprobs > sampled_logprob).sum(dim=-1, dtype=torch.int32).to(torch.int64) + 1

@@ -1,6 +1,6 @@
-"""The inverse-CDF draw of ``ops.sample_random``: exact distributions, batch independence.
+"""The inverse-CDF draw of ``draw.sample_random``: exact distributions, batch independence.
 
-With ``ops.uniforms`` replaced by an evenly spaced grid of N values, a row repeated N times lands
+With ``draw.uniforms`` replaced by an evenly spaced grid of N values, a row repeated N times lands
 on each token exactly ``round(N * probability)`` times give or take one: the draw is checked
 against the reference distribution without sampling noise. The chi-square tests then run the real
 uniforms through the whole ``Sampler``.
@@ -13,7 +13,7 @@ import pytest
 import torch
 from sample_helpers import build_md, reference_distribution
 
-from bladellm.sample import ops
+from bladellm.sample import draw, ops
 from bladellm.sample.sampler import Sampler
 from bladellm.sampling_params import SamplingParams
 
@@ -22,10 +22,10 @@ def grid(n: int) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float64) + 0.5) / n
 
 
-def filters(n: int, temperature=1.0, top_k=None, top_p=None, min_p=None) -> ops.RowFilters:
+def filters(n: int, temperature=1.0, top_k=None, top_p=None, min_p=None) -> draw.RowFilters:
     def full(value, dtype=torch.float32):
         return None if value is None else torch.full((n,), value, dtype=dtype)
-    return ops.RowFilters(full(temperature), full(top_k, torch.int64), full(top_p), full(min_p))
+    return draw.RowFilters(full(temperature), full(top_k, torch.int64), full(top_p), full(min_p))
 
 
 GRID = 10_000
@@ -33,8 +33,8 @@ GRID = 10_000
 
 def grid_distribution(monkeypatch, row: torch.Tensor, n: int = GRID, **kwargs) -> np.ndarray:
     """Fraction of an even grid of n uniforms that ``sample_random`` maps to each token."""
-    monkeypatch.setattr(ops, "uniforms", lambda num_rows, generators, device: grid(num_rows))
-    tokens = ops.sample_random(row.float().repeat(n, 1), filters(n, **kwargs), {})
+    monkeypatch.setattr(draw, "uniforms", lambda num_rows, generators, device: grid(num_rows))
+    tokens = draw.sample_random(row.float().repeat(n, 1), filters(n, **kwargs), {})
     return np.bincount(tokens.numpy(), minlength=row.numel()) / n
 
 
@@ -58,12 +58,12 @@ def test_draw_from_probs_is_the_exact_inverse_cdf():
         probs[-1] = 0.0
         want = probs / probs.sum()
         row = torch.tensor(probs, dtype=torch.float32).repeat(n, 1)
-        tokens = ops.draw_from_probs(row, grid(n))
+        tokens = draw.draw_from_probs(row, grid(n))
         got = np.bincount(tokens.numpy(), minlength=vocab_size) / n
         assert np.abs(got - want).max() <= 1.0 / n + 1e-6, vocab_size
         assert got[want == 0].sum() == 0
         # The extreme uniforms land on the first and last tokens that have any probability.
-        edges = ops.draw_from_probs(row[:2], torch.tensor([0.0, ops._BELOW_ONE]))
+        edges = draw.draw_from_probs(row[:2], torch.tensor([0.0, draw._BELOW_ONE]))
         assert edges.tolist() == [np.flatnonzero(want)[0], np.flatnonzero(want)[-1]]
 
 
@@ -113,11 +113,11 @@ def test_candidates_and_full_sort_draw_the_same_tokens(monkeypatch):
     top_k = torch.tensor([0, 7, 40, 200] * 12)
 
     def run(rows, first_candidates, with_top_k=True):
-        monkeypatch.setattr(ops, "uniforms", lambda num_rows, generators, device: u[rows])
-        monkeypatch.setattr(ops, "_FIRST_CANDIDATES", first_candidates)
+        monkeypatch.setattr(draw, "uniforms", lambda num_rows, generators, device: u[rows])
+        monkeypatch.setattr(draw, "_FIRST_CANDIDATES", first_candidates)
         f = filters(len(u), temperature=0.9, top_p=0.9, min_p=0.01)
         f = f._replace(top_k=top_k if with_top_k else None).select(rows)
-        return ops.sample_random(logits[rows], f, {})
+        return draw.sample_random(logits[rows], f, {})
 
     everything = torch.arange(48)
     batch = run(everything, 64)  # 201 candidates, then as many as _kept_bound says
@@ -136,7 +136,7 @@ def test_kept_bound_is_an_upper_bound_close_to_the_kept_count(kwargs):
     g = torch.Generator().manual_seed(8)
     logits = torch.randn(16, 8000, generator=g) * torch.linspace(0.5, 3.0, 16).unsqueeze(1)
     f = filters(16, **kwargs)._replace(top_k=torch.full((16,), 8000))
-    bound = ops._kept_bound(logits, f, ops._vocab_mass(logits, f), otherwise=-1)
+    bound = draw._kept_bound(logits, f, draw._vocab_mass(logits, f), otherwise=-1)
     kept = [np.count_nonzero(reference_mask_distribution(row, **kwargs)) for row in logits]
     assert max(kept) <= bound <= 1.25 * max(kept) + 8
 
@@ -147,7 +147,7 @@ def test_top_candidates_are_the_largest_in_canonical_order(vocab_size, n):
     g = torch.Generator().manual_seed(vocab_size + n)
     x = (torch.randn(6, vocab_size, generator=g) * 3).round()  # many ties
     x[:, -3:] = x.max() + 1  # the short last block holds the largest values
-    values, ids = ops.top_candidates(x, n)
+    values, ids = draw.top_candidates(x, n)
     assert torch.equal(values, x.topk(n, dim=1).values)
     assert torch.equal(x.gather(1, ids), values)
     for row in range(6):  # equal values by increasing id (which of a tie at the end: any)
