@@ -8,7 +8,6 @@ generated from these dataclasses, so a new flag is a new documented field here. 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,8 +44,11 @@ class ModelConfig:
         default=None, metadata={"help": "Tokenizer directory; defaults to --model."})
     dtype: str = field(
         default="auto",
-        metadata={"help": "Weight and activation dtype: auto (config's torch_dtype; float32 "
-                          "for float32 checkpoints), float32, bfloat16 or float16."})
+        metadata={"help": "Weight and activation dtype: auto, float32, bfloat16 or float16. "
+                          "auto keeps a float32 checkpoint in float32; a bfloat16/float16 "
+                          "checkpoint runs in bfloat16 on CPUs with native bf16 (AVX512_BF16 "
+                          "or AMX) and in float32 on others, where bf16 is emulated and "
+                          "several times slower. An explicit value always wins."})
     max_model_len: int | None = field(
         default=None,
         metadata={"help": "Longest prompt + output in tokens; defaults to the model's "
@@ -83,9 +85,11 @@ class CacheConfig:
         default=16, metadata={"help": "Tokens per KV-cache block."})
     kv_cache_memory: str = field(
         default="auto",
-        metadata={"help": "CPU: memory for the KV cache, e.g. 4GiB; 'auto' takes 25%% of free "
-                          "memory (at most 8 GiB), and no more than --max_num_seqs requests of "
-                          "--max_model_len tokens can use."})
+        metadata={"help": "CPU: memory for the KV cache, e.g. 4GiB; 'auto' takes 25%% of "
+                          "(total memory - model weights), total memory being physical memory "
+                          "or the cgroup limit if lower, at most 8 GiB, and no more than "
+                          "--max_num_seqs requests of --max_model_len tokens can use. The same "
+                          "machine and model always get the same size."})
     max_gpu_memory_utilization: float = field(
         default=0.85,
         metadata={"help": "GPU: fraction of GPU memory for weights, activations and KV cache."})
@@ -158,7 +162,14 @@ class ParallelConfig:
         default=1, metadata={"help": "Pipeline-parallel degree (only 1 so far)."})
     num_threads: int | None = field(
         default=None,
-        metadata={"help": "CPU: torch threads for the engine core; default all cores."})
+        metadata={"help": "CPU: torch threads for the engine core; default OMP_NUM_THREADS "
+                          "if set, else one per usable CPU (the CPU affinity set, cut to a "
+                          "cgroup CPU quota). The server's engine-core process starts with "
+                          "OMP_WAIT_POLICY=PASSIVE (unless OMP_WAIT_POLICY or GOMP_SPINCOUNT "
+                          "is set) so idle threads sleep instead of spinning and a shared "
+                          "machine slows decode down instead of stalling it; the API process "
+                          "uses 1 thread. Offline LLM: set OMP_WAIT_POLICY before starting "
+                          "Python (see docs/cpu.md)."})
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size == 1, "tensor_parallel_size",
@@ -215,12 +226,3 @@ class EngineConfig:
                     raise ValueError(f"unknown engine option {key!r}")
         return cls(**{sec: klass(**parts.get(sec, {})) for sec, klass in sections.items()},
                    **top)
-
-
-def default_kv_cache_bytes() -> int:
-    """25% of available memory, capped at 8 GiB (CPU)."""
-    try:
-        pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        pages = 4 << 30
-    return int(min(pages * 0.25, 8 << 30))

@@ -8,11 +8,15 @@ a function at the moment it is needed, so tests can set it with ``monkeypatch.se
   plain-PyTorch kernels and never compiles.
 - ``BLADELLM_CACHE_DIR`` (a directory, default ``~/.cache/bladellm``): compiled kernels and
   other build artifacts.
+- OpenMP's own ``OMP_NUM_THREADS`` (the engine's thread count when ``--num_threads`` is not
+  given) and ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` (a user's choice is kept; otherwise the
+  engine process gets ``OMP_WAIT_POLICY=PASSIVE``, see ``platforms/threads.py``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 KERNELS_MODES = ("auto", "ref")
@@ -31,3 +35,23 @@ def cache_dir() -> Path:
     """``BLADELLM_CACHE_DIR``: where build artifacts are kept (created on first use)."""
     value = os.environ.get("BLADELLM_CACHE_DIR", "").strip()
     return Path(value).expanduser() if value else Path.home() / ".cache" / "bladellm"
+
+
+OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def environ() -> Mapping[str, str]:
+    """The process environment, for the few decisions that read several variables at once."""
+    return os.environ
+
+
+def omp_num_threads(env: Mapping[str, str] | None = None) -> int | None:
+    """``OMP_NUM_THREADS`` when it is a positive integer, else None."""
+    value = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) >= 1 else None
+
+
+def omp_wait_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The OpenMP wait settings the user chose (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``)."""
+    env = os.environ if env is None else env
+    return {k: env[k] for k in OMP_WAIT_VARS if k in env}

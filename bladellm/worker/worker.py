@@ -24,9 +24,8 @@ class Worker:
         self.config = config
         self.rank = rank
         self.device = torch.device(config.device)
-        num_threads = configure_engine_threads(config.parallel.num_threads)
-        logger.info("worker %d on %s: %d threads (%s)", rank, self.device, num_threads,
-                    detect_cpu().describe())
+        configure_engine_threads(config.parallel.num_threads)  # logs the choice
+        logger.info("worker %d on %s (%s)", rank, self.device, detect_cpu().describe())
         self.model_runner = ModelRunner(config, resolved, self.device)
 
     def determine_num_blocks(self) -> int:

@@ -16,6 +16,7 @@ from bladellm.config import ModelConfig
 from bladellm.model.loader import (build_model, find_weight_files, load_hf_config, load_model,
                                    resolve_dtype)
 from bladellm.model.registry import get_model_class, supported_architectures
+from bladellm.platforms.cpu import CpuInfo
 
 
 def load(model_dir, **model_kwargs):
@@ -157,7 +158,13 @@ def test_resolve_dtype(llama_dir):
     assert resolve_dtype(cfg, "auto") == torch.float32  # saved from a float32 model
     assert resolve_dtype(cfg, "bfloat16") == torch.bfloat16
     cfg.dtype = torch.bfloat16
-    assert resolve_dtype(cfg, "auto") == torch.bfloat16
+    # auto keeps bf16 only on a CPU with native bf16 (a faked one: the test must not depend on
+    # the machine it runs on; tests/unit/platforms covers the other flag sets).
+    native = CpuInfo("fake", frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                        "avx512_bf16"}), 2)
+    assert resolve_dtype(cfg, "auto", cpu=native) == torch.bfloat16
+    avx2 = CpuInfo("fake", frozenset({"avx2", "fma"}), 2)
+    assert resolve_dtype(cfg, "auto", cpu=avx2) == torch.float32
     assert resolve_dtype(cfg, "float16") == torch.float16  # allowed, with a warning on CPU
 
 

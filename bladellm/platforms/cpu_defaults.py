@@ -1,0 +1,98 @@
+"""CPU defaults that fit the machine: ``--dtype auto`` and ``--kv_cache_memory auto``.
+
+Each decision is a pure function of what was read from the machine (a ``CpuInfo``, a memory
+size), so tests fake the machine instead of patching it. docs/cpu.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from bladellm.platforms.cpu import CGROUP_ROOT, CpuInfo, cgroup_dirs, read_text
+
+GiB = 1 << 30
+
+# ---- --dtype auto --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str  # float32, bfloat16 or float16
+    reason: str  # for the log line: "dtype auto: bfloat16 (<reason>)"
+    warning: str | None = None  # an explicit --dtype that will be slow here
+
+
+def choose_cpu_dtype(requested: str, checkpoint_dtype: str | None, cpu: CpuInfo) -> DtypeChoice:
+    """``--dtype`` on a CPU. ``auto`` keeps a 16-bit checkpoint in bfloat16 only where the CPU
+    computes bf16 natively (AVX512_BF16 or AMX); elsewhere oneDNN emulates bf16 and a GEMM is
+    several times slower than float32, so it loads in float32. A float32 (or unstated) checkpoint
+    stays float32. An explicit ``--dtype`` always wins, with a warning where it is slow."""
+    native = ("amx_bf16" if cpu.has_amx else "avx512_bf16") if cpu.has_native_bf16 else None
+    if requested != "auto":
+        warning = None
+        if requested == "bfloat16" and native is None:
+            warning = ("--dtype bfloat16 on a CPU without native bf16 (no AVX512_BF16 or AMX): "
+                       "bf16 GEMMs are emulated and several times slower than float32; "
+                       "--dtype auto picks float32 here")
+        elif requested == "float16":
+            warning = ("float16 on CPU is slow and overflow-prone; --dtype bfloat16 is "
+                       "recommended")
+        return DtypeChoice(requested, f"--dtype {requested}", warning)
+    if checkpoint_dtype not in ("bfloat16", "float16"):
+        stated = checkpoint_dtype or "dtype not stated"
+        return DtypeChoice("float32", f"checkpoint {stated}")
+    if native is not None:
+        return DtypeChoice("bfloat16", f"checkpoint {checkpoint_dtype}, CPU has {native}")
+    return DtypeChoice("float32", f"checkpoint {checkpoint_dtype}, CPU has no native bf16 "
+                                  f"(AVX512_BF16 or AMX), where float32 is faster")
+
+
+# ---- --kv_cache_memory auto ----------------------------------------------------------------------
+
+# The KV cache takes this share of the memory the weights leave, at most KV_CACHE_AUTO_MAX.
+KV_CACHE_AUTO_FRACTION = 0.25
+KV_CACHE_AUTO_MAX = 8 * GiB
+
+
+def auto_kv_cache_bytes(total_memory_bytes: int, weight_bytes: int) -> int:
+    """KV-cache bytes for ``--kv_cache_memory auto``: a quarter of (total memory - weights),
+    at most 8 GiB. It depends only on the machine and the model, never on what else happens to
+    be running, so the pool is the same size on every start. The worker still cuts it to what
+    ``--max_num_seqs`` full-length requests can use."""
+    spare = max(0, total_memory_bytes - weight_bytes)
+    return min(int(spare * KV_CACHE_AUTO_FRACTION), KV_CACHE_AUTO_MAX)
+
+
+def physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 16 * GiB  # no sysconf (not Linux): assume a modest machine
+
+
+def cgroup_memory_limit(root: str = CGROUP_ROOT, self_cgroup: str | None = None) -> int | None:
+    """The smallest memory limit over this process's cgroup and its ancestors (v2
+    ``memory.max``, v1 ``memory.limit_in_bytes``); None when unlimited."""
+    limits = []
+    for d in cgroup_dirs("memory", root, self_cgroup):
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            value = read_text(os.path.join(d, name))
+            if value is not None and value.isdigit():
+                limits.append(int(value))  # v1's "unlimited" is a huge number: min() drops it
+    return min(limits) if limits else None
+
+
+def total_memory_bytes(root: str = CGROUP_ROOT, self_cgroup: str | None = None) -> int:
+    """Memory this process may use: physical memory, or the cgroup limit if lower."""
+    limit = cgroup_memory_limit(root, self_cgroup)
+    physical = physical_memory_bytes()
+    return physical if limit is None else min(physical, limit)
+
+
+def model_weight_bytes(model: Any) -> int:
+    """Bytes of a ``torch.nn.Module``'s parameters and buffers (tied weights counted once)."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,100 @@
+"""CPU thread settings, chosen per process.
+
+The engine core runs the model's GEMMs on ``default_engine_threads`` torch threads; the API
+process keeps torch to one thread so that tokenization and HTTP never compete with the model for
+cores.
+
+OpenMP wait policy: after a parallel region libgomp's worker threads spin (by default 300,000
+polls, about 10 ms on a 2-core EPYC VM) before they sleep. On a dedicated machine that saves a
+wake-up per region; on a shared one a spinning thread holds a core that a preempted team-mate
+needs, and every region ends waiting for the thread the scheduler set aside. With one competing
+process on 2 cores decode took 413-507 ms/token spinning vs 121-128 ms PASSIVE, whose threads
+sleep at once (67 ms without the competitor; docs/cpu.md).
+
+libgomp reads ``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` once, when it is loaded, i.e. when torch
+is first imported in a process. So the engine-core process gets them in its environment before
+it starts (``engine_process_env``); a process that has already imported torch (the offline
+``LLM``) keeps whatever its shell set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator, Mapping
+
+from bladellm import envs
+from bladellm.platforms.cpu import detect_cpu
+
+logger = logging.getLogger(__name__)
+
+# PASSIVE rather than a short GOMP_SPINCOUNT: they measured the same end to end (docs/cpu.md),
+# and OMP_WAIT_POLICY is standard OpenMP, so it also holds for an Intel OpenMP build of torch.
+ENGINE_OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def default_engine_threads(num_cpus: int) -> int:
+    """Torch threads for the engine core on a machine where this process may use ``num_cpus``
+    CPUs (affinity, cut by a cgroup quota): one per CPU."""
+    return max(1, num_cpus)
+
+
+def engine_threads(num_threads: int | None, num_cpus: int,
+                   environ: Mapping[str, str] | None = None) -> int:
+    """``--num_threads`` if given, else ``OMP_NUM_THREADS`` if set, else one per usable CPU."""
+    if num_threads is not None:
+        return num_threads
+    return envs.omp_num_threads(environ) or default_engine_threads(num_cpus)
+
+
+def configure_engine_threads(num_threads: int | None) -> int:
+    """Set torch's intra-op threads for the engine core; returns the number chosen."""
+    import torch
+
+    cpu = detect_cpu()
+    n = engine_threads(num_threads, cpu.num_cpus)
+    torch.set_num_threads(n)
+    waits = [f"{k}={v}" for k, v in envs.omp_wait_settings().items()]
+    logger.info("engine threads: %d (%d usable CPUs; OpenMP %s)", n, cpu.num_cpus,
+                " ".join(waits) or "default wait policy (spins)")
+    return n
+
+
+def configure_frontend_threads() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def engine_process_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Variables to add to the engine-core process's environment before it starts: the OpenMP
+    wait policy of ``ENGINE_OMP_ENV``, unless the user set any OpenMP wait setting already."""
+    return {} if envs.omp_wait_settings(environ) else dict(ENGINE_OMP_ENV)
+
+
+def apply_engine_omp_policy() -> bool:
+    """For an engine that runs in this process (the offline ``LLM``): set the engine's OpenMP
+    wait policy now if OpenMP has not started yet, i.e. torch is not imported. Returns whether it
+    could; once torch is loaded, libgomp has read its settings for good."""
+    if "torch" in sys.modules:
+        return False
+    os.environ.update(engine_process_env())
+    return True
+
+
+@contextlib.contextmanager
+def process_env(env: Mapping[str, str]) -> Iterator[None]:
+    """Set ``env`` in ``os.environ`` for the duration (a spawned child copies the environment
+    when it starts), then restore the previous values."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
