@@ -20,7 +20,9 @@ import urllib.request
 
 
 def ask(port: int) -> str:
-    body = json.dumps({"model": "any", "temperature": 0, "max_tokens": 8, "messages": [
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as resp:
+        model = json.load(resp)["data"][0]["id"]
+    body = json.dumps({"model": model, "temperature": 0, "max_tokens": 8, "messages": [
         {"role": "user", "content": "What is the capital of France?"}]}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
