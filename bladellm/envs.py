@@ -40,11 +40,6 @@ def cache_dir() -> Path:
 OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
-def environ() -> Mapping[str, str]:
-    """The process environment, for the few decisions that read several variables at once."""
-    return os.environ
-
-
 def omp_num_threads(env: Mapping[str, str] | None = None) -> int | None:
     """``OMP_NUM_THREADS`` when it is a positive integer, else None."""
     value = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip()

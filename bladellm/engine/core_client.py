@@ -7,7 +7,7 @@ API process                                   engine-core process
 
 The core runs a busy loop while it has work and blocks on its input socket when idle. If it
 raises, it sends ``engine_dead`` before exiting; if it is killed, the client notices the process is
-gone within ``_DEAD_POLL_MS``. Either way every pending request fails with ``EngineDeadError``.
+gone within ``DEAD_POLL_MS``. Either way every pending request fails with ``EngineDeadError``.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ import zmq
 import zmq.asyncio
 
 from bladellm.config import EngineConfig
-from bladellm.engine.core_proc import Msg, run_engine_core_proc
+from bladellm.engine.core_proc import DEAD_POLL_MS, Msg, run_engine_core_proc
 from bladellm.engine.errors import EngineDeadError
 from bladellm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from bladellm.platforms.threads import engine_process_env, process_env
 
 logger = logging.getLogger(__name__)
 
-_DEAD_POLL_MS = 500
 _READY_TIMEOUT_S = 1800.0
 
 
@@ -110,7 +109,7 @@ class AsyncMPClient:
         """Next batch of outputs; raises EngineDeadError once the core is gone."""
         while True:
             self._check_alive()
-            if await self._output.poll(_DEAD_POLL_MS):
+            if await self._output.poll(DEAD_POLL_MS):
                 outputs = self._decoder.decode(await self._output.recv())
                 if outputs.engine_dead is not None:
                     self.dead_reason = outputs.engine_dead

@@ -25,8 +25,8 @@ from bladellm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
-# Idle: how long to block on the input socket before checking that the parent is alive.
-_DEAD_POLL_MS = 500
+# How often each side checks that the other process is alive while it waits (ms).
+DEAD_POLL_MS = 500
 
 
 class Msg(bytes, enum.Enum):
@@ -80,7 +80,7 @@ def _busy_loop(core: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> 
     while True:
         idle = not core.has_unfinished_requests()
         # Block while idle (waking up now and then to notice an orphaned process).
-        if not inp.poll(_DEAD_POLL_MS if idle else 0):
+        if not inp.poll(DEAD_POLL_MS if idle else 0):
             if idle and os.getppid() != parent_pid:
                 return
             if idle:

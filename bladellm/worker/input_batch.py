@@ -68,10 +68,6 @@ class InputBatch:
         self._arange = np.arange(max(T, max_model_len) + 1, dtype=np.int64)
 
     # ---- applying the scheduler's diffs ---------------------------------------------------------
-    @property
-    def num_reqs(self) -> int:
-        return len(self.row_of)
-
     def apply(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids | sched.preempted_req_ids:
             self.remove(req_id)
@@ -108,10 +104,6 @@ class InputBatch:
         if row is not None:
             self.sampling.clear_row(row)
             self._free_rows.append(row)
-
-    def output_token_ids(self, req_id: str) -> list[int]:
-        row = self.row_of[req_id]
-        return self.token_ids[row, self.num_prompt_tokens[row]:self.num_tokens[row]].tolist()
 
     # ---- one step's flat inputs -----------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
