@@ -8,6 +8,11 @@ a function at the moment it is needed, so tests can set it with ``monkeypatch.se
   plain-PyTorch kernels and never compiles.
 - ``BLADELLM_CACHE_DIR`` (a directory, default ``~/.cache/bladellm``): compiled kernels and
   other build artifacts.
+- ``BLADELLM_GGUF_CACHE`` (``1`` | ``0``, default ``1``): keep a dense Hugging Face copy of each
+  served GGUF file so the next start skips parsing and dequantizing it
+  (``model/gguf_cache.py``); ``0`` always reads the GGUF file.
+- ``BLADELLM_GGUF_CACHE_DIR`` (a directory, default ``BLADELLM_CACHE_DIR/gguf``): where those
+  copies are kept.
 - OpenMP's own ``OMP_NUM_THREADS`` (the engine's thread count when ``--num_threads`` is not
   given) and ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` (a user's choice is kept; otherwise the
   engine process gets ``OMP_WAIT_POLICY=PASSIVE``, see ``platforms/threads.py``).
@@ -35,6 +40,20 @@ def cache_dir() -> Path:
     """``BLADELLM_CACHE_DIR``: where build artifacts are kept (created on first use)."""
     value = os.environ.get("BLADELLM_CACHE_DIR", "").strip()
     return Path(value).expanduser() if value else Path.home() / ".cache" / "bladellm"
+
+
+def gguf_cache_enabled() -> bool:
+    """``BLADELLM_GGUF_CACHE``: whether served GGUF files are converted once and cached."""
+    value = os.environ.get("BLADELLM_GGUF_CACHE", "1").strip().lower() or "1"
+    if value not in ("0", "1", "true", "false"):
+        raise ValueError(f"BLADELLM_GGUF_CACHE={value!r} is not one of 0, 1")
+    return value in ("1", "true")
+
+
+def gguf_cache_dir() -> Path:
+    """``BLADELLM_GGUF_CACHE_DIR``: where dense copies of GGUF files are kept."""
+    value = os.environ.get("BLADELLM_GGUF_CACHE_DIR", "").strip()
+    return Path(value).expanduser() if value else cache_dir() / "gguf"
 
 
 OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")

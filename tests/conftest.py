@@ -26,3 +26,16 @@ def tiny_model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _gguf_cache_in_tmp(tmp_path_factory):
+    """Dense copies of GGUF files (model/gguf_cache.py) go to a per-session directory, never the
+    user's cache; set in os.environ so server subprocesses inherit it."""
+    old = os.environ.get("BLADELLM_GGUF_CACHE_DIR")
+    os.environ["BLADELLM_GGUF_CACHE_DIR"] = str(tmp_path_factory.mktemp("gguf-cache"))
+    yield
+    if old is None:
+        os.environ.pop("BLADELLM_GGUF_CACHE_DIR", None)
+    else:
+        os.environ["BLADELLM_GGUF_CACHE_DIR"] = old

@@ -35,11 +35,17 @@ class AsyncLLM:
         configure_frontend_threads()
         self.config = config
         resolved = resolve_model(config.model)
-        self.model_info = model_info_for(resolved)
+        # The engine core loads the weights while this process loads the tokenizer.
+        self.client = AsyncMPClient(config, wait=False)
+        try:
+            self.model_info = model_info_for(resolved)
+            self.client.wait_ready()
+        except BaseException:
+            self.client.close()
+            raise
         self.input_processor = InputProcessor(self.model_info)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
-        self.client = AsyncMPClient(config)
         self._queues: dict[str, asyncio.Queue] = {}
         self._not_started: set[str] = set()  # requests without a first output yet
         self._output_task: asyncio.Task | None = None

@@ -37,7 +37,9 @@ _READY_TIMEOUT_S = 1800.0
 class AsyncMPClient:
     """Starts the engine-core process and talks to it from an asyncio event loop."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, wait: bool = True) -> None:
+        """Start the engine-core process; with ``wait=False`` return at once and let the caller
+        do its own start-up work while the core loads the model, then call ``wait_ready()``."""
         self._ipc_dir = tempfile.mkdtemp(prefix="bladellm-")
         input_addr = f"ipc://{self._ipc_dir}/input"
         output_addr = f"ipc://{self._ipc_dir}/output"
@@ -59,7 +61,16 @@ class AsyncMPClient:
         with process_env(engine_process_env()):  # OpenMP reads it when the child starts
             self.proc.start()
         writer.close()
-        self.num_blocks = self._wait_ready(reader)
+        self._ready_reader = reader
+        self.num_blocks = 0
+        self._ready = False
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until the engine core has loaded the model and sized its KV cache."""
+        self.num_blocks = self._wait_ready(self._ready_reader)
+        self._ready = True
 
     def _wait_ready(self, reader: Any) -> int:
         deadline = time.monotonic() + _READY_TIMEOUT_S
@@ -116,6 +127,9 @@ class AsyncMPClient:
                 return outputs
 
     def close(self) -> None:
+        if self.proc.is_alive() and not self._ready:
+            self.proc.terminate()  # still loading: it reads no messages yet
+            self.proc.join(timeout=5)
         if self.proc.is_alive():
             # A synchronous view of the same socket: close() may run outside any event loop.
             sync_input = zmq.Socket.shadow(self._input.underlying)

@@ -25,7 +25,8 @@ class ResolvedModel:
     hf_config: Any
     dtype: torch.dtype
     max_model_len: int
-    gguf: Any = None  # GGUFCheckpoint when serving a .gguf file
+    gguf: Any = None  # GGUFCheckpoint when serving a .gguf file (not from its cached copy)
+    source: str = ""  # what --model named (the .gguf file when ``path`` is its cached copy)
 
     @property
     def architecture(self) -> str:
@@ -54,16 +55,26 @@ def resolve_model(model_config: ModelConfig) -> ResolvedModel:
     from bladellm.model.demo import resolve_model_path
     from bladellm.model.loader import load_hf_config, resolve_dtype
 
-    path = resolve_model_path(model_config.model)
+    source = path = resolve_model_path(model_config.model)
     is_gguf = model_config.load_format == "gguf" or path.endswith(".gguf")
     gguf = None
     if is_gguf:
-        from bladellm.model.gguf import GGUFCheckpoint
-
-        gguf = GGUFCheckpoint(path)
-        hf_config = gguf.hf_config()
-    else:
-        hf_config = load_hf_config(path, model_config.trust_remote_code)
+        path, gguf = _open_gguf(path)
+    hf_config = gguf.hf_config() if gguf is not None else load_hf_config(
+        path, model_config.trust_remote_code)
     dtype = resolve_dtype(hf_config, model_config.dtype)
     max_len = resolve_max_model_len(hf_config, model_config.max_model_len)
-    return ResolvedModel(model_config, path, hf_config, dtype, max_len, gguf)
+    return ResolvedModel(model_config, path, hf_config, dtype, max_len, gguf, source)
+
+
+def _open_gguf(path: str) -> tuple[str, Any]:
+    """``(model_dir, None)`` when a dense copy of the GGUF file is cached (or can be made now),
+    else ``(path, GGUFCheckpoint)`` to read the file itself (``model/gguf_cache.py``)."""
+    from bladellm.model import gguf_cache
+    from bladellm.model.gguf import GGUFCheckpoint
+
+    if os.path.isfile(path) and (cached := gguf_cache.lookup(path)) is not None:
+        return cached, None
+    gguf = GGUFCheckpoint(path)
+    cached = gguf_cache.convert(gguf)
+    return (cached, None) if cached is not None else (path, gguf)

@@ -327,9 +327,14 @@ def save_as_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
     files). Tied embeddings are written once, as transformers does. The whole state dict is held
     in memory, which is fine for the small models this is meant for.
     """
+    return write_hf_dir(GGUFCheckpoint(gguf_path), out_dir, dtype)
+
+
+def write_hf_dir(ckpt: GGUFCheckpoint, out_dir: str | os.PathLike,
+                 dtype: torch.dtype | str | None = None) -> str:
+    """``save_as_hf_dir`` for a checkpoint that is already open."""
     from safetensors.torch import save_file
 
-    ckpt = GGUFCheckpoint(gguf_path)
     config = ckpt.hf_config()
     dtype = dtype or str(config.dtype).removeprefix("torch.")
     out = Path(out_dir)

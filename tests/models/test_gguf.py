@@ -548,3 +548,106 @@ def test_demo_load_time(demo_checkpoint):
     n = sum(t.numel() for _, t in demo_checkpoint.iter_hf_weights(torch.float32))
     assert n == 134_515_008
     assert time.perf_counter() - start < 120
+
+
+# -- the dense copy of a served GGUF file (model/gguf_cache.py) ----------------------------------
+
+def _resolve(path, **kwargs):
+    from bladellm.config import ModelConfig
+    from bladellm.model.checkpoint import resolve_model
+
+    return resolve_model(ModelConfig(model=str(path), **kwargs))
+
+
+@pytest.fixture
+def gguf_cache_dir(tmp_path, monkeypatch):
+    root = tmp_path / "gguf-cache"
+    monkeypatch.setenv("BLADELLM_GGUF_CACHE_DIR", str(root))
+    monkeypatch.delenv("BLADELLM_GGUF_CACHE", raising=False)
+    return root
+
+
+def test_gguf_cache_second_resolve_reads_no_gguf(tiny_llama, tmp_path, gguf_cache_dir,
+                                                 monkeypatch):
+    from bladellm.engine.model_info import model_info_for
+    from bladellm.model import gguf as gguf_module
+
+    path = write_gguf(tiny_llama, tmp_path / "m.gguf", Q.Q8_0, add_bos=True)
+    first = _resolve(path)
+    assert first.gguf is None and Path(first.path).parent == gguf_cache_dir
+    direct = GGUFCheckpoint(path)
+
+    def no_gguf(*args, **kwargs):
+        raise AssertionError("the GGUF file was read although its dense copy is cached")
+
+    monkeypatch.setattr(gguf_module, "GGUFCheckpoint", no_gguf)
+    second = _resolve(path)
+    assert second.path == first.path and second.source == str(path)
+    assert second.hf_config.to_dict() | {"_name_or_path": ""} == (
+        direct.hf_config().to_dict() | {"_name_or_path": ""})
+    info = model_info_for(second)
+    assert info.served_model_name == "m"
+    ref = direct.load_tokenizer()
+    for text in ["hello world", "<|im_start|>user\nhi<|im_end|>"]:
+        assert info.tokenizer(text).input_ids == ref(text).input_ids
+    assert info.tokenizer.chat_template == ref.chat_template
+    monkeypatch.setattr(gguf_module, "GGUFCheckpoint", GGUFCheckpoint)
+    monkeypatch.setenv("BLADELLM_GGUF_CACHE", "0")
+    uncached = _resolve(path, dtype="bfloat16")
+    assert uncached.gguf is not None
+    monkeypatch.setenv("BLADELLM_GGUF_CACHE", "1")
+    cached = _resolve(path, dtype="bfloat16")
+    assert cached.gguf is None
+    ref_state = uncached.load_model(torch.device("cpu"), None).state_dict()
+    state = cached.load_model(torch.device("cpu"), None).state_dict()
+    assert state.keys() == ref_state.keys()
+    for name, tensor in ref_state.items():
+        assert state[name].dtype == torch.bfloat16
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_gguf_cache_same_tokens_as_gguf(tiny_llama, tmp_path, gguf_cache_dir, monkeypatch):
+    from bladellm.engine.llm_engine import LLM
+    from bladellm.sampling_params import SamplingParams
+
+    path = write_gguf(tiny_llama, tmp_path / "m.gguf", Q.Q4_1)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [40, 41, 3]]
+
+    def run():
+        llm = LLM(model=str(path), dtype="float32", kv_cache_memory="4MiB")
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+    monkeypatch.setenv("BLADELLM_GGUF_CACHE", "0")
+    from_gguf = run()
+    assert not gguf_cache_dir.exists()
+    monkeypatch.setenv("BLADELLM_GGUF_CACHE", "1")
+    assert run() == from_gguf  # converts
+    assert run() == from_gguf  # reads the copy
+
+
+def test_gguf_cache_follows_the_source(tiny_llama, tmp_path, gguf_cache_dir):
+    import os
+
+    from bladellm.model import gguf_cache
+
+    path = write_gguf(tiny_llama, tmp_path / "m.gguf")
+    old = _resolve(path).path
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # "a new file"
+    assert gguf_cache.lookup(str(path)) is None
+    new = _resolve(path).path
+    assert new != old and not Path(old).exists()  # the stale copy was pruned
+    path.unlink()
+    assert gguf_cache.prune_stale() == [Path(new)]
+    assert list(gguf_cache_dir.iterdir()) == []
+
+
+def test_gguf_cache_off_and_bad_values(tiny_llama, tmp_path, gguf_cache_dir, monkeypatch):
+    path = write_gguf(tiny_llama, tmp_path / "m.gguf")
+    monkeypatch.setenv("BLADELLM_GGUF_CACHE", "0")
+    resolved = _resolve(path)
+    assert resolved.gguf is not None and resolved.path == str(path)
+    monkeypatch.setenv("BLADELLM_GGUF_CACHE", "maybe")
+    with pytest.raises(ValueError, match="BLADELLM_GGUF_CACHE"):
+        _resolve(path)
