@@ -31,13 +31,16 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None) -> None:
+    def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
+                 client: AsyncMPClient | None = None) -> None:
+        """``client``: an engine core already started for ``config`` (``AsyncMPClient(config,
+        wait=False)``), so that its start-up overlapped the caller's; None starts one here."""
         configure_frontend_threads()
         self.config = config
-        resolved = resolve_model(config.model)
         # The engine core loads the weights while this process loads the tokenizer.
-        self.client = AsyncMPClient(config, wait=False)
+        self.client = client or AsyncMPClient(config, wait=False)
         try:
+            resolved = resolve_model(config.model)
             self.model_info = model_info_for(resolved)
             self.client.wait_ready()
         except BaseException:
@@ -55,8 +58,9 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig,
-                           stat_loggers: list[StatLogger] | None = None) -> "AsyncLLM":
-        return cls(config, stat_loggers)
+                           stat_loggers: list[StatLogger] | None = None,
+                           client: AsyncMPClient | None = None) -> "AsyncLLM":
+        return cls(config, stat_loggers, client)
 
     # ---- status -------------------------------------------------------------------------------
     @property

@@ -37,7 +37,8 @@ _READY_TIMEOUT_S = 1800.0
 class AsyncMPClient:
     """Starts the engine-core process and talks to it from an asyncio event loop."""
 
-    def __init__(self, config: EngineConfig, wait: bool = True) -> None:
+    def __init__(self, config: EngineConfig, wait: bool = True,
+                 log_level: int | None = None) -> None:
         """Start the engine-core process; with ``wait=False`` return at once and let the caller
         do its own start-up work while the core loads the model, then call ``wait_ready()``."""
         self._ipc_dir = tempfile.mkdtemp(prefix="bladellm-")
@@ -57,7 +58,8 @@ class AsyncMPClient:
         reader, writer = mp.Pipe(duplex=False)
         self.proc = mp.Process(
             target=run_engine_core_proc, name="bladellm-engine-core", daemon=True,
-            args=(config, input_addr, output_addr, writer, logging.getLogger().level or 20))
+            args=(config, input_addr, output_addr, writer,
+                  log_level or logging.getLogger().level or logging.INFO))
         with process_env(engine_process_env()):  # OpenMP reads it when the child starts
             self.proc.start()
         writer.close()

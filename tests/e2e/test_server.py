@@ -347,3 +347,32 @@ def test_sigterm_shuts_down_cleanly(server):
         sock.bind(("127.0.0.1", server.port))
     assert "server stopped" in server.log()
     assert "Traceback" not in server.log(), server.log()[-3000:]
+
+
+@pytest.mark.parametrize("case", ["port_taken", "bad_model"])
+def test_failed_start_leaves_no_engine_behind(tiny_model_factory, tmp_path, case):
+    """The engine core is started before the HTTP stack is imported; a start that fails after
+    that (port taken, model unreadable) must still exit 1 with the reason and stop the core."""
+    model = tiny_model_factory("llama")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1] if case == "port_taken" else 0
+        if case == "bad_model":
+            model = str(tmp_path / "no-such-model")
+        srv = ServerProcess(["--model", model, "--host", "127.0.0.1", "--port", str(port),
+                             "--dtype", "float32", "--num_threads", "1"])
+        children: set[int] = set()
+        deadline = time.monotonic() + 120
+        while srv.proc.poll() is None and time.monotonic() < deadline:
+            children.update(_children(srv.proc.pid))  # the engine core, while it lives
+            time.sleep(0.05)
+        assert srv.proc.wait(timeout=5) == 1
+        assert children, "the engine core was never started"
+    expected = "cannot listen" if case == "port_taken" else "no-such-model"
+    assert expected in srv.log(), srv.log()
+    assert "Traceback" not in srv.log()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [_cmdline(pid) for pid in children if _alive(pid)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from bladellm.config import parse_size
@@ -58,6 +59,11 @@ class ServerConfig:
         _check(self.shutdown_timeout >= 0, "shutdown_timeout",
                f"must be >= 0, got {self.shutdown_timeout}")
         _check(self.retry_after >= 0, "retry_after", f"must be >= 0, got {self.retry_after}")
+
+    @property
+    def py_log_level(self) -> int:
+        """``--log_level`` as a ``logging`` level (``trace`` is uvicorn's; DEBUG for us)."""
+        return logging.DEBUG if self.log_level == "trace" else getattr(logging, self.log_level.upper())
 
     @property
     def max_body_bytes(self) -> int:

@@ -223,18 +223,19 @@ def _interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _configure_logging(level: str) -> None:
-    py_level = logging.DEBUG if level == "trace" else getattr(logging, level.upper())
+def _configure_logging(server_config: ServerConfig) -> None:
+    py_level = server_config.py_log_level
     logging.basicConfig(level=py_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("bladellm").setLevel(py_level)
 
 
-async def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+async def _serve(engine_config: EngineConfig, server_config: ServerConfig,
+                 client: Any = None) -> None:
     from bladellm.engine.async_llm import AsyncLLM
 
     metrics = PrometheusStatLogger()
     logger.info("starting the engine for model %s", engine_config.model.model)
-    engine = AsyncLLM.from_engine_config(engine_config, stat_loggers=[metrics])
+    engine = AsyncLLM.from_engine_config(engine_config, stat_loggers=[metrics], client=client)
     sock = None
     try:
         sock = _bind(server_config.host, server_config.port)
@@ -251,9 +252,11 @@ async def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> No
             sock.close()
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Run until SIGINT/SIGTERM; returns the process exit status."""
-    _configure_logging(server_config.log_level)
+def run_server(engine_config: EngineConfig, server_config: ServerConfig,
+               client: Any = None) -> int:
+    """Run until SIGINT/SIGTERM; returns the process exit status. ``client``: an engine core
+    started early for ``engine_config`` (``AsyncMPClient(..., wait=False)``); closed on failure."""
+    _configure_logging(server_config)
     # Fail fast, before loading a model, if the port is taken. The real socket is bound after
     # the engine process has started so that it never inherits the listening socket.
     if server_config.port:
@@ -262,10 +265,12 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         except OSError as exc:
             logger.error("cannot listen on %s:%d: %s", server_config.host, server_config.port,
                          exc)
+            if client is not None:
+                client.close()
             return 1
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        asyncio.run(_serve(engine_config, server_config))
+        asyncio.run(_serve(engine_config, server_config, client))
     except KeyboardInterrupt:
         pass
     except (ValueError, RuntimeError, OSError) as exc:  # bad model dir, engine start-up failure
