@@ -98,6 +98,8 @@ class PrefixAffinity:
         self.overload_margin = overload_margin
         self.cache_blocks = cache_blocks
         self._seen: dict[str, _BlockLRU] = {}
+        self._last_chosen: dict[str, int] = {}
+        self._counter = itertools.count()
 
     def _lru(self, url: str) -> _BlockLRU:
         if url not in self._seen:
@@ -110,12 +112,17 @@ class PrefixAffinity:
     def choose(self, info: RequestInfo, candidates: Sequence[Candidate]) -> Candidate:
         matches = [self._lru(c.url).matched(info.block_hashes) for c in candidates]
         best = max(matches)
-        preferred = least_loaded([c for c, m in zip(candidates, matches) if m == best])
+        tied = [c for c, m in zip(candidates, matches) if m == best]
+        # Equal loads (an idle system) go to the instance chosen least recently, so that new
+        # prefixes spread over the instances instead of all going to the first one.
+        preferred = min(tied, key=lambda c: (c.load_tokens, c.load_requests,
+                                             self._last_chosen.get(c.url, -1)))
         least_busy = min(c.load_requests for c in candidates)
         chosen = preferred
         if preferred.load_requests > least_busy + self.overload_margin:
             chosen = min(candidates, key=lambda c: (c.load_requests, c.load_tokens))
         self._lru(chosen.url).touch(info.block_hashes)
+        self._last_chosen[chosen.url] = next(self._counter)
         return chosen
 
 

@@ -134,3 +134,11 @@ def test_metrics_of_instances_merge_with_an_instance_label():
     assert 'bladellm_prefix_cache_hits_total{instance="http://b"} 7.0' in out
     assert "http://c" not in out
     assert Instance("u").external_requests == 0
+
+
+def test_affinity_spreads_new_prefixes_over_idle_instances():
+    pol = PrefixAffinity(overload_margin=4, cache_blocks=1000)
+    c = [Fake("a"), Fake("b"), Fake("c")]
+    firsts = [pol.choose(info(ch * 100), c).url for ch in "DEFG"]
+    assert firsts[:3] == ["a", "b", "c"]
+    assert [pol.choose(info(ch * 100 + "?"), c).url for ch in "DEFG"] == firsts
