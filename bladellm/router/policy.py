@@ -89,8 +89,9 @@ class PrefixAffinity:
 
     Among the instances with the longest match (all of them when nothing matches) the least
     loaded wins, unless it has more than ``overload_margin`` requests in flight beyond the least
-    busy instance overall: then the least busy instance takes it (and learns the prefix). An instance that comes back from being unhealthy starts with an empty memory, as
-    its restarted engine starts with an empty cache."""
+    busy instance overall: then the least busy instance takes it (and learns the prefix). An
+    instance that comes back from being unhealthy starts with an empty memory, as its restarted
+    engine starts with an empty cache."""
 
     name = "prefix_affinity"
 
