@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -76,6 +76,21 @@ def _response_headers(resp: aiohttp.ClientResponse, instance: Instance) -> dict[
 def _sse_error(message: str) -> bytes:
     body = APIError(502, message, "server_error", code="upstream_error").body()
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+class _RelayResponse(StreamingResponse):
+    """A stream whose upstream side is cleaned up however the response ends: Starlette never
+    starts the body iterator when the client is gone before the first chunk."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
 
 
 class Router:
@@ -166,10 +181,17 @@ class Router:
                 resp.close()
             raise
         stream = self._relay(instance, resp, first, ticket)
-        return StreamingResponse(stream, resp.status, _response_headers(resp, instance))
+
+        async def on_close() -> None:  # also when the client left before the stream started
+            await stream.aclose()
+            ticket.release()
+            resp.close()
+
+        return _RelayResponse(stream, on_close, status_code=resp.status,
+                              headers=_response_headers(resp, instance))
 
     async def _relay(self, instance: Instance, resp: aiohttp.ClientResponse, first: bytes,
-                     ticket: Ticket) -> AsyncIterator[bytes]:
+                     ticket: Ticket) -> AsyncGenerator[bytes, None]:
         """Yield the instance's bytes as they arrive; end a broken stream with an error event.
         Closing this generator (the client went away) closes the upstream connection, which
         aborts the request on the instance."""

@@ -54,6 +54,7 @@ class FakeInstance:
         self.healthy = True
         self.release = threading.Event()
         self.bodies: list[bytes] = []
+        self.streams_closed = 0  # streams whose generator ended (finished or cancelled)
         app = FastAPI()
 
         @app.get("/health")
@@ -78,10 +79,14 @@ class FakeInstance:
                 return JSONResponse({"served_by": self.name})
 
             async def gen():
-                yield CHUNKS[0]
-                await asyncio.to_thread(self.release.wait, 30)
-                for c in CHUNKS[1:]:
-                    yield c
+                try:
+                    yield CHUNKS[0]
+                    while not self.release.is_set():  # cancellable, unlike a thread wait
+                        await asyncio.sleep(0.01)
+                    for c in CHUNKS[1:]:
+                        yield c
+                finally:
+                    self.streams_closed += 1
 
             return StreamingResponse(gen(), media_type="text/event-stream")
 
@@ -234,4 +239,28 @@ def test_api_key_as_the_server(fakes):
             assert r.status_code == 200 and r.json()["data"][0]["id"] == "a"
             assert c.get(router.url + "/health").status_code == 200  # not behind the key
     finally:
+        router.stop()
+
+
+def test_client_leaving_mid_stream_closes_the_upstream_request(fakes):
+    a = fakes[0]
+    a.release.clear()
+    closed_before = a.streams_closed
+    router = start_router([a.url])
+    try:
+        with httpx.Client(timeout=30) as c:
+            with c.stream("POST", router.url + "/v1/completions",
+                          json={"model": "m", "prompt": "hi", "stream": True}) as r:
+                chunks = r.iter_raw()  # kept: a dropped iterator closes the response
+                assert next(chunks) == CHUNKS[0]
+                health = c.get(router.url + "/health").json()
+                assert health["instances"][0]["in_flight"] == 1, health
+            # the client is gone: the router drops its upstream request and its accounting
+            deadline = time.monotonic() + 10
+            while (a.streams_closed == closed_before
+                   or c.get(router.url + "/health").json()["instances"][0]["in_flight"]):
+                assert time.monotonic() < deadline, "upstream stream not closed"
+                time.sleep(0.02)
+    finally:
+        a.release.set()
         router.stop()
