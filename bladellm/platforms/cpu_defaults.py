@@ -96,3 +96,20 @@ def model_weight_bytes(model: Any) -> int:
     """Bytes of a ``torch.nn.Module``'s parameters and buffers (tied weights counted once)."""
     tensors = itertools.chain(model.parameters(), model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def kv_cache_num_blocks(num_kv_blocks: int | None, kv_cache_bytes: int | None,
+                        bytes_per_block: int,
+                        max_num_seqs: int, max_model_len: int, block_size: int,
+                        weight_bytes: int, total_memory: int) -> int:
+    """KV blocks a CPU rank allocates: ``--num_kv_blocks``, ``--kv_cache_memory SIZE``
+    (``kv_cache_bytes``), or auto (``kv_cache_bytes`` None: ``auto_kv_cache_bytes``, never more
+    than ``--max_num_seqs`` full-length requests can use, +1 for the null block). The worker and
+    ``blade_llm_check`` both size the pool with it."""
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    if kv_cache_bytes is not None:
+        return max(2, kv_cache_bytes // bytes_per_block)
+    usable = max_num_seqs * -(-max_model_len // block_size)
+    budget = auto_kv_cache_bytes(total_memory, weight_bytes)
+    return max(2, min(budget // bytes_per_block, usable + 1))

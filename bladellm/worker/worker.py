@@ -11,7 +11,7 @@ from bladellm.config import EngineConfig, parse_size
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.model.checkpoint import ResolvedModel
 from bladellm.platforms.cpu import detect_cpu
-from bladellm.platforms.cpu_defaults import (auto_kv_cache_bytes, model_weight_bytes,
+from bladellm.platforms.cpu_defaults import (kv_cache_num_blocks, model_weight_bytes,
                                              total_memory_bytes)
 from bladellm.platforms.threads import configure_engine_threads
 from bladellm.worker.model_runner import ModelRunner
@@ -33,15 +33,12 @@ class Worker:
         auto (a fixed share of total memory minus the weights; deterministic per machine), never
         more than ``--max_num_seqs`` full-length requests can use (+1 for the null block)."""
         cache, runner = self.config.cache, self.model_runner
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        per_block = runner.bytes_per_block
-        if cache.kv_cache_memory != "auto":
-            return max(2, parse_size(cache.kv_cache_memory) // per_block)
-        usable = self.config.scheduler.max_num_seqs * -(-runner.max_model_len // runner.block_size)
         weights = model_weight_bytes(runner.model) + runner.packed_weight_bytes
-        budget = auto_kv_cache_bytes(total_memory_bytes(), weights)
-        return max(2, min(budget // per_block, usable + 1))
+        kv_bytes = None if cache.kv_cache_memory == "auto" else parse_size(cache.kv_cache_memory)
+        return kv_cache_num_blocks(cache.num_kv_blocks, kv_bytes,
+                                   runner.bytes_per_block, self.config.scheduler.max_num_seqs,
+                                   runner.max_model_len, runner.block_size, weights,
+                                   total_memory_bytes())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         runner = self.model_runner

@@ -174,3 +174,23 @@ def parse_args(argv: list[str] | None = None,
     except ValueError as exc:
         parser.error(str(exc))  # exits with status 2 and the usage line
         raise  # unreachable; keeps type checkers happy
+
+
+# ---- one config dataclass as a whole CLI (blade_llm_router, blade_llm_check) ---------------------
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, klass: type, section: str = "cfg",
+                        title: str | None = None) -> None:
+    """Add a flag (and its dash spelling) per field of ``klass``, generated as for the server."""
+    group = parser.add_argument_group(title or klass.__name__)
+    for spec in _section_specs(section, klass):
+        names = [spec.flag]
+        if spec.flag.replace("_", "-") != spec.flag:
+            names.append(spec.flag.replace("_", "-"))
+        group.add_argument(*names, dest=spec.dest, **spec.kwargs)
+
+
+def dataclass_from_namespace(ns: argparse.Namespace, klass: type, section: str = "cfg") -> Any:
+    """Build ``klass`` from the flags given (defaults stay the dataclass's own)."""
+    prefix = f"{section}{_SEP}"
+    return klass(**{k[len(prefix):]: v for k, v in vars(ns).items() if k.startswith(prefix)})

@@ -8,8 +8,6 @@ in-flight requests ``--shutdown_timeout`` seconds, abort the rest, then shut the
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import signal
 import socket
@@ -22,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from bladellm.config import EngineConfig
 from bladellm.engine.errors import EngineDeadError
+from bladellm.entrypoints.openai.auth import api_key_check as _api_key_check
 from bladellm.entrypoints.openai.config import ServerConfig
 from bladellm.entrypoints.openai.errors import APIError, from_exception, install_handlers
 from bladellm.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatLogger
@@ -95,21 +94,6 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, limited_receive, send)
-
-
-def _api_key_check(api_key: str | None):
-    expected = hashlib.sha256(f"Bearer {api_key}".encode()).digest() if api_key else None
-
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        got = hashlib.sha256(request.headers.get("authorization", "").encode()).digest()
-        if not hmac.compare_digest(got, expected):  # constant time; lengths hidden by hashing
-            raise APIError(401, "Incorrect or missing API key; send 'Authorization: Bearer "
-                                "<key>'.", "invalid_request_error", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
-
-    return check
 
 
 # ----------------------------------------------------------------------------------- routes

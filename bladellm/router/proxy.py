@@ -1,0 +1,292 @@
+"""The router's HTTP app: forwards OpenAI requests to the instance a policy picks.
+
+A request is committed to an instance only once something can be sent to the client: a whole
+non-streamed response, or the first bytes of a stream. Until then a failure (connection refused
+or dropped, or a 502/503 from the instance) sends it to another healthy instance, at most
+``--max_retries`` times. After that, a broken stream ends with an in-band OpenAI error event
+(``data: {"error": ...}``, then ``data: [DONE]``), as the server itself does. Streamed bytes pass
+through exactly as they arrive, chunk by chunk, never buffered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import aiohttp
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from bladellm.entrypoints.openai.auth import api_key_check
+from bladellm.entrypoints.openai.errors import APIError, install_handlers
+from bladellm.router.config import RouterConfig
+from bladellm.router.metrics import render_instance_metrics
+from bladellm.router.policy import PrefixAffinity, make_policy
+from bladellm.router.pool import Instance, InstancePool, Ticket
+from bladellm.router.prompt import RequestInfo, request_info
+
+logger = logging.getLogger("bladellm.router")
+
+INSTANCE_HEADER = "X-BladeLLM-Instance"
+_PASS_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+_PASS_RESPONSE_HEADERS = ("content-type", "cache-control", "x-accel-buffering", "retry-after",
+                          "www-authenticate", "x-request-id")
+_RETRY_STATUSES = (502, 503)  # the instance is down or overloaded: another may serve it
+_CONNECTION_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("bladellm_router_requests", "Requests answered, by instance "
+                                "and outcome (ok, error_status, broken_stream).",
+                                ["instance", "outcome"], registry=r)
+        self.retries = Counter("bladellm_router_retries", "Requests sent to another instance "
+                               "after one failed before anything reached the client.",
+                               ["instance"], registry=r)
+        self.no_instance = Counter("bladellm_router_no_instance", "Requests answered 503 "
+                                   "because no healthy instance was left.", registry=r)
+        self.up = Gauge("bladellm_router_instance_up", "1 while an instance takes requests.",
+                        ["instance"], registry=r)
+        self.in_flight = Gauge("bladellm_router_in_flight", "Requests in flight, by instance.",
+                               ["instance"], registry=r)
+        self.outstanding = Gauge("bladellm_router_outstanding_tokens", "Estimated tokens left "
+                                 "to process for the requests in flight.", ["instance"],
+                                 registry=r)
+
+    def snapshot(self, instances: list[Instance]) -> None:
+        for i in instances:
+            self.up.labels(instance=i.url).set(1 if i.healthy else 0)
+            self.in_flight.labels(instance=i.url).set(i.in_flight)
+            self.outstanding.labels(instance=i.url).set(i.outstanding_tokens)
+
+
+def _response_headers(resp: aiohttp.ClientResponse, instance: Instance) -> dict[str, str]:
+    headers = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_RESPONSE_HEADERS}
+    headers[INSTANCE_HEADER] = instance.url
+    return headers
+
+
+def _sse_error(message: str) -> bytes:
+    body = APIError(502, message, "server_error", code="upstream_error").body()
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+class _RelayResponse(StreamingResponse):
+    """A stream whose upstream side is cleaned up however the response ends: Starlette never
+    starts the body iterator when the client is gone before the first chunk."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+class Router:
+    """State shared by the routes: config, pool, policy, metrics and the HTTP session."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.policy = make_policy(config.policy, config.overload_margin,
+                                  config.affinity_cache_blocks)
+        on_back = self.policy.forget if isinstance(self.policy, PrefixAffinity) else None
+        self.pool = InstancePool(config.instances, config.health_check_failures, on_back)
+        self.metrics = RouterMetrics()
+        self.session: aiohttp.ClientSession | None = None
+        self.timeout = aiohttp.ClientTimeout(total=config.request_timeout,
+                                             sock_connect=config.connect_timeout)
+
+    async def start(self) -> asyncio.Task:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             auto_decompress=False)
+        return asyncio.create_task(self.pool.run_health_checks(
+            self.session, self.config.health_check_interval, self.config.health_check_timeout))
+
+    async def stop(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    # ---- forwarding ---------------------------------------------------------------------
+
+    async def forward(self, request: Request, path: str) -> Response:
+        body = await request.body()
+        try:
+            parsed: Any = json.loads(body) if body else None
+        except ValueError:
+            parsed = None  # the instance answers it with the proper 400
+        info = request_info(parsed, self.config.affinity_block_chars,
+                            self.config.affinity_max_blocks)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASS_REQUEST_HEADERS}
+        tried: set[str] = set()
+        last: Response | None = None
+        for _ in range(self.config.max_retries + 1):
+            candidates = self.pool.healthy(tried)
+            if not candidates:
+                break
+            instance = self.policy.choose(info, candidates)
+            tried.add(instance.url)
+            result = await self._try(instance, request.method, path, body, headers, info)
+            if isinstance(result, Response) and not (
+                    result.status_code in _RETRY_STATUSES and self.pool.healthy(tried)):
+                return result
+            last = result if isinstance(result, Response) else last
+            self.metrics.retries.labels(instance=instance.url).inc()
+        if last is not None:
+            return last
+        self.metrics.no_instance.inc()
+        return APIError(503, "No healthy instance is available to serve the request.",
+                        "server_error", code="no_healthy_instance",
+                        headers={"Retry-After": "1"}).response()
+
+    async def _try(self, instance: Instance, method: str, path: str, body: bytes,
+                   headers: dict[str, str], info: RequestInfo) -> Response | None:
+        """Send to one instance; None when it failed before anything could reach the client."""
+        assert self.session is not None
+        ticket = self.pool.admit(instance, info)
+        resp = None
+        try:
+            resp = await self.session.request(method, instance.url + path, data=body or None,
+                                              headers=headers, timeout=self.timeout)
+            if resp.content_type != "text/event-stream" or resp.status != 200:
+                content = await resp.read()
+                ticket.release()
+                outcome = "ok" if resp.status < 400 else "error_status"
+                self.metrics.requests.labels(instance=instance.url, outcome=outcome).inc()
+                return Response(content, resp.status, _response_headers(resp, instance))
+            first = await resp.content.readany()
+            if not first:
+                raise aiohttp.ServerDisconnectedError("the stream ended before its first byte")
+        except _CONNECTION_ERRORS as exc:
+            ticket.release()
+            if resp is not None:
+                resp.close()
+            self.pool.mark_down(instance, f"{type(exc).__name__}: {exc}")
+            logger.info("request to %s failed before anything was sent back (%s); retrying "
+                        "elsewhere", instance.url, type(exc).__name__)
+            return None
+        except BaseException:
+            ticket.release()
+            if resp is not None:
+                resp.close()
+            raise
+        stream = self._relay(instance, resp, first, ticket)
+
+        async def on_close() -> None:  # also when the client left before the stream started
+            await stream.aclose()
+            ticket.release()
+            resp.close()
+
+        return _RelayResponse(stream, on_close, status_code=resp.status,
+                              headers=_response_headers(resp, instance))
+
+    async def _relay(self, instance: Instance, resp: aiohttp.ClientResponse, first: bytes,
+                     ticket: Ticket) -> AsyncGenerator[bytes, None]:
+        """Yield the instance's bytes as they arrive; end a broken stream with an error event.
+        Closing this generator (the client went away) closes the upstream connection, which
+        aborts the request on the instance."""
+        completed = False
+        try:
+            chunk = first
+            while chunk:
+                ticket.generated(chunk.count(b"data:"))
+                yield chunk
+                chunk = await resp.content.readany()
+            completed = True
+            self.metrics.requests.labels(instance=instance.url, outcome="ok").inc()
+        except _CONNECTION_ERRORS as exc:
+            self.pool.mark_down(instance, f"stream broken: {type(exc).__name__}")
+            self.metrics.requests.labels(instance=instance.url, outcome="broken_stream").inc()
+            yield _sse_error(f"The instance serving this request failed mid-stream "
+                             f"({type(exc).__name__}); the partial answer cannot be resumed.")
+        finally:
+            ticket.release()
+            if completed:
+                resp.release()
+            else:
+                resp.close()
+
+    # ---- aggregated endpoints -----------------------------------------------------------
+
+    def health(self) -> Response:
+        instances = [{"url": i.url, "healthy": i.healthy, "in_flight": i.in_flight}
+                     for i in self.pool.instances]
+        if any(i.healthy for i in self.pool.instances):
+            return JSONResponse({"status": "ok", "instances": instances})
+        err = APIError(503, "No healthy instance.", "server_error", code="no_healthy_instance",
+                       headers={"Retry-After": "1"})
+        return JSONResponse({**err.body(), "instances": instances}, status_code=503,
+                            headers=err.headers)
+
+    async def metrics_text(self) -> bytes:
+        assert self.session is not None
+        self.metrics.snapshot(self.pool.instances)
+        timeout = aiohttp.ClientTimeout(total=self.config.health_check_timeout)
+
+        async def scrape(instance: Instance) -> tuple[str, str]:
+            with contextlib.suppress(*_CONNECTION_ERRORS):
+                async with self.session.get(instance.url + "/metrics", timeout=timeout) as r:
+                    if r.status == 200:
+                        return instance.url, await r.text()
+            return instance.url, ""
+
+        texts = await asyncio.gather(*(scrape(i) for i in self.pool.healthy()))
+        return generate_latest(self.metrics.registry) + render_instance_metrics(dict(texts))
+
+
+def build_router_app(config: RouterConfig) -> FastAPI:
+    router = Router(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = await router.start()
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await router.stop()
+
+    app = FastAPI(title="BladeLLM router", lifespan=lifespan)
+    app.state.router = router
+    install_handlers(app)
+    v1 = APIRouter(dependencies=[Depends(api_key_check(config.api_key))])
+
+    @v1.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.forward(request, "/v1/completions")
+
+    @v1.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await router.forward(request, "/v1/chat/completions")
+
+    @v1.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await router.forward(request, "/v1/models")
+
+    @v1.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return await router.forward(request, f"/v1/models/{model_id}")
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return router.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await router.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
