@@ -65,12 +65,17 @@ def _normalize_schema(schema: Any) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
+        except RecursionError:
+            raise ValueError("guided_json: the schema is nested too deeply") from None
         except ValueError as e:
             raise ValueError(f"guided_json: not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"guided_json: a JSON schema must be an object, "
                          f"got {type(schema).__name__}")
-    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError:
+        raise ValueError("guided_json: the schema is nested too deeply") from None
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
