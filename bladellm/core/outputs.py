@@ -49,3 +49,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     num_prompt_tokens: int = 0  # cumulative tokens prefilled (after cache hits)
     num_generation_tokens: int = 0  # cumulative tokens sampled
     num_steps: int = 0
+    # Structured output (filled by the engine core): cumulative grammar compilations and
+    # compiled-grammar cache hits.
+    num_grammar_compiles: int = 0
+    num_grammar_cache_hits: int = 0

@@ -58,8 +58,9 @@ class EngineCore:
         outputs = failed + self.scheduler.update_from_output(sched, runner_out)
         if self.config.debug_block_accounting:
             self.scheduler.check_invariants()
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.get_stats(),
-                                 timestamp=time.time())
+        stats = self.scheduler.get_stats()
+        self.guided.fill_stats(stats)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run the batch; if it fails, fail the requests in it rather than the engine."""

@@ -109,6 +109,11 @@ class GuidedRequests:
                 entries.append((req_id, req.grammar))
         return self._manager.start_bitmask(entries) if entries else None
 
+    def fill_stats(self, stats) -> None:
+        if self._manager is not None:
+            stats.num_grammar_compiles = self._manager.cache.num_compiles
+            stats.num_grammar_cache_hits = self._manager.cache.hits
+
     def stats(self) -> dict:
         return self._manager.stats() if self._manager is not None else {
             "size": 0, "capacity": self.config.guided_cache_size, "hits": 0, "num_compiles": 0,

@@ -197,7 +197,14 @@ class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCall] | None = None  # omitted when the model called no tool
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_tool_calls(self, handler):  # type: ignore[no-untyped-def]
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(_Response):
