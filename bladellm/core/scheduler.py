@@ -228,12 +228,12 @@ class Scheduler:
                 self._advance(req, num_scheduled)
                 token_ids = sampled.get(req_id) or []
                 new_tokens = self._append_tokens(req, token_ids)
+                if not new_tokens and req.num_computed_tokens >= req.num_tokens:
+                    error = "the model runner returned no token for a finished prefill"
                 if (req.grammar is not None and not req.is_finished
                         and len(new_tokens) < len(token_ids)):
                     error = (f"grammar: token {token_ids[len(new_tokens)]} rejected "
                              f"({req.grammar.error or 'not allowed by the grammar'})")
-                if not new_tokens and req.num_computed_tokens >= req.num_tokens:
-                    error = "the model runner returned no token for a finished prefill"
             done = error is not None or req.is_finished
             if done:
                 self._finish(req, req.status if error is None else RequestStatus.FINISHED_ERROR)
