@@ -35,8 +35,10 @@ NAMES = ["Alice Chen", "Bob Martin", "Carla Diaz", "Dev Patel", "Eun-ji Kim", "F
 DEPTS = ["engineering", "sales", "marketing", "finance"]
 
 
-def prompts(n: int) -> list[str]:
-    return [f"Write the employee profile of {NAMES[i % len(NAMES)]}, who works in "
+def prompts(n: int, tag: str = "") -> list[str]:
+    """``tag`` starts each prompt (a pass's own nonce) so that no pass hits the prompt cache
+    filled by the one before it."""
+    return [f"{tag}Write the employee profile of {NAMES[i % len(NAMES)]}, who works in "
             f"{DEPTS[i % len(DEPTS)]}, as JSON." for i in range(n)]
 
 
@@ -86,13 +88,15 @@ def mean(results, key):
 
 
 async def bench(url, model, schema, concurrency, rounds, max_tokens) -> dict:
-    ps = prompts(concurrency if concurrency > 1 else 4)
+    n = concurrency if concurrency > 1 else 4
     rows = []
-    for _ in range(rounds):
+    for k in range(rounds):
+        ps = prompts(n, f"[c{concurrency} r{k} guided] ")
         guided = await run_pass(url, model, [(p, schema, max_tokens) for p in ps], concurrency)
         for r in guided:
             assert r["finish"] == "stop", f"constrained answer cut: {r['text'][:200]}"
             json.loads(r["text"])
+        ps = prompts(n, f"[c{concurrency} r{k} free..] ")  # same length, not cached
         free = await run_pass(url, model, [(p, None, r["tokens"]) for p, r in zip(ps, guided)],
                               concurrency)
         rows.append({"guided_ttft": mean(guided, "ttft"), "free_ttft": mean(free, "ttft"),
@@ -155,13 +159,17 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max_tokens", type=int, default=300)
+    ap.add_argument("--first_only", action="store_true",
+                    help="only the first constrained request's TTFT (e.g. with "
+                         "-- --model demo --enable_json_warmup)")
     ap.add_argument("server_args", nargs="*", help="after --: blade_llm_server flags")
     args = ap.parse_args()
     with open(args.schema) as f:
         schema = json.load(f)
     server_args = args.server_args or ["--model", "demo"]
     model = server_args[server_args.index("--model") + 1] if "--model" in server_args else "demo"
-    print(json.dumps({"compile": compile_times(schema, model)}), flush=True)
+    if not args.first_only:
+        print(json.dumps({"compile": compile_times(schema, model)}), flush=True)
     proc, url = start_server(server_args)
     try:
         import urllib.request
@@ -173,6 +181,8 @@ def main() -> None:
         first = asyncio.run(run_pass(url, served, [(prompts(1)[0], schema, args.max_tokens)], 1))
         print(json.dumps({"first_request": {"ttft_ms": first[0]["ttft"] * 1e3,
                                             "wall_s": time.perf_counter() - t}}), flush=True)
+        if args.first_only:
+            return
         asyncio.run(run_pass(url, served, [(prompts(1)[0], None, 16)], 1))
         for c in args.concurrency:
             result = asyncio.run(bench(url, served, schema, c, args.rounds, args.max_tokens))
