@@ -30,7 +30,8 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
 
     ``logits`` is modified in place and returned; rows not listed are untouched.
     """
-    allowed = torch.from_numpy(unpack_bitmask(bitmask, logits.shape[1]))
+    allowed = torch.from_numpy(unpack_bitmask(bitmask, logits.shape[1])).to(logits.device)
+    rows = rows.to(logits.device)
     sub = logits[rows]
     sub.masked_fill_(~allowed, float("-inf"))
     logits[rows] = sub

@@ -218,3 +218,21 @@ async def test_bad_constraints_are_400_with_the_reason(client, extra, words):
                                         extra_body=extra)
     resp = await client.completions.create(model="tiny", prompt="x", max_tokens=2)
     assert resp.choices[0].finish_reason == "length"  # still serving
+
+
+async def test_openai_client_parse_with_a_pydantic_model(client):
+    # The client's own structured-output helper: it sends a strict json_schema made from the
+    # pydantic model and parses the answer back into it.
+    from typing import Annotated
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=10)
+        legs: int = Field(ge=0, le=8)
+        tags: list[Annotated[str, Field(max_length=6)]] = Field(max_length=2)
+
+    resp = await client.chat.completions.parse(model="tiny", messages=MSGS, max_tokens=200,
+                                               temperature=1.0, seed=11, response_format=Pet)
+    pet = resp.choices[0].message.parsed
+    assert isinstance(pet, Pet) and 0 <= pet.legs <= 8
