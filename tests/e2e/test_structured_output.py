@@ -156,3 +156,29 @@ def test_preemption_keeps_the_grammar_state(tiny_llama):
     assert small.engine.core.scheduler.num_preemptions > 0
     for out in outs:
         _check_json(out.outputs[0].text, SCHEMAS["recipe"])
+
+
+def test_grammar_failing_in_the_engine_fails_only_its_request(llm):
+    # Bypass the front end's validation: the engine's compilation fails, and the request ends
+    # with a grammar error (a 400 in the server) while a free request beside it completes.
+    from bladellm.engine.async_llm import AsyncLLM
+    from bladellm.engine.messages import GRAMMAR_ERROR_PREFIX, EngineCoreRequest
+
+    core = llm.engine.core
+    bad = SamplingParams(max_tokens=5, guided_decoding=GuidedDecodingParams(
+        grammar="start: no_such_rule"))
+    core.add_request(EngineCoreRequest(request_id="bad", prompt_token_ids=[5, 6, 7],
+                                       sampling_params=bad, eos_token_ids=[2]))
+    core.add_request(EngineCoreRequest(request_id="ok", prompt_token_ids=[5, 6, 8],
+                                       sampling_params=SamplingParams(max_tokens=3),
+                                       eos_token_ids=[2]))
+    outputs = {}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            if out.finish_reason is not None:
+                outputs[out.request_id] = out
+    assert outputs["bad"].finish_reason == "error"
+    assert outputs["bad"].error.startswith(GRAMMAR_ERROR_PREFIX + "guided_grammar")
+    assert isinstance(AsyncLLM._request_error(outputs["bad"].error), ValueError)
+    assert outputs["ok"].finish_reason == "length"
+    core.scheduler.check_invariants()

@@ -144,3 +144,12 @@ def test_compile_failure_and_timeout_become_errors(backend, tokenizer):
     assert not slow.is_ready() and slow.error is None
     now[0] = 2.0
     assert not slow.is_ready() and "--guided_compile_timeout" in slow.error
+
+
+def test_grammar_size_limit_is_a_clear_error():
+    from bladellm.guided.backend import GrammarLimits
+
+    many = G(choice=[f"item{i}" for i in range(3000)])
+    validate(many)
+    with pytest.raises(GrammarError, match="guided_choice.*too big"):
+        validate(many, GrammarLimits(max_grammar_size=1000))
