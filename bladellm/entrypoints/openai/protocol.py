@@ -109,7 +109,7 @@ class ChatCompletionRequest(SamplingRequest):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None  # accepted; "required" may return several calls
+    parallel_tool_calls: bool | None = None  # false: at most one tool call
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # Extras (vLLM spelling).

@@ -119,7 +119,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
                                  ctx: ServingContext) -> Response:
     ctx.check_model(req.model)
     _check(req)
-    tools = parse_tool_choice(req.tools, req.tool_choice)
+    tools = parse_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
     prompt = _prompt_ids(req, ctx, tools)  # ValueError (bad messages, no template) -> 400
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
@@ -152,6 +152,7 @@ def _final_choice(k: int, c: _Choice, tools: ToolChoice | None) -> ChatChoice:
         content = None if calls else text
     elif tools is not None and tools.mode == "auto":
         content, calls = parse_auto(text, tools.names)
+        calls = calls if tools.parallel else calls[:1]
     if calls and finish == "stop" and (tools.mode != "named"):  # type: ignore[union-attr]
         finish = "tool_calls"
     message = ChatResponseMessage(content=content,
@@ -218,6 +219,7 @@ def _tool_deltas(choice: _Choice, text: str, finish: str | None,
         rest, calls = stream.finish()
         if rest:
             deltas.append(DeltaMessage(content=rest))
+        calls = calls if tools.parallel else calls[:1]
         if calls:
             deltas.append(DeltaMessage(tool_calls=[{"index": i, **c}
                                                    for i, c in enumerate(calls)]))

@@ -29,6 +29,7 @@ class ToolChoice:
     tools: list[dict[str, Any]]  # as the request gave them (also what the chat template gets)
     mode: str  # "none" | "auto" | "required" | "named"
     name: str | None = None  # the forced function (mode "named")
+    parallel: bool = True  # False: at most one call ("required" is cut to one item)
 
     @property
     def names(self) -> list[str]:
@@ -41,8 +42,16 @@ class ToolChoice:
         raise KeyError(name)
 
 
-def parse_tool_choice(tools: list[Any] | None, tool_choice: Any) -> ToolChoice | None:
+def parse_tool_choice(tools: list[Any] | None, tool_choice: Any,
+                      parallel_tool_calls: bool | None = None) -> ToolChoice | None:
     """Validate ``tools`` / ``tool_choice``; None when no tools are involved."""
+    choice = _parse_tool_choice(tools, tool_choice)
+    if choice is not None and parallel_tool_calls is False:
+        choice.parallel = False
+    return choice
+
+
+def _parse_tool_choice(tools: list[Any] | None, tool_choice: Any) -> ToolChoice | None:
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice: requires tools", "tool_choice")
@@ -85,7 +94,10 @@ def forced_constraint(choice: ToolChoice | None) -> tuple[str, dict[str, Any]] |
                  "required": ["name", "parameters"], "additionalProperties": False}
                 for name in choice.names]
     items = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    return "tool_choice", {"json": {"type": "array", "items": items, "minItems": 1}}
+    array = {"type": "array", "items": items, "minItems": 1}
+    if not choice.parallel:
+        array["maxItems"] = 1
+    return "tool_choice", {"json": array}
 
 
 def new_call(name: str, arguments: Any) -> dict[str, Any]:

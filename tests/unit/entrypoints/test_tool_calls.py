@@ -72,6 +72,8 @@ def test_forced_constraints_follow_the_function_schemas():
     assert _calls(forced_calls(required, '[{"name": "noop", "parameters": {}}]')) == [
         ("noop", {})]
     assert forced_calls(required, '[{"name": "no') == []  # cut by max_tokens
+    single = forced_constraint(parse_tool_choice(TOOLS, "required", False))[1]["json"]
+    assert single["maxItems"] == 1
     assert forced_constraint(parse_tool_choice(TOOLS, "auto")) is None
     assert parse_tool_choice(None, None) is None
     with pytest.raises(APIError, match="requires tools"):
