@@ -185,6 +185,46 @@ class ParallelConfig:
 
 
 @dataclass
+class GuidedDecodingConfig:
+    """Structured output (JSON schema / regex / choice / grammar); docs/structured_output.md."""
+
+    guided_decoding_backend: str = field(
+        default="llguidance",
+        metadata={"help": "Grammar engine for guided decoding and JSON mode: llguidance."})
+    guided_cache_size: int = field(
+        default=256,
+        metadata={"help": "Compiled grammars kept in an LRU cache keyed by the normalised "
+                          "constraint (0 disables the cache)."})
+    guided_compile_timeout: float = field(
+        default=10.0,
+        metadata={"help": "Seconds a request waits for its grammar to compile before it fails."})
+    guided_max_grammar_size: int = field(
+        default=500_000,
+        metadata={"help": "Largest grammar (llguidance symbols) a constraint may compile to; "
+                          "larger ones get HTTP 400."})
+    enable_json_warmup: bool = field(
+        default=False,
+        metadata={"help": "At start-up build the grammar engine's tokenizer bridge and "
+                          "compile the JSON-object grammar and --json_warmup_schemas, so the "
+                          "first JSON-mode requests compile nothing."})
+    json_warmup_schemas: list[str] | None = field(
+        default=None,
+        metadata={"help": "JSON-schema files to precompile with --enable_json_warmup."})
+
+    def __post_init__(self) -> None:
+        _check(self.guided_decoding_backend == "llguidance", "guided_decoding_backend",
+               f"only 'llguidance' is supported, got {self.guided_decoding_backend!r}")
+        _check(self.guided_cache_size >= 0, "guided_cache_size",
+               f"must be >= 0, got {self.guided_cache_size}")
+        _check(self.guided_compile_timeout > 0, "guided_compile_timeout",
+               f"must be positive, got {self.guided_compile_timeout}")
+        _check(self.guided_max_grammar_size >= 1000, "guided_max_grammar_size",
+               f"must be >= 1000, got {self.guided_max_grammar_size}")
+        _check(not self.json_warmup_schemas or self.enable_json_warmup, "json_warmup_schemas",
+               "needs --enable_json_warmup")
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine core needs; the server adds ``ServerConfig``."""
 
@@ -192,6 +232,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    guided: GuidedDecodingConfig = field(default_factory=GuidedDecodingConfig)
     device: str = field(default="cpu", metadata={"help": "Device to run on (only cpu so far)."})
     debug_block_accounting: bool = field(
         default=False,
@@ -212,7 +253,8 @@ class EngineConfig:
         """Build from flat keyword arguments (``LLM(model=..., block_size=...)``)."""
         parts: dict[str, dict[str, Any]] = {}
         sections = {"model": ModelConfig, "cache": CacheConfig,
-                    "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+                    "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+                    "guided": GuidedDecodingConfig}
         top: dict[str, Any] = {}
         for key, value in kwargs.items():
             for sec, klass in sections.items():

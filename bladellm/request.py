@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Protocol
 
 from bladellm.sampling_params import SamplingParams
 
@@ -43,6 +44,22 @@ _FINISH_REASONS = {
 }
 
 
+class GrammarMatcher(Protocol):
+    """A request's output constraint as the scheduler sees it (``bladellm.guided`` implements
+    it). Accepting takes a list so that speculative decoding can accept several tokens at once."""
+
+    def is_ready(self) -> bool: ...  # compiled; False while compiling or after a failure
+
+    @property
+    def error(self) -> str | None: ...
+
+    def accept_tokens(self, token_ids: list[int]) -> int: ...  # how many were valid
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+    def is_terminated(self) -> bool: ...  # no token can extend the output: it is complete
+
+
 class Request:
     def __init__(
         self,
@@ -71,6 +88,9 @@ class Request:
         self.stop_reason: int | str | None = None
         # Hashes of this request's full blocks, computed lazily by the KV manager.
         self.block_hashes: list[int] = []
+        # Structured output: admitted once ready; advanced with every output token.
+        self.grammar: GrammarMatcher | None = None
+        self.grammar_complete = False  # finished because the grammar cannot be extended
 
         max_tokens = sampling_params.max_tokens
         if max_model_len is not None:

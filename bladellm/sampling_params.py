@@ -6,9 +6,76 @@ Invalid values raise ``ValueError`` naming the field.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import msgspec
 
 _MAX_LOGPROBS = 20
+
+
+class GuidedDecodingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One output constraint (structured output / JSON mode); see docs/structured_output.md.
+
+    Exactly one of ``json`` (a JSON schema, as an object or JSON text), ``regex``, ``choice``
+    (the output is one of these strings), ``grammar`` (Lark, or GBNF as llama.cpp writes it) or
+    ``json_object`` (any JSON object) must be set. ``whitespace_pattern`` (a regex) replaces the
+    default compact JSON separators (``", "`` and ``": "``, no other whitespace).
+    ``json`` is normalised to compact JSON text, which is also the compiled-grammar cache key.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.json is not None:
+            self.json = _normalize_schema(self.json)
+        kinds = self.kinds
+        if len(kinds) != 1:
+            raise ValueError(f"guided_decoding: set exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {', '.join(kinds) or 'none'}")
+        if self.choice is not None:
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("guided_choice: must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"guided_{name}: must be a non-empty string")
+        if self.whitespace_pattern is not None and self.kind not in ("json", "json_object"):
+            raise ValueError("guided_whitespace_pattern: only applies to JSON constraints")
+
+    @property
+    def kinds(self) -> list[str]:
+        names = [n for n in ("json", "regex", "choice", "grammar")
+                 if getattr(self, n) is not None]
+        return names + (["json_object"] if self.json_object else [])
+
+    @property
+    def kind(self) -> str:
+        return self.kinds[0]
+
+
+def _normalize_schema(schema: Any) -> str:
+    """Compact JSON text of a schema given as an object or as JSON text (key order kept: it is
+    the order the model writes the properties in)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except RecursionError:
+            raise ValueError("guided_json: the schema is nested too deeply") from None
+        except ValueError as e:
+            raise ValueError(f"guided_json: not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"guided_json: a JSON schema must be an object, "
+                         f"got {type(schema).__name__}")
+    try:
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError:
+        raise ValueError("guided_json: the schema is nested too deeply") from None
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -30,6 +97,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None  # number of top logprobs besides the sampled token's
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    # Structured output: the output follows this constraint (None: unconstrained).
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +148,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                     raise bad("logit_bias", f"bias for token {tok} must be in [-100, 100]")
         if self.seed is not None and not (-(2**63) <= self.seed < 2**63):
             raise bad("seed", "must fit in 64 bits")
+        if self.guided_decoding is not None and self.min_tokens > 0:
+            # min_tokens bans EOS, which a finished grammar may leave as the only valid token.
+            raise bad("min_tokens", "cannot be combined with guided decoding")
 
     @property
     def greedy(self) -> bool:

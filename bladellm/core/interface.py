@@ -8,6 +8,7 @@ Python scalars and lists: picklable for a multi-process executor, no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from bladellm.sampling_params import SamplingParams
 
@@ -47,6 +48,10 @@ class SchedulerOutput:
     # Requests the runner must forget: finished/aborted since the last step, or preempted.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured output: the token bitmask of the constrained requests that sample this step,
+    # filled in the background while the model runs (``bladellm.guided.manager.StepBitmask``:
+    # ``req_ids`` and ``result()`` -> [len(req_ids), ceil(V / 32)] int32). None: no constraint.
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

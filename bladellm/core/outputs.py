@@ -12,6 +12,8 @@ import msgspec
 
 # EngineCoreOutput.error of a request that waited past --max_queue_time (front end: HTTP 503).
 QUEUE_TIMEOUT_ERROR = "queue_timeout"
+# Prefix of the error of a request whose grammar failed to compile (the client's fault: a 400).
+GRAMMAR_ERROR_PREFIX = "invalid grammar: "
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -31,6 +33,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     error: str | None = None
     num_cached_tokens: int = 0  # prompt-cache hit (tokens) on first admission
     queued_time: float = 0.0  # seconds from arrival to first scheduled; sent with the first output
+    # Finished because its grammar was complete: the last token is text, not a stop token.
+    grammar_complete: bool = False
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
@@ -45,3 +49,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     num_prompt_tokens: int = 0  # cumulative tokens prefilled (after cache hits)
     num_generation_tokens: int = 0  # cumulative tokens sampled
     num_steps: int = 0
+    # Structured output (filled by the engine core): cumulative grammar compilations and
+    # compiled-grammar cache hits.
+    num_grammar_compiles: int = 0
+    num_grammar_cache_hits: int = 0

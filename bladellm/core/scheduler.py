@@ -166,6 +166,9 @@ class Scheduler:
         held_back: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.grammar is not None and not req.grammar.is_ready():
+                held_back.append(self.waiting.popleft())  # still compiling: others go first
+                continue
             hit_blocks, num_hit = kv.get_computed_blocks(req)
             if kv.pending_owner(req, len(hit_blocks)) is not None:
                 held_back.append(self.waiting.popleft())
@@ -223,9 +226,14 @@ class Scheduler:
             new_tokens: list[int] = []
             if error is None:
                 self._advance(req, num_scheduled)
-                new_tokens = self._append_tokens(req, sampled.get(req_id) or [])
+                token_ids = sampled.get(req_id) or []
+                new_tokens = self._append_tokens(req, token_ids)
                 if not new_tokens and req.num_computed_tokens >= req.num_tokens:
                     error = "the model runner returned no token for a finished prefill"
+                if (req.grammar is not None and not req.is_finished
+                        and len(new_tokens) < len(token_ids)):
+                    error = (f"grammar: token {token_ids[len(new_tokens)]} rejected "
+                             f"({req.grammar.error or 'not allowed by the grammar'})")
             done = error is not None or req.is_finished
             if done:
                 self._finish(req, req.status if error is None else RequestStatus.FINISHED_ERROR)
@@ -249,13 +257,26 @@ class Scheduler:
     def _append_tokens(self, req: Request, token_ids: list[int]) -> list[int]:
         """Append sampled tokens one by one, stopping at the first that finishes the request."""
         appended = []
+        grammar = req.grammar
         for token_id in token_ids:
+            if grammar is not None and grammar.accept_tokens([token_id]) != 1:
+                break  # the mask allowed it, so the matcher is in error: the caller fails it
             req.append_output_token_ids([token_id])
             appended.append(token_id)
+            if grammar is not None and grammar.is_terminated() and self._grammar_stop(req):
+                break
             if self._check_stop(req, token_id):
                 break
         self.num_generation_tokens += len(appended)
         return appended
+
+    @staticmethod
+    def _grammar_stop(req: Request) -> bool:
+        """The output is complete under its grammar: finish as a stop (EOS is implied)."""
+        req.status = RequestStatus.FINISHED_STOPPED
+        req.stop_reason = None
+        req.grammar_complete = True
+        return True
 
     def _check_stop(self, req: Request, token_id: int) -> bool:
         """Stop tokens first (they count only after ``min_tokens`` output tokens), then length."""
@@ -305,6 +326,7 @@ class Scheduler:
         if req.is_finished:
             output.finish_reason = req.status.finish_reason
             output.stop_reason = req.stop_reason
+            output.grammar_complete = req.grammar_complete
         queued_time = self._queued_time.pop(req.request_id, None)
         if queued_time is not None:
             output.num_cached_tokens = max(req.num_cached_tokens, 0)

@@ -18,7 +18,7 @@ from bladellm.config import EngineConfig
 from bladellm.engine.core_client import AsyncMPClient
 from bladellm.engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from bladellm.engine.input_processor import InputProcessor
-from bladellm.engine.messages import QUEUE_TIMEOUT_ERROR, SchedulerStats
+from bladellm.engine.messages import GRAMMAR_ERROR_PREFIX, QUEUE_TIMEOUT_ERROR, SchedulerStats
 from bladellm.engine.metrics import StatLogger
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
@@ -46,7 +46,7 @@ class AsyncLLM:
         except BaseException:
             self.client.close()
             raise
-        self.input_processor = InputProcessor(self.model_info)
+        self.input_processor = InputProcessor(self.model_info, config.guided.guided_max_grammar_size)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
         self._queues: dict[str, asyncio.Queue] = {}
@@ -127,6 +127,8 @@ class AsyncLLM:
     def _request_error(error: str) -> Exception:
         if error == QUEUE_TIMEOUT_ERROR:
             return EngineOverloadedError("request waited longer than --max_queue_time")
+        if error.startswith(GRAMMAR_ERROR_PREFIX):  # the client's constraint: a 400
+            return ValueError(error[len(GRAMMAR_ERROR_PREFIX):])
         return RequestFailedError(error)
 
     async def abort(self, request_id: str) -> None:

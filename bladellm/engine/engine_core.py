@@ -14,6 +14,7 @@ from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.core.scheduler import Scheduler
 from bladellm.executor import get_executor_class
+from bladellm.engine.guided import GuidedRequests
 from bladellm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from bladellm.model.checkpoint import ResolvedModel
 from bladellm.request import Request
@@ -30,12 +31,16 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
         self.num_blocks = num_blocks
+        self.guided = GuidedRequests(config, resolved, self.scheduler)
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(
+        request = Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_ids=tuple(req.eos_token_ids), max_model_len=self.max_model_len,
-            arrival_time=req.arrival_time or None, cache_salt=req.cache_salt))
+            arrival_time=req.arrival_time or None, cache_salt=req.cache_salt)
+        if req.sampling_params.guided_decoding is not None:
+            request.grammar = self.guided.grammar_for(req.sampling_params.guided_decoding)
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(request_ids)
@@ -44,13 +49,18 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
+        failed = self.guided.fail_broken_grammars()
         sched = self.scheduler.schedule()
+        sched.grammar_bitmask = self.guided.start_bitmask(sched)
+        if sched.is_empty:
+            self.guided.wait_for_compiling()  # only grammar-waiting requests: don't spin
         runner_out = self._execute(sched)
-        outputs = self.scheduler.update_from_output(sched, runner_out)
+        outputs = failed + self.scheduler.update_from_output(sched, runner_out)
         if self.config.debug_block_accounting:
             self.scheduler.check_invariants()
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.get_stats(),
-                                 timestamp=time.time())
+        stats = self.scheduler.get_stats()
+        self.guided.fill_stats(stats)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run the batch; if it fails, fail the requests in it rather than the engine."""

@@ -28,9 +28,11 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
 
 
 class InputProcessor:
-    def __init__(self, model_info: ModelInfo) -> None:
+    def __init__(self, model_info: ModelInfo, max_grammar_size: int | None = None) -> None:
         self.model_info = model_info
         self.tokenizer = model_info.tokenizer
+        self._max_grammar_size = max_grammar_size
+        self._grammar_validator = None  # built on the first constrained request
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float, *, add_special_tokens: bool = True
@@ -93,6 +95,19 @@ class InputProcessor:
             if int(t) >= info.vocab_size:
                 raise ValueError(f"logit_bias: token id {t} is out of the vocabulary "
                                  f"[0, {info.vocab_size})")
+        if params.guided_decoding is not None:
+            self._validate_grammar(params)
+
+    def _validate_grammar(self, params: SamplingParams) -> None:
+        """A constraint llguidance rejects is a ValueError (HTTP 400) naming the field, before
+        the request reaches the engine; constraints already seen valid are not checked again."""
+        if self._grammar_validator is None:
+            from bladellm.guided.backend import GrammarLimits, GrammarValidator
+
+            limits = (GrammarLimits() if self._max_grammar_size is None
+                      else GrammarLimits(max_grammar_size=self._max_grammar_size))
+            self._grammar_validator = GrammarValidator(limits=limits)
+        self._grammar_validator.validate(params.guided_decoding)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:

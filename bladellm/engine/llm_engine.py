@@ -32,7 +32,7 @@ class LLMEngine:
         self.config = config
         resolved = resolve_model(config.model)
         self.model_info = model_info_for(resolved)
-        self.input_processor = InputProcessor(self.model_info)
+        self.input_processor = InputProcessor(self.model_info, config.guided.guided_max_grammar_size)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
         self.core = EngineCore(config, resolved)
 

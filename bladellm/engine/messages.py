@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import msgspec
 
-from bladellm.core.outputs import (QUEUE_TIMEOUT_ERROR, EngineCoreOutput, Logprobs,
-                                   SchedulerStats)
+from bladellm.core.outputs import (GRAMMAR_ERROR_PREFIX, QUEUE_TIMEOUT_ERROR, EngineCoreOutput,
+                                   Logprobs, SchedulerStats)
 from bladellm.sampling_params import SamplingParams
 
-__all__ = ["QUEUE_TIMEOUT_ERROR", "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest",
+__all__ = ["GRAMMAR_ERROR_PREFIX", "QUEUE_TIMEOUT_ERROR", "EngineCoreOutput", "EngineCoreOutputs",
+           "EngineCoreRequest",
            "Logprobs", "SchedulerStats"]
 
 

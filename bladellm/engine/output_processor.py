@@ -175,7 +175,8 @@ class OutputProcessor:
     def _apply(self, child: _ChildState, out: EngineCoreOutput, reqs_to_abort: list[str]) -> None:
         detok = child.detokenizer
         num_before = len(detok.token_ids)
-        stop_str = detok.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
+        stop_str = detok.update(out.new_token_ids, stop_terminated=(
+            out.finish_reason == "stop" and not out.grammar_complete))
         num_kept = len(detok.token_ids) - num_before
         if child.logprobs is not None and out.new_logprobs is not None:
             child.logprobs.extend(self._convert_logprobs(out.new_logprobs)[:num_kept])

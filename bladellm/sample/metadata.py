@@ -9,6 +9,7 @@ biases or ``min_tokens`` builds almost nothing and samples with a single ``argma
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -45,6 +46,11 @@ class SamplingMetadata:
     min_tokens_banned: dict[int, list[int]] = field(default_factory=dict)
     logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> {token: bias}
     max_num_logprobs: int | None = None  # max over rows of SamplingParams.logprobs
+    # Structured output: rows under a grammar and their token bitmasks ([G] int64 row indices,
+    # [G, ceil(V / 32)] int32 numpy; see bladellm.guided.bitmask). Applied before everything
+    # else that changes logits.
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: Any = None
 
     @property
     def no_penalties(self) -> bool:
@@ -54,7 +60,8 @@ class SamplingMetadata:
     @property
     def no_logits_processing(self) -> bool:
         """True when the processed logits equal the model's (before temperature and filters)."""
-        return self.no_penalties and not self.min_tokens_banned and not self.logit_bias
+        return (self.no_penalties and not self.min_tokens_banned and not self.logit_bias
+                and self.grammar_rows is None)
 
     @classmethod
     def from_params(

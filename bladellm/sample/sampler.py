@@ -2,7 +2,7 @@
 
 Order of application (see docs/sampling.md):
   1. logprobs of the RAW logits (log_softmax of the model's output, before anything below);
-  2. logit_bias; min_tokens banning (-inf); repetition penalty; presence/frequency penalties;
+  2. the grammar's token bitmask (structured output); logit_bias; min_tokens banning (-inf); repetition penalty; presence/frequency penalties;
   3. greedy rows: argmax of the processed logits;
   4. random rows: temperature, top-k, top-p, min-p, then one inverse-CDF draw per row
      (``draw.sample_random``).
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from bladellm.guided.bitmask import apply_token_bitmask
 from bladellm.sample import draw, ops
 from bladellm.sample.metadata import GREEDY_TEMPERATURE, SamplingMetadata
 
@@ -56,6 +57,8 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        if md.grammar_rows is not None:
+            logits = apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
         if md.logit_bias:
             logits = ops.apply_logit_bias(logits, md.logit_bias)
         if md.min_tokens_banned:

@@ -20,6 +20,7 @@ from bladellm.model.forward_context import ForwardContext
 from bladellm.platforms.cpu_defaults import model_weight_bytes, total_memory_bytes
 from bladellm.sample.sampler import Sampler, SamplerOutput
 from bladellm.worker.input_batch import InputBatch, StepInputs
+from bladellm.worker.sampling_rows import attach_grammar_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ class ModelRunner:
         logprobs: dict[str, SampleLogprobs] = {}
         if inputs.sampling is not None:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            if sched.grammar_bitmask is not None:
+                attach_grammar_bitmask(inputs, sched.grammar_bitmask)
             out = self.sampler(logits, inputs.sampling)
             for i, token in zip(inputs.sample_indices.tolist(), out.sampled_token_ids.tolist()):
                 sampled[i] = [token]

@@ -118,3 +118,19 @@ class SamplingRows:
             if params.seed is not None and not params.greedy:
                 md.generators[int(i)] = step_generator(params.seed, num_output)
 
+
+
+def attach_grammar_bitmask(inputs, step_bitmask) -> None:
+    """Put this step's grammar bitmask (``bladellm.guided.manager.StepBitmask``, filled while the
+    model ran) into the sampling metadata, rows matched by request id."""
+    sampling_row = {inputs.req_ids[i]: s for s, i in enumerate(inputs.sample_indices.tolist())}
+    rows = [sampling_row.get(req_id, -1) for req_id in step_bitmask.req_ids]
+    bitmask = step_bitmask.result()
+    keep = [k for k, row in enumerate(rows) if row >= 0]
+    if not keep:
+        return
+    if len(keep) < len(rows):
+        bitmask = bitmask[keep]
+        rows = [rows[k] for k in keep]
+    inputs.sampling.grammar_rows = torch.tensor(rows, dtype=torch.int64)
+    inputs.sampling.grammar_bitmask = bitmask

@@ -280,7 +280,7 @@ async def test_errors_and_the_server_keeps_serving(server, client):
         (openai.BadRequestError, dict(prompt="x", max_tokens=10**9)),
         (openai.BadRequestError, dict(prompt="hello " * 200, max_tokens=100)),
         (openai.BadRequestError, dict(prompt="x", temperature="hot")),
-        (openai.BadRequestError, dict(prompt="x", extra_body={"guided_json": {}})),
+        (openai.BadRequestError, dict(prompt="x", extra_body={"guided_json": {"type": "foo"}})),
         (openai.BadRequestError, dict(prompt="x", suffix="y")),
         (openai.NotFoundError, dict(prompt="x", model="gpt-4")),
     ]
@@ -291,9 +291,10 @@ async def test_errors_and_the_server_keeps_serving(server, client):
         assert set(err) == {"message", "type", "param", "code"}, err
     with pytest.raises(openai.BadRequestError, match="at least one"):
         await client.chat.completions.create(model="tiny", messages=[])
-    with pytest.raises(openai.BadRequestError, match="not supported"):
+    with pytest.raises(openai.BadRequestError, match="not among"):
         await client.chat.completions.create(model="tiny", messages=msgs, tools=[
-            {"type": "function", "function": {"name": "f", "parameters": {}}}])
+            {"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}})
     bad_key = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         await bad_key.chat.completions.create(model="tiny", messages=msgs)

@@ -56,6 +56,12 @@ class PrometheusStatLogger:
                              registry=r)
         self.kv_usage = Gauge(f"{p}kv_cache_usage_ratio",
                               "Fraction of KV-cache blocks held by requests (0..1).", registry=r)
+        self.grammar_compiles = Gauge(f"{p}guided_grammar_compiles",
+                                      "Grammars compiled for structured output (cumulative).",
+                                      registry=r)
+        self.grammar_cache_hits = Gauge(f"{p}guided_grammar_cache_hits",
+                                        "Structured-output requests served by the "
+                                        "compiled-grammar cache (cumulative).", registry=r)
         self.kv_used_blocks = Gauge(f"{p}kv_cache_used_blocks",
                                     "KV-cache blocks held by requests.", registry=r)
         self.kv_total_blocks = Gauge(f"{p}kv_cache_total_blocks", "KV-cache blocks in all.",
@@ -126,6 +132,8 @@ class PrometheusStatLogger:
         self.kv_usage.set(stats.kv_cache_usage)
         self.kv_used_blocks.set(stats.num_used_blocks)
         self.kv_total_blocks.set(stats.num_total_blocks)
+        self.grammar_compiles.set(stats.num_grammar_compiles)
+        self.grammar_cache_hits.set(stats.num_grammar_cache_hits)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

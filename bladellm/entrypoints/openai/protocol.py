@@ -63,15 +63,17 @@ class SamplingRequest(_Request):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Declared but unsupported: a set value gets a 400 naming it.
-    best_of: int | None = None
+    # Structured output (docs/structured_output.md): at most one constraint per request.
     response_format: ResponseFormat | None = None
-    guided_json: Any = None
+    guided_json: Any = None  # a JSON schema: an object or JSON text
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None
+    guided_decoding_backend: str | None = None  # only "llguidance"
     guided_whitespace_pattern: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's newer spelling of guided_*
+    # Declared but unsupported: a set value gets a 400 naming it.
+    best_of: int | None = None
     use_beam_search: bool = False
     prompt_logprobs: int | None = None
 
@@ -107,16 +109,17 @@ class ChatCompletionRequest(SamplingRequest):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one tool call
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # Extras (vLLM spelling).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # Declared but unsupported.
+    # Tool calling (entrypoints/openai/tool_calls.py).
     tools: list[Any] | None = None
     tool_choice: Any = None
+    # Declared but unsupported.
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -179,10 +182,29 @@ class ChatLogprobs(_Response):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None  # omitted when the model called no tool
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_tool_calls(self, handler):  # type: ignore[no-untyped-def]
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(_Response):
@@ -207,6 +229,9 @@ class DeltaMessage(_Response):
 
     role: str | None = None
     content: str | None = None
+    # [{"index", "id", "type", "function": {"name", "arguments"}}]; later deltas of the same call
+    # carry only "index" and more "arguments" text.
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):  # type: ignore[no-untyped-def]

@@ -14,7 +14,10 @@ from fastapi.responses import Response, StreamingResponse
 from bladellm.entrypoints.openai.errors import bad_request, from_exception, unsupported
 from bladellm.entrypoints.openai.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, DeltaMessage)
+    ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, DeltaMessage, ToolCall)
+from bladellm.entrypoints.openai.tool_calls import (
+    AutoToolStream, ToolChoice, forced_calls, forced_constraint, new_call, parse_auto,
+    parse_tool_choice)
 from bladellm.entrypoints.openai.serving_common import (
     SSE_DONE, SSE_HEADERS, ServingContext, UsageCounter, build_sampling_params, chat_logprobs,
     check_output, merge_streams, reject_unsupported, sse, stream_usage_flags, until_disconnect)
@@ -28,14 +31,12 @@ class _Choice:
     texts: list[str] = field(default_factory=list)
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    tool_stream: AutoToolStream | None = None  # tool_choice "auto", streaming
+    call_id: str | None = None  # named tool_choice, streaming: the call being streamed
 
 
 def _check(req: ChatCompletionRequest) -> None:
     reject_unsupported(req)
-    if req.tools:
-        raise unsupported("tools", "tool calling")
-    if req.tool_choice not in (None, "none"):
-        raise unsupported("tool_choice", "tool calling")
     for name in ("functions", "function_call", "audio", "prediction", "reasoning_effort",
                  "web_search_options"):
         if getattr(req, name) is not None:
@@ -55,12 +56,30 @@ def _check(req: ChatCompletionRequest) -> None:
                           "true", "continue_final_message")
 
 
+def _template_tool_calls(i: int, calls: list[Any]) -> list[dict[str, Any]]:
+    """An assistant turn's tool calls as chat templates expect them: arguments as an object."""
+    result = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"messages[{i}].tool_calls[{j}]: must be {{'type': 'function', "
+                              f"'function': {{'name', 'arguments'}}}}", "messages")
+        args = fn.get("arguments") or "{}"
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments: not "
+                                  f"valid JSON", "messages") from None
+        result.append({**call, "type": "function",
+                       "function": {"name": fn["name"], "arguments": args}})
+    return result
+
+
 def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as the chat template expects them: content is plain text."""
     result = []
     for i, msg in enumerate(req.messages):
-        if msg.tool_calls:
-            raise unsupported(f"messages[{i}].tool_calls", "tool calling")
         content = msg.content
         if isinstance(content, list):
             texts = []
@@ -77,12 +96,17 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             entry["name"] = msg.name
         if msg.tool_call_id is not None:
             entry["tool_call_id"] = msg.tool_call_id
+        if msg.tool_calls:
+            entry["tool_calls"] = _template_tool_calls(i, msg.tool_calls)
         result.append(entry)
     return result
 
 
-def _prompt_ids(req: ChatCompletionRequest, ctx: ServingContext) -> list[int]:
+def _prompt_ids(req: ChatCompletionRequest, ctx: ServingContext,
+                tools: ToolChoice | None = None) -> list[int]:
     kwargs = dict(req.chat_template_kwargs or {})
+    if tools is not None:
+        kwargs["tools"] = tools.tools  # transformers' `tools` argument of the chat template
     if req.continue_final_message:
         kwargs["continue_final_message"] = True
     text = ctx.engine.input_processor.apply_chat_template(
@@ -95,25 +119,45 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
                                  ctx: ServingContext) -> Response:
     ctx.check_model(req.model)
     _check(req)
-    prompt = _prompt_ids(req, ctx)  # ValueError (bad messages, no template) -> 400
+    tools = parse_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
+    prompt = _prompt_ids(req, ctx, tools)  # ValueError (bad messages, no template) -> 400
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = build_sampling_params(req, ctx, max_tokens=max_tokens, logprobs=logprobs)
+    params = build_sampling_params(req, ctx, max_tokens=max_tokens, logprobs=logprobs,
+                                   forced_constraint=forced_constraint(tools))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     merged = merge_streams([ctx.engine.generate(prompt, params, request_id)])
     choices = [_Choice() for _ in range(req.n)]
     if req.stream:
         first = await until_disconnect(anext(merged), raw)
-        body = _stream(req, request_id, ctx.model_name, first, merged, choices)
+        body = _stream(req, request_id, ctx.model_name, first, merged, choices, tools)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
     usage = await until_disconnect(_collect(req, merged, choices), raw)
     response = ChatCompletionResponse(
         id=request_id, model=ctx.model_name, usage=usage,
-        choices=[ChatChoice(index=k, message=ChatResponseMessage(content="".join(c.texts)),
-                            logprobs=c.logprobs, finish_reason=c.finish_reason)
-                 for k, c in enumerate(choices)])
+        choices=[_final_choice(k, c, tools) for k, c in enumerate(choices)])
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _final_choice(k: int, c: _Choice, tools: ToolChoice | None) -> ChatChoice:
+    """A non-streamed choice: its text, or the tool calls found in / forced into it."""
+    text, finish = "".join(c.texts), c.finish_reason
+    content: str | None = text
+    calls: list[dict[str, Any]] = []
+    if tools is not None and tools.mode == "named":
+        content, calls = None, forced_calls(tools, text)
+    elif tools is not None and tools.mode == "required":
+        calls = forced_calls(tools, text)
+        content = None if calls else text
+    elif tools is not None and tools.mode == "auto":
+        content, calls = parse_auto(text, tools.names)
+        calls = calls if tools.parallel else calls[:1]
+    if calls and finish == "stop" and (tools.mode != "named"):  # type: ignore[union-attr]
+        finish = "tool_calls"
+    message = ChatResponseMessage(content=content,
+                                  tool_calls=[ToolCall(**call) for call in calls] or None)
+    return ChatChoice(index=k, message=message, logprobs=c.logprobs, finish_reason=finish)
 
 
 def _apply(req: ChatCompletionRequest, out: RequestOutput, choices: list[_Choice]):
@@ -145,8 +189,46 @@ async def _collect(req: ChatCompletionRequest, merged: AsyncIterator, choices: l
     return usage.usage()
 
 
+def _tool_deltas(choice: _Choice, text: str, finish: str | None,
+                 tools: ToolChoice) -> tuple[list[DeltaMessage], str | None]:
+    """The deltas one engine update of ``choice`` becomes when tools are involved."""
+    deltas: list[DeltaMessage] = []
+    if tools.mode == "named":
+        if text or (finish is not None and choice.call_id is None):
+            if choice.call_id is None:
+                call = new_call(tools.name, text)  # type: ignore[arg-type]
+                choice.call_id = call["id"]
+                deltas.append(DeltaMessage(tool_calls=[{"index": 0, **call}]))
+            else:
+                deltas.append(DeltaMessage(tool_calls=[
+                    {"index": 0, "function": {"arguments": text}}]))
+        return deltas, finish
+    if tools.mode == "required":
+        if finish is None:
+            return deltas, None
+        calls = forced_calls(tools, "".join(choice.texts))
+        if not calls:
+            return [DeltaMessage(content="".join(choice.texts))], finish
+        return ([DeltaMessage(tool_calls=[{"index": i, **c} for i, c in enumerate(calls)])],
+                "tool_calls" if finish == "stop" else finish)
+    stream = choice.tool_stream = choice.tool_stream or AutoToolStream(tools.names)
+    content = stream.feed(text)
+    if content:
+        deltas.append(DeltaMessage(content=content))
+    if finish is not None:
+        rest, calls = stream.finish()
+        if rest:
+            deltas.append(DeltaMessage(content=rest))
+        calls = calls if tools.parallel else calls[:1]
+        if calls:
+            deltas.append(DeltaMessage(tool_calls=[{"index": i, **c}
+                                                   for i, c in enumerate(calls)]))
+            finish = "tool_calls" if finish == "stop" else finish
+    return deltas, finish
+
+
 async def _stream(req: ChatCompletionRequest, request_id: str, model: str, first, merged,
-                  choices: list[_Choice]) -> AsyncIterator[str]:
+                  choices: list[_Choice], tools: ToolChoice | None = None) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage, continuous, exclude = stream_usage_flags(req.stream_options)
     usage = UsageCounter()
@@ -166,7 +248,14 @@ async def _stream(req: ChatCompletionRequest, request_id: str, model: str, first
             _, out = item
             usage.add(0, out)
             for k, text, lp, finish in _apply(req, out, choices):
-                if text or lp is not None or finish is not None:
+                if tools is not None and tools.mode != "none":
+                    deltas, finish = _tool_deltas(choices[k], text, finish, tools)
+                    for d, delta in enumerate(deltas):
+                        last = d == len(deltas) - 1
+                        yield chunk(k, delta, lp if d == 0 else None, finish if last else None)
+                    if not deltas and (lp is not None or finish is not None):
+                        yield chunk(k, DeltaMessage(), lp, finish)
+                elif text or lp is not None or finish is not None:
                     yield chunk(k, DeltaMessage(content=text or None), lp, finish)
             try:
                 item = await anext(merged)

@@ -12,6 +12,7 @@ from fastapi import Request
 
 from bladellm.engine.errors import RequestFailedError
 from bladellm.entrypoints.openai.errors import APIError, bad_request, unsupported
+from bladellm.entrypoints.openai.structured_output import guided_decoding_from_request
 from bladellm.entrypoints.openai.protocol import (
     ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptTokensDetails, SamplingRequest,
     TopLogprob, UsageInfo)
@@ -65,13 +66,8 @@ def reject_unsupported(req: SamplingRequest) -> None:
             raise bad_request(f"best_of ({req.best_of}) must be >= n ({req.n})", "best_of")
         if req.best_of > req.n:
             raise unsupported("best_of", "best_of > n")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise unsupported("response_format", f"response_format of type "
-                                             f"'{req.response_format.type}'")
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                 "guided_decoding_backend", "guided_whitespace_pattern", "prompt_logprobs"):
-        if getattr(req, name) is not None:
-            raise unsupported(name)
+    if req.prompt_logprobs is not None:
+        raise unsupported("prompt_logprobs")
     if req.use_beam_search:
         raise unsupported("use_beam_search", "beam search")
     if req.stream_options is not None and not req.stream:
@@ -88,9 +84,13 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
 
 
 def build_sampling_params(req: SamplingRequest, ctx: ServingContext, *, max_tokens: int | None,
-                          logprobs: int | None) -> SamplingParams:
-    """SamplingParams from a request; unset fields take the model's generation_config values."""
+                          logprobs: int | None,
+                          forced_constraint: tuple[str, dict[str, Any]] | None = None,
+                          ) -> SamplingParams:
+    """SamplingParams from a request; unset fields take the model's generation_config values.
+    ``forced_constraint``: (field, constraint) the server adds (a forced tool call)."""
     values: dict[str, Any] = {}
+    values["guided_decoding"] = guided_decoding_from_request(req, forced_constraint)
     for name in _DEFAULTABLE:
         value = getattr(req, name)
         if value is None:

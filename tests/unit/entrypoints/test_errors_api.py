@@ -67,15 +67,44 @@ async def test_invalid_values_are_400(client, path, body, param, words):
     await assert_still_serving(client)
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("path,extra,param,words", [
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format",
+     "schema"),
+    (CHAT, {"response_format": {"type": "xml"}}, "response_format", "json_schema"),
+    (CHAT, {"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex",
+     "guided_json and guided_regex"),
+    (CHAT, {"guided_choice": ["a"], "response_format": {"type": "json_object"}},
+     "response_format", "only one"),
+    (CHAT, {"tools": TOOLS, "tool_choice": "required",
+            "response_format": {"type": "json_object"}}, "tool_choice", "only one"),
+    (CHAT, {"tool_choice": "required"}, "tool_choice", "requires tools"),
+    (CHAT, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice", "not among"),
+    (CHAT, {"tools": [{"type": "function"}]}, "tools", "tools[0]"),
+    (CHAT, {"tools": TOOLS + TOOLS}, "tools", "unique"),
+    (CHAT, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{bad"}}]}]},
+     "messages", "not valid JSON"),
+    (CMPL, {"guided_choice": []}, "guided_choice", "non-empty"),
+    (CMPL, {"guided_json": "{bad"}, "guided_json", "not valid JSON"),
+    (CMPL, {"guided_json": [1]}, "guided_json", "must be an object"),
+    (CMPL, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "JSON"),
+    (CMPL, {"guided_regex": "a", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern",
+     "JSON"),
+    (CMPL, {"structured_outputs": {"xml": "a"}}, "structured_outputs", "unknown"),
+])
+async def test_bad_structured_output_is_400(client, engine, path, extra, param, words):
+    base = {"messages": MSGS} if path == CHAT else {"prompt": "x"}
+    assert_error(await client.post(path, json={**base, **extra}), 400, param, words)
+    assert engine.calls == []  # nothing reached the engine
+
+
 @pytest.mark.parametrize("path,extra,param", [
-    (CHAT, {"guided_json": {"type": "object"}}, "guided_json"),
-    (CHAT, {"guided_regex": "a+"}, "guided_regex"),
-    (CHAT, {"guided_choice": ["a", "b"]}, "guided_choice"),
-    (CHAT, {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"guided_decoding_backend": "xgrammar", "guided_regex": "a"},
+     "guided_decoding_backend"),
     (CHAT, {"functions": [{"name": "f"}]}, "functions"),
     (CHAT, {"function_call": "auto"}, "function_call"),
     (CHAT, {"best_of": 2}, "best_of"),
@@ -85,7 +114,6 @@ async def test_invalid_values_are_400(client, path, body, param, words):
     (CMPL, {"suffix": "tail"}, "suffix"),
     (CMPL, {"best_of": 3, "n": 1}, "best_of"),
     (CMPL, {"echo": True, "logprobs": 1}, "logprobs"),
-    (CMPL, {"guided_json": {"type": "object"}}, "guided_json"),
     (CMPL, {"use_beam_search": True}, "use_beam_search"),
 ])
 async def test_unsupported_fields_are_400_naming_them(client, engine, path, extra, param):

@@ -1,0 +1,127 @@
+"""The llguidance backend: tokenizer bridge, validation and compilation under size limits.
+
+``validate`` checks a constraint without a tokenizer (sub-millisecond; the API process runs it so
+that a bad schema is a 400 before the request reaches the engine). ``compile`` builds an
+``LLMatcher`` for the model's tokenizer (the engine core runs it in a worker thread; llguidance
+drops the GIL while it builds). Both apply the same ``LLParserLimits``, so a pathological
+schema (deep nesting, a huge grammar) fails with llguidance's reason instead of running away.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from bladellm.guided.grammar import FIELD_OF_KIND, to_grammar
+from bladellm.sampling_params import GuidedDecodingParams
+
+SUPPORTED_BACKENDS = ("llguidance",)
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be compiled; the message names the request field and the reason."""
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    max_grammar_size: int = 500_000  # llguidance symbols
+    initial_lexer_fuel: int = 1_000_000  # regex-analysis work while building (~20 ms)
+    step_lexer_fuel: int = 200_000  # work per mask (~15 ms)
+
+    def to_llguidance(self) -> Any:
+        import llguidance
+
+        return llguidance.LLParserLimits(max_grammar_size=self.max_grammar_size,
+                                         initial_lexer_fuel=self.initial_lexer_fuel,
+                                         step_lexer_fuel=self.step_lexer_fuel,
+                                         verbose_errors=False)
+
+
+def grammar_text(params: GuidedDecodingParams) -> str:
+    """The grammar for ``params``; malformed input raises ``GrammarError``."""
+    try:
+        return to_grammar(params)
+    except ValueError as e:
+        msg = str(e)
+        field = FIELD_OF_KIND[params.kind]
+        raise GrammarError(msg if msg.startswith("guided_") else f"{field}: {msg}") from None
+
+
+def validate(params: GuidedDecodingParams, limits: GrammarLimits = GrammarLimits()) -> None:
+    """Raise ``GrammarError`` (a ``ValueError``) with llguidance's reason if ``params`` is bad."""
+    import llguidance
+
+    grammar = grammar_text(params)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, None, limits=limits.to_llguidance())
+    if is_error:
+        raise GrammarError(f"{FIELD_OF_KIND[params.kind]}: invalid {params.kind} constraint: "
+                           f"{messages[0].strip()}")
+
+
+class LLGuidanceBackend:
+    """Compiles constraints for one model's tokenizer."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
+                 limits: GrammarLimits = GrammarLimits()) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self.limits = limits
+        self._ll_limits = limits.to_llguidance()
+        # ~0.4 s for a 49k vocabulary: built once per process.
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
+        self.vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._executor: Any = None
+
+    def compile(self, params: GuidedDecodingParams) -> Any:
+        """A fresh ``LLMatcher`` (the prototype the cache keeps); raises ``GrammarError``."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(params), log_level=0,
+                                       limits=self._ll_limits)
+        if matcher.is_error():
+            raise GrammarError(f"{FIELD_OF_KIND[params.kind]}: grammar failed to compile: "
+                               f"{matcher.get_error().strip()}")
+        return matcher
+
+    @property
+    def executor(self) -> Any:
+        """llguidance's thread pool for batched mask computation (built on first use)."""
+        with self._lock:
+            if self._executor is None:
+                import llguidance
+
+                self._executor = llguidance.LLExecutor()
+            return self._executor
+
+
+class GrammarValidator:
+    """``validate`` with an LRU of constraints already found valid (the API process's check)."""
+
+    def __init__(self, capacity: int = 1024, limits: GrammarLimits = GrammarLimits()) -> None:
+        from collections import OrderedDict
+
+        self.capacity = capacity
+        self.limits = limits
+        self._valid: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_validations = 0
+
+    def validate(self, params: GuidedDecodingParams) -> None:
+        from bladellm.guided.grammar import cache_key
+
+        key = cache_key(params)
+        with self._lock:
+            if key in self._valid:
+                self._valid.move_to_end(key)
+                return
+        self.num_validations += 1
+        validate(params, self.limits)
+        with self._lock:
+            self._valid[key] = None
+            while len(self._valid) > self.capacity:
+                self._valid.popitem(last=False)

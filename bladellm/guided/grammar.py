@@ -1,0 +1,119 @@
+"""A request's constraint → llguidance grammar text, and the cache key of that constraint.
+
+JSON is served with compact, bounded whitespace by default (``", "`` and ``": "``, nothing else):
+a weak model given unbounded whitespace can loop on spaces or newlines. ``\\d``, ``\\w``, ``\\s``
+(and their negations) in user regexes and in JSON-schema ``pattern`` mean ASCII, as users expect
+from Python / JavaScript; llguidance's regex engine would read them as Unicode classes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from bladellm.sampling_params import GuidedDecodingParams
+
+# Compact separators, no free whitespace (llguidance's JsonCompileOptions).
+COMPACT_JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+_ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_", "s": " \\t\\n\\r\\f\\v"}
+# Keys whose value maps names (not keywords) to subschemas.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def ascii_regex(pattern: str) -> str:
+    """Rewrite ``\\d \\w \\s \\D \\W \\S`` as ASCII classes, inside and outside ``[...]``."""
+    out: list[str] = []
+    in_class = False
+    i = 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            cls = _ASCII_CLASSES.get(nxt.lower())
+            if cls is not None and nxt.islower():
+                out.append(cls if in_class else f"[{cls}]")
+            elif cls is not None and not in_class:
+                out.append(f"[^{cls}]")
+            else:  # a negated class inside [...] cannot be spelled as a range: leave it
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if ch == "[" and not in_class:
+            in_class = True
+            out.append(ch)
+            # A ']' right after '[' or '[^' is a literal.
+            j = i + 1
+            if j < len(pattern) and pattern[j] == "^":
+                out.append("^")
+                j += 1
+            if j < len(pattern) and pattern[j] == "]":
+                out.append("]")
+                j += 1
+            i = j
+            continue
+        if ch == "]" and in_class:
+            in_class = False
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+def _ascii_schema(node: Any) -> Any:
+    """A copy of a JSON schema with every ``pattern`` / ``patternProperties`` regex ASCII."""
+    if isinstance(node, list):
+        return [_ascii_schema(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    result: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "pattern" and isinstance(value, str):
+            result[key] = ascii_regex(value)
+        elif key == "patternProperties" and isinstance(value, dict):
+            result[key] = {ascii_regex(k): _ascii_schema(v) for k, v in value.items()}
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            result[key] = {k: _ascii_schema(v) for k, v in value.items()}
+        else:
+            result[key] = _ascii_schema(value)
+    return result
+
+
+def json_options(params: GuidedDecodingParams) -> dict[str, Any]:
+    if params.whitespace_pattern is not None:
+        return {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern}
+    return dict(COMPACT_JSON_OPTIONS)
+
+
+def to_grammar(params: GuidedDecodingParams) -> str:
+    """llguidance grammar text for ``params`` (raises ``ValueError`` for malformed input)."""
+    import llguidance
+
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = (_ascii_schema(json.loads(params.json)) if kind == "json"  # type: ignore[arg-type]
+                  else {"type": "object"})
+        # The schema's own "x-guidance" options may not override ours (applied last).
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults=json_options(params), overrides=json_options(params))
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(ascii_regex(params.regex))  # type: ignore
+    if kind == "choice":
+        lark = "start: " + " | ".join(json.dumps(c) for c in params.choice)  # type: ignore
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    # Lark (llguidance's own dialect) or GBNF; grammar_from converts GBNF to Lark.
+    try:
+        return llguidance.grammar_from("grammar", params.grammar)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise ValueError(f"guided_grammar: {e}") from None
+
+
+def cache_key(params: GuidedDecodingParams) -> str:
+    """The normalised constraint: equal keys compile to the same grammar."""
+    return json.dumps([params.kind, params.json, params.regex, params.choice, params.grammar,
+                       params.whitespace_pattern], separators=(",", ":"), ensure_ascii=False)
+
+
+# The request field each constraint kind came from, for error messages.
+FIELD_OF_KIND = {"json": "guided_json", "json_object": "response_format", "regex": "guided_regex",
+                 "choice": "guided_choice", "grammar": "guided_grammar"}

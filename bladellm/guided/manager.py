@@ -1,0 +1,175 @@
+"""The engine core's side of structured output.
+
+- ``grammar_for`` gives a request a ``GrammarState`` at once; its grammar compiles in a worker
+  thread (or comes from the LRU cache), so the step loop never waits on a compilation. Until it
+  is ready the scheduler leaves the request waiting and admits others.
+- ``start_bitmask`` fills, in llguidance's thread pool and in the background, the token bitmask
+  of every constrained request that samples this step; the model runner collects it
+  (``StepBitmask.result``) after the forward pass, so the two overlap.
+- A ``GrammarState`` advances with ``accept_tokens(list)`` (several at once for speculative
+  decoding) and can ``rollback(n)``. Preemption by recompute keeps a request's output tokens,
+  so its state stays valid and needs no rollback.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import numpy as np
+
+from bladellm.guided.backend import GrammarError, LLGuidanceBackend
+from bladellm.guided.bitmask import bitmask_width
+from bladellm.guided.cache import CompiledGrammarCache
+from bladellm.guided.grammar import cache_key
+from bladellm.sampling_params import GuidedDecodingParams
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarState:
+    """One request's grammar: pending until compiled, then an ``LLMatcher`` following its output."""
+
+    def __init__(self, future: Future, timeout: float, clock: Callable[[], float]) -> None:
+        self._future = future
+        self._deadline = clock() + timeout
+        self._timeout = timeout
+        self._clock = clock
+        self.matcher: Any = None
+        self.compile_error: str | None = None
+
+    def is_ready(self) -> bool:
+        if self.matcher is not None:
+            return True
+        if self.compile_error is not None:
+            return False
+        if not self._future.done():
+            if self._clock() > self._deadline:
+                self.compile_error = (f"grammar compilation took longer than "
+                                      f"--guided_compile_timeout ({self._timeout:g} s)")
+            return False
+        exc = self._future.exception()
+        if exc is not None:
+            self.compile_error = str(exc)
+            return False
+        self.matcher = self._future.result().deep_copy()
+        return True
+
+    @property
+    def future(self) -> Future:
+        return self._future
+
+    def accept_tokens(self, token_ids: list[int]) -> int:
+        """Advance over ``token_ids``; returns how many were valid (all of them, normally)."""
+        return self.matcher.try_consume_tokens(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (rejected speculative tokens)."""
+        if num_tokens and not self.matcher.rollback(num_tokens):
+            raise RuntimeError(f"grammar rollback of {num_tokens} tokens failed: "
+                               f"{self.matcher.get_error()}")
+
+    def is_terminated(self) -> bool:
+        """The grammar reached an end it cannot extend: the output is complete."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        if self.compile_error is not None:
+            return self.compile_error
+        if self.matcher is not None and self.matcher.is_error():
+            return self.matcher.get_error()
+        return None
+
+
+class StepBitmask:
+    """This step's bitmask rows, one per constrained request that samples (``req_ids`` order)."""
+
+    def __init__(self, req_ids: list[str], future: Future) -> None:
+        self.req_ids = req_ids
+        self._future = future
+
+    def result(self) -> np.ndarray:
+        return self._future.result()
+
+
+class GuidedDecodingManager:
+    def __init__(self, backend_factory: Callable[[], LLGuidanceBackend], vocab_size: int,
+                 max_num_seqs: int, cache_size: int, compile_timeout: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._backend_factory = backend_factory
+        self._backend: LLGuidanceBackend | None = None
+        self._backend_lock = threading.Lock()
+        self.cache = CompiledGrammarCache(cache_size)
+        self.compile_timeout = compile_timeout
+        self._clock = clock
+        self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="bladellm-grammar")
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="bladellm-bitmask")
+        self._bitmask = np.full((max_num_seqs, bitmask_width(vocab_size)), -1, np.int32)
+        self.num_mask_steps = 0
+
+    @property
+    def backend(self) -> LLGuidanceBackend:
+        with self._backend_lock:  # built lazily (tokenizer bridge ~0.4 s) in the compile thread
+            if self._backend is None:
+                self._backend = self._backend_factory()
+            return self._backend
+
+    def _compile(self, params: GuidedDecodingParams) -> Any:
+        start = time.perf_counter()
+        matcher = self.backend.compile(params)
+        logger.debug("compiled %s grammar in %.1f ms", params.kind,
+                     (time.perf_counter() - start) * 1e3)
+        return matcher
+
+    def compiled(self, params: GuidedDecodingParams) -> Future:
+        return self.cache.get(cache_key(params),
+                              lambda: self._compile_pool.submit(self._compile, params))
+
+    def grammar_for(self, params: GuidedDecodingParams) -> GrammarState:
+        return GrammarState(self.compiled(params), self.compile_timeout, self._clock)
+
+    @staticmethod
+    def wait_any(states: list[GrammarState], timeout: float) -> None:
+        """Block until one of ``states`` finishes compiling (or ``timeout`` s pass)."""
+        pending = [s.future for s in states if not s.future.done()]
+        if pending:
+            wait(pending, timeout=timeout, return_when="FIRST_COMPLETED")
+
+    def warmup(self, schemas: list[GuidedDecodingParams]) -> float:
+        """Compile ``schemas`` (and build the tokenizer bridge) now; returns the seconds it took."""
+        start = time.perf_counter()
+        futures = [self.compiled(p) for p in schemas]
+        for params, fut in zip(schemas, futures):
+            exc = fut.exception()
+            if exc is not None:
+                raise ValueError(f"--json_warmup_schemas: {exc}")
+        return time.perf_counter() - start
+
+    def start_bitmask(self, entries: list[tuple[str, GrammarState]]) -> StepBitmask:
+        """Fill the bitmask rows of ``entries`` (ready states) in the background."""
+        req_ids = [req_id for req_id, _ in entries]
+        matchers = [(state.matcher, i) for i, (_, state) in enumerate(entries)]
+        self.num_mask_steps += 1
+        return StepBitmask(req_ids, self._mask_pool.submit(self._fill, matchers))
+
+    def _fill(self, matchers: list[tuple[Any, int]]) -> np.ndarray:
+        rows = self._bitmask[:len(matchers)]
+        # One mask is written per matcher; rows are contiguous in the C-ordered buffer.
+        self.backend.executor.unsafe_compute_mask_ptr(
+            matchers, rows.ctypes.data, rows.shape[1] * 4, len(matchers))
+        return rows
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.cache.stats(), "num_mask_steps": self.num_mask_steps}
+
+    def shutdown(self) -> None:
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self._mask_pool.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["GrammarError", "GrammarState", "GuidedDecodingManager", "StepBitmask"]

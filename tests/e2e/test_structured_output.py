@@ -1,0 +1,184 @@
+"""Structured output end to end through the offline ``LLM`` with a tiny random model: every
+constraint, at temperature 0 and 1, must produce output that ``jsonschema`` / ``re.fullmatch``
+accepts; mixed batches, n > 1, preemption, the compiled-grammar cache and bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+from decimal import Decimal
+
+import jsonschema
+import pytest
+
+from bladellm import LLM, SamplingParams
+from bladellm.sampling_params import GuidedDecodingParams
+from guided_cases import CHOICES, EMPLOYEE_PROFILE, GRAMMARS, IPV4_REGEX, REGEXES, SCHEMAS
+
+MAX_TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(model=tiny_llama, dtype="float32", max_model_len=512, num_kv_blocks=512,
+               max_num_seqs=128, num_threads=1)
+
+
+def _params(guided: GuidedDecodingParams, temperature: float, seed: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=seed, max_tokens=MAX_TOKENS,
+                          guided_decoding=guided, **kw)
+
+
+def _check_json(text: str, schema: dict) -> None:
+    value = json.loads(text, parse_float=Decimal)  # huge exponents stay exact
+    jsonschema.validate(value, schema)
+
+
+def _generate(llm, params: list[SamplingParams]):
+    return llm.generate(["Answer in JSON:"] * len(params), params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_schema_gives_valid_json(llm, temperature):
+    names = list(SCHEMAS)
+    assert len(names) >= 40
+    params = [_params(GuidedDecodingParams(json=SCHEMAS[n]), temperature, seed=i)
+              for i, n in enumerate(names)]
+    for name, out in zip(names, _generate(llm, params)):
+        comp = out.outputs[0]
+        assert comp.finish_reason == "stop", (name, comp.text)
+        _check_json(comp.text, SCHEMAS[name])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_regex_choice_and_grammar(llm, temperature):
+    cases = ([(GuidedDecodingParams(regex=r), lambda t, r=r: re.fullmatch(r, t, re.ASCII))
+              for r in REGEXES.values()]
+             + [(GuidedDecodingParams(choice=c), lambda t, c=c: t in c) for c in CHOICES])
+    outs = _generate(llm, [_params(g, temperature, seed=i) for i, (g, _) in enumerate(cases)])
+    for (guided, ok), out in zip(cases, outs):
+        comp = out.outputs[0]
+        assert comp.finish_reason == "stop" and ok(comp.text), (guided, comp.text)
+    outs = _generate(llm, [_params(GuidedDecodingParams(grammar=g), temperature, seed=1)
+                           for g in GRAMMARS.values()])
+    assert re.fullmatch(r"[0-9]{1,3}([-+*][0-9]{1,3})*", outs[0].outputs[0].text)
+    assert re.fullmatch(r"(hello|hi) [a-z]{1,8}", outs[1].outputs[0].text)
+
+
+def test_ipv4_means_ascii_digits(llm):
+    # \d must not admit other scripts' digits (llguidance's regex engine reads it as Unicode).
+    outs = _generate(llm, [_params(GuidedDecodingParams(regex=IPV4_REGEX), 1.0, seed=s)
+                           for s in range(16)])
+    for out in outs:
+        text = out.outputs[0].text
+        assert re.fullmatch(IPV4_REGEX, text, re.ASCII), text
+        assert all(0 <= int(octet) <= 255 for octet in text.split("."))
+
+
+def test_mixed_batch_n_and_json_object(llm):
+    free = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    params = [free, _params(GuidedDecodingParams(json=EMPLOYEE_PROFILE), 1.0, 7, n=3), free,
+              _params(GuidedDecodingParams(json_object=True), 1.0, 9)]
+    outs = _generate(llm, params)
+    assert len(outs[0].outputs[0].token_ids) == 12 and len(outs[2].outputs[0].token_ids) == 12
+    assert len(outs[1].outputs) == 3
+    for comp in outs[1].outputs:
+        _check_json(comp.text, EMPLOYEE_PROFILE)
+    obj = outs[3].outputs[0]
+    assert obj.finish_reason in ("stop", "length")
+    if obj.finish_reason == "stop":
+        assert isinstance(json.loads(obj.text, parse_float=Decimal), dict)
+
+
+def test_greedy_constrained_output_is_deterministic_and_unaffected_by_batch(llm):
+    g = GuidedDecodingParams(json=SCHEMAS["recipe"])
+    alone = _generate(llm, [_params(g, 0.0, 0)])[0].outputs[0].text
+    batched = _generate(llm, [SamplingParams(max_tokens=30, temperature=1.0, seed=1),
+                              _params(g, 0.0, 0)])[1].outputs[0].text
+    assert alone == batched
+
+
+def test_max_tokens_cut_reports_length(llm):
+    out = _generate(llm, [SamplingParams(temperature=1.0, seed=0, max_tokens=5,
+                                         guided_decoding=GuidedDecodingParams(
+                                             json=EMPLOYEE_PROFILE))])[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_second_request_with_the_same_schema_compiles_nothing(llm):
+    stats = llm.engine.core.guided.stats
+    schema = {"type": "object", "properties": {"only_here": {"type": "integer", "minimum": 0,
+                                                             "maximum": 5}},
+              "required": ["only_here"], "additionalProperties": False}
+    before = stats()["num_compiles"]
+    _generate(llm, [_params(GuidedDecodingParams(json=schema), 1.0, 0)])
+    assert stats()["num_compiles"] == before + 1
+    hits = stats()["hits"]
+    # Same schema as JSON text with other spacing: the normalised key is the same.
+    _generate(llm, [_params(GuidedDecodingParams(json=json.dumps(schema, indent=2)), 1.0, 1)])
+    assert stats()["num_compiles"] == before + 1
+    assert stats()["hits"] == hits + 1
+
+
+@pytest.mark.parametrize("guided,words", [
+    (dict(json={"type": "foo"}), "guided_json"),
+    (dict(json='{"type": '), "not valid JSON"),
+    (dict(regex="a(b"), "guided_regex"),
+    (dict(choice=[]), "guided_choice"),
+    (dict(grammar="start: undefined_rule"), "guided_grammar"),
+    (dict(json={"type": "object"}, regex="a"), "exactly one"),
+    (dict(regex="a+", whitespace_pattern=" "), "guided_whitespace_pattern"),
+])
+def test_invalid_constraints_raise_before_the_engine(llm, guided, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        llm.generate("x", SamplingParams(guided_decoding=GuidedDecodingParams(**guided)),
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("depth,words", [(200, "recursion limit"), (5000, "nested too deeply")])
+def test_deeply_nested_schema_is_a_clear_error(llm, depth, words):
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    with pytest.raises(ValueError, match=f"guided_json.*{words}"):
+        llm.generate("x", SamplingParams(guided_decoding=GuidedDecodingParams(json=schema)),
+                     use_tqdm=False)
+
+
+def test_preemption_keeps_the_grammar_state(tiny_llama):
+    # Few KV blocks: requests are preempted and recomputed mid-generation.
+    small = LLM(model=tiny_llama, dtype="float32", max_model_len=512, num_kv_blocks=40,
+                block_size=16, max_num_seqs=8, num_threads=1)
+    params = [_params(GuidedDecodingParams(json=SCHEMAS["recipe"]), 1.0, seed=s)
+              for s in range(8)]
+    outs = small.generate(["Answer in JSON:"] * 8, params, use_tqdm=False)
+    assert small.engine.core.scheduler.num_preemptions > 0
+    for out in outs:
+        _check_json(out.outputs[0].text, SCHEMAS["recipe"])
+
+
+def test_grammar_failing_in_the_engine_fails_only_its_request(llm):
+    # Bypass the front end's validation: the engine's compilation fails, and the request ends
+    # with a grammar error (a 400 in the server) while a free request beside it completes.
+    from bladellm.engine.async_llm import AsyncLLM
+    from bladellm.engine.messages import GRAMMAR_ERROR_PREFIX, EngineCoreRequest
+
+    core = llm.engine.core
+    bad = SamplingParams(max_tokens=5, guided_decoding=GuidedDecodingParams(
+        grammar="start: no_such_rule"))
+    core.add_request(EngineCoreRequest(request_id="bad", prompt_token_ids=[5, 6, 7],
+                                       sampling_params=bad, eos_token_ids=[2]))
+    core.add_request(EngineCoreRequest(request_id="ok", prompt_token_ids=[5, 6, 8],
+                                       sampling_params=SamplingParams(max_tokens=3),
+                                       eos_token_ids=[2]))
+    outputs = {}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            if out.finish_reason is not None:
+                outputs[out.request_id] = out
+    assert outputs["bad"].finish_reason == "error"
+    assert outputs["bad"].error.startswith(GRAMMAR_ERROR_PREFIX + "guided_grammar")
+    assert isinstance(AsyncLLM._request_error(outputs["bad"].error), ValueError)
+    assert outputs["ok"].finish_reason == "length"
+    core.scheduler.check_invariants()

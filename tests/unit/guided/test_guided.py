@@ -1,0 +1,155 @@
+"""bladellm.guided without a model: constraint → grammar, ASCII regex classes, validation, the
+compiled-grammar cache, matcher state (accept several tokens, rollback, termination), the
+batched bitmask and applying it to logits."""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import torch
+
+from bladellm.guided.backend import GrammarError, LLGuidanceBackend, validate
+from bladellm.guided.bitmask import apply_token_bitmask, unpack_bitmask
+from bladellm.guided.cache import CompiledGrammarCache
+from bladellm.guided.grammar import ascii_regex, cache_key
+from bladellm.guided.manager import GuidedDecodingManager
+from bladellm.sampling_params import GuidedDecodingParams as G
+from bladellm.sampling_params import SamplingParams
+from tiny_models import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    return LLGuidanceBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+@pytest.mark.parametrize("pattern,ascii_pattern", [
+    (r"\d+", "[0-9]+"), (r"[\d.]+", "[0-9.]+"), (r"\D", "[^0-9]"), (r"\w", "[0-9A-Za-z_]"),
+    (r"\\d", r"\\d"), (r"[]\d]", "[]0-9]"), (r"a\.b", r"a\.b"), (r"[^\s]", r"[^ \t\n\r\f\v]"),
+])
+def test_ascii_regex(pattern, ascii_pattern):
+    assert ascii_regex(pattern) == ascii_pattern
+
+
+def test_params_validation_and_normalisation():
+    a = G(json={"b": 1, "a": {"type": "string"}})
+    b = G(json='{ "b" : 1, "a": {"type": "string"} }')
+    assert a.json == b.json == '{"b":1,"a":{"type":"string"}}'  # key order kept
+    assert cache_key(a) == cache_key(b) != cache_key(G(json={"a": {"type": "string"}, "b": 1}))
+    assert cache_key(G(json={"type": "object"})) != cache_key(G(json_object=True))
+    with pytest.raises(ValueError, match="exactly one"):
+        G()
+    with pytest.raises(ValueError, match="exactly one"):
+        G(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, guided_decoding=G(regex="a+"))
+
+
+@pytest.mark.parametrize("params,words", [
+    (G(json={"type": "foo"}), "guided_json"), (G(regex="[a-"), "guided_regex"),
+    (G(grammar="start: x"), "guided_grammar"), (G(grammar="root ::= [a-"), "guided_grammar"),
+])
+def test_validate_names_the_field(params, words):
+    with pytest.raises(GrammarError, match=words):
+        validate(params)
+
+
+def _encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_matcher_accepts_several_tokens_rolls_back_and_terminates(backend, tokenizer):
+    manager = GuidedDecodingManager(lambda: backend, len(tokenizer), 4, 8, 10.0)
+    state = manager.grammar_for(G(regex=r"\d{3}-[a-c]{2}"))
+    state.future.result()
+    assert state.is_ready()
+    tokens = _encode(tokenizer, "123-ab")
+    assert state.accept_tokens(tokens[:-1]) == len(tokens) - 1
+    assert not state.is_terminated()
+    state.rollback(2)
+    assert state.accept_tokens(tokens[-3:]) == 3
+    assert state.is_terminated() and state.error is None
+    bad = manager.grammar_for(G(regex=r"\d+"))
+    bad.future.result()
+    bad.is_ready()
+    assert bad.accept_tokens(_encode(tokenizer, "x")) == 0
+
+
+def test_cache_compiles_once_and_drops_failures():
+    cache = CompiledGrammarCache(capacity=2)
+    made = []
+
+    def submit(value=None, exc=None):
+        fut: Future = Future()
+        made.append(fut)
+        fut.set_exception(exc) if exc else fut.set_result(value)
+        return lambda: fut
+
+    assert cache.get("a", submit(1)).result() == 1
+    assert cache.get("a", submit(2)).result() == 1  # hit: nothing submitted
+    assert (cache.num_compiles, cache.hits) == (1, 1)
+    cache.get("b", submit(3))
+    cache.get("c", submit(4))  # evicts "a" (least recently used)
+    assert cache.get("a", submit(5)).result() == 5 and cache.num_compiles == 4
+    assert cache.get("bad", submit(exc=ValueError("x"))).exception() is not None
+    assert cache.get("bad", submit(6)).result() == 6  # a failure is not cached
+    assert len(cache) == 2
+
+
+def test_batched_bitmask_matches_each_matcher_and_masks_logits(backend, tokenizer):
+    vocab = len(tokenizer)
+    manager = GuidedDecodingManager(lambda: backend, vocab, 4, 8, 10.0)
+    states = [manager.grammar_for(G(choice=["yes", "no"])),
+              manager.grammar_for(G(regex=r"[0-9]+"))]
+    for s in states:
+        s.future.result()
+        assert s.is_ready()
+    step = manager.start_bitmask([("a", states[0]), ("b", states[1])])
+    bitmask = step.result().copy()
+    for row, s in enumerate(states):
+        single = np.frombuffer(s.matcher.compute_bitmask(), dtype=np.int32)
+        assert np.array_equal(bitmask[row], single[:bitmask.shape[1]])
+    allowed = unpack_bitmask(bitmask, vocab)
+    digits = {t for t in range(vocab) if re.fullmatch(r"[0-9]+", tokenizer.decode([t]))}
+    assert digits and {int(t) for t in np.flatnonzero(allowed[1])} == digits
+    logits = torch.randn(3, vocab)
+    original = logits.clone()
+    apply_token_bitmask(logits, torch.tensor([0, 2]), bitmask)
+    assert torch.equal(logits[1], original[1])  # an unconstrained row is untouched
+    assert torch.isinf(logits[0][~torch.from_numpy(allowed[0])]).all()
+    assert torch.equal(logits[2][torch.from_numpy(allowed[1])],
+                       original[2][torch.from_numpy(allowed[1])])
+    assert "yes".startswith(tokenizer.decode([int(logits[0].argmax())])) or \
+        "no".startswith(tokenizer.decode([int(logits[0].argmax())]))
+
+
+def test_compile_failure_and_timeout_become_errors(backend, tokenizer):
+    manager = GuidedDecodingManager(lambda: backend, len(tokenizer), 4, 8, 10.0)
+    state = manager.grammar_for(G(grammar="start: undefined"))
+    assert state.future.exception() is not None
+    assert not state.is_ready() and "undefined" in state.error
+    now = [0.0]
+    never: Future = Future()
+    from bladellm.guided.manager import GrammarState
+
+    slow = GrammarState(never, timeout=1.0, clock=lambda: now[0])
+    assert not slow.is_ready() and slow.error is None
+    now[0] = 2.0
+    assert not slow.is_ready() and "--guided_compile_timeout" in slow.error
+
+
+def test_grammar_size_limit_is_a_clear_error():
+    from bladellm.guided.backend import GrammarLimits
+
+    many = G(choice=[f"item{i}" for i in range(3000)])
+    validate(many)
+    with pytest.raises(GrammarError, match="guided_choice.*too big"):
+        validate(many, GrammarLimits(max_grammar_size=1000))
