@@ -47,6 +47,11 @@ class SchedulerOutput:
     # Requests the runner must forget: finished/aborted since the last step, or preempted.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding (docs/speculative.md). Counted in num_scheduled_tokens:
+    # req_id -> proposed tokens to verify after the request's own tokens (a chain: sps, n-gram);
+    # req_id -> query tokens of a look_ahead tree (Jacobi window + guesses) this step.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_spec_tree: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -71,6 +76,10 @@ class ModelRunnerOutput:
     logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
     # Requests whose step failed (e.g. a bad logit_bias id): finish with an error, not the engine.
     errored: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: sampled_token_ids holds the accepted proposals then one token from
+    # the target (correction or bonus). Proposals for the next step, per request:
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # a chain to verify
+    spec_tree_sizes: dict[str, int] = field(default_factory=dict)  # look_ahead tree query tokens
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

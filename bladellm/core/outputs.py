@@ -31,6 +31,9 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     error: str | None = None
     num_cached_tokens: int = 0  # prompt-cache hit (tokens) on first admission
     queued_time: float = 0.0  # seconds from arrival to first scheduled; sent with the first output
+    # Speculative decoding, sent with the final output: proposed tokens verified, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
@@ -45,3 +48,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     num_prompt_tokens: int = 0  # cumulative tokens prefilled (after cache hits)
     num_generation_tokens: int = 0  # cumulative tokens sampled
     num_steps: int = 0
+    # Speculative decoding, cumulative (vLLM's spec_decode_* counters).
+    num_spec_drafts: int = 0  # request-steps that verified a proposal
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0

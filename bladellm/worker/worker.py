@@ -35,11 +35,18 @@ class Worker:
         cache, runner = self.config.cache, self.model_runner
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        per_block = runner.bytes_per_block
+        # sps: one block id holds the target's and the draft's KV, so the budget is shared in
+        # proportion to their per-token KV sizes.
+        per_block = runner.bytes_per_block + runner.spec_bytes_per_block
+        if runner.spec_bytes_per_block:
+            logger.info("KV budget shared by target and draft: %d + %d bytes per block",
+                        runner.bytes_per_block, runner.spec_bytes_per_block)
         if cache.kv_cache_memory != "auto":
             return max(2, parse_size(cache.kv_cache_memory) // per_block)
         usable = self.config.scheduler.max_num_seqs * -(-runner.max_model_len // runner.block_size)
         weights = model_weight_bytes(runner.model) + runner.packed_weight_bytes
+        if runner.spec_bytes_per_block:
+            weights += model_weight_bytes(runner.spec.proposer.model)
         budget = auto_kv_cache_bytes(total_memory_bytes(), weights)
         return max(2, min(budget // per_block, usable + 1))
 
@@ -48,7 +55,8 @@ class Worker:
         runner.initialize_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, --kv_cache_memory "
                     "%s)", num_blocks, runner.block_size, num_blocks * runner.block_size,
-                    num_blocks * runner.bytes_per_block / (1 << 30),
+                    num_blocks * (runner.bytes_per_block + runner.spec_bytes_per_block)
+                    / (1 << 30),
                     self.config.cache.kv_cache_memory)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
