@@ -138,7 +138,7 @@ class Scheduler:
             if num_new == req.num_tokens - req.num_computed_tokens:
                 spec = spec_decode.grant(req, budget - num_new, self.max_model_len)
             new_blocks = self._allocate_or_preempt(
-                req, num_new + len(spec.tokens) + self._lookahead(req, num_new + spec.num_tokens),
+                req, num_new + spec.num_tokens + self._lookahead(req, num_new + spec.num_tokens),
                 out.preempted_req_ids)
             if new_blocks is None:
                 break  # ``req`` was the newest and preempted itself
