@@ -75,6 +75,8 @@ class Scheduler:
         self.num_generation_tokens = 0
         self.num_steps = 0
         self.num_spec_drafts = 0
+        self.step_cost = spec_decode.StepCostModel()
+        self._step_start: float | None = None
         self.num_spec_draft_tokens = 0
         self.num_spec_accepted_tokens = 0
 
@@ -126,6 +128,11 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
         budget = self.config.max_num_batched_tokens
+        # Cost rule: the bar a proposal must clear grows with the tokens the step already has.
+        min_gain = 0.0
+        if any(r.spec_token_ids or r.spec_tree_size for r in self.running):
+            min_gain = self.step_cost.min_gain(sum(
+                max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running))
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -136,7 +143,8 @@ class Scheduler:
                 continue
             spec = spec_decode.NO_GRANT
             if num_new == req.num_tokens - req.num_computed_tokens:
-                spec = spec_decode.grant(req, budget - num_new, self.max_model_len)
+                spec = spec_decode.grant(req, budget - num_new, self.max_model_len, min_gain,
+                                         self.tree_guess_len)
             new_blocks = self._allocate_or_preempt(
                 req, num_new + spec.num_tokens + self._lookahead(req, num_new + spec.num_tokens),
                 out.preempted_req_ids)
@@ -161,6 +169,7 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         if out.total_num_scheduled_tokens:
             self.num_steps += 1
+            self._step_start = self.clock()
         return out
 
     def _allocate_or_preempt(self, req: Request, num_new: int,
@@ -252,6 +261,10 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput,
                            out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._step_start is not None and sched.total_num_scheduled_tokens:
+            self.step_cost.observe(sched.total_num_scheduled_tokens,
+                                   self.clock() - self._step_start)
+            self._step_start = None
         sampled = dict(zip(out.req_ids, out.sampled_token_ids))
         finished: set[str] = set()
         for req_id, num_scheduled in sched.num_scheduled_tokens.items():

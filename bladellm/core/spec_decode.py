@@ -14,13 +14,53 @@ from dataclasses import dataclass
 
 from bladellm.request import Request
 
-# Fallback rule. A request's acceptance estimate is an exponential moving average of
-# accepted / proposed tokens; below FALLBACK_RATE speculation costs more query tokens than it
-# saves steps, so the request decodes plainly for FALLBACK_STEPS steps, then probes again.
+# Fallback rules (docs/speculative.md).
+# 1. Acceptance: a request's estimate is an exponential moving average of accepted / proposed
+#    tokens; below FALLBACK_RATE it decodes plainly for FALLBACK_STEPS steps, then probes again.
+# 2. Cost: a step of T query tokens takes about a + b*T (fitted online, ``StepCostModel``).
+#    Adding K proposal tokens that yield g*K accepted tokens to a step of R tokens raises the
+#    step's tokens per second iff g > b*R / (a + b*R): the more the batch already fills the
+#    machine, the more a proposal token must be worth. A request speculates only when its
+#    expected accepted tokens per proposal query token clear that bar.
 EMA_WEIGHT = 0.3
 FALLBACK_RATE = 0.15
 FALLBACK_STEPS = 8
 PROBE_RATE = 0.3  # estimate a probing request restarts from
+
+
+class StepCostModel:
+    """Least-squares fit of step seconds = a + b * tokens over recent steps (exponentially
+    forgotten), from the scheduler's own clock around each executed step."""
+
+    DECAY = 0.98
+    # Prior until the fit has spread: 10 extra tokens double a one-token step's cost.
+    PRIOR_B_OVER_A = 0.1
+
+    def __init__(self) -> None:
+        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.DECAY
+        self.sw = self.sw * d + 1.0
+        self.sx = self.sx * d + tokens
+        self.sy = self.sy * d + seconds
+        self.sxx = self.sxx * d + tokens * tokens
+        self.sxy = self.sxy * d + tokens * seconds
+
+    def b_over_a(self) -> float:
+        var = self.sxx * self.sw - self.sx * self.sx
+        if self.sw < 8 or var <= 1e-9 * max(self.sxx * self.sw, 1.0):
+            return self.PRIOR_B_OVER_A
+        b = (self.sxy * self.sw - self.sx * self.sy) / var
+        a = (self.sy - b * self.sx) / self.sw
+        if a <= 0:
+            return 1.0  # cost grows faster than linearly from zero: speculation rarely pays
+        return max(b, 0.0) / a
+
+    def min_gain(self, step_tokens: int) -> float:
+        """Accepted tokens a proposal query token must bring for speculation to pay."""
+        r = self.b_over_a() * max(step_tokens, 1)
+        return r / (1.0 + r)
 
 
 @dataclass
@@ -36,9 +76,11 @@ class SpecGrant:
 NO_GRANT = SpecGrant([], 0)
 
 
-def grant(req: Request, budget: int, max_model_len: int) -> SpecGrant:
+def grant(req: Request, budget: int, max_model_len: int, min_gain: float = 0.0,
+          tree_guess_len: int = 0) -> SpecGrant:
     """What of the request's proposal runs this step. Called only when all of its own tokens
-    are scheduled (the step reaches its end), with ``budget`` the tokens left after them."""
+    are scheduled (the step reaches its end), with ``budget`` the tokens left after them;
+    ``min_gain``: the cost rule's bar (accepted tokens per proposal query token)."""
     stats = req.spec_stats
     if not (req.spec_token_ids or req.spec_tree_size) or budget <= 0:
         return NO_GRANT
@@ -55,8 +97,12 @@ def grant(req: Request, budget: int, max_model_len: int) -> SpecGrant:
         size = req.spec_tree_size
         if size > budget or req.num_tokens + size > max_model_len:
             return NO_GRANT
+        if stats.accept_rate * min(tree_guess_len, room) < min_gain * size:
+            return NO_GRANT
         return SpecGrant([], size)
     k = min(len(req.spec_token_ids), budget, room)
+    if stats.accept_rate < min_gain:
+        return NO_GRANT
     return SpecGrant(req.spec_token_ids[:k], 0)
 
 

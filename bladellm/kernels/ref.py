@@ -52,13 +52,13 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     blocks = block_table[:-(-ctx_len // block_size)].long()
     k = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:ctx_len]
     v = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:ctx_len]
-    k = torch.cat([k.float(), key.float()]).repeat_interleave(group, dim=1)  # [L + t, nh, d]
-    v = torch.cat([v.float(), value.float()]).repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
+    k = torch.cat([k.float(), key.float()]).transpose(0, 1)  # [kvh, L + t, d]
+    v = torch.cat([v.float(), value.float()]).transpose(0, 1)
     t = query.shape[0]
     visible = torch.cat([torch.ones((t, ctx_len), dtype=torch.bool), mask], dim=1)
-    scores.masked_fill_(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    out = F.scaled_dot_product_attention(query.float().transpose(0, 1), k, v, attn_mask=visible,
+                                         scale=scale, enable_gqa=group > 1)
+    return out.transpose(0, 1)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -84,7 +84,10 @@ class DraftModelProposer:
     def drop(self, req_id: str) -> None:
         self._probs.pop(req_id, None)
 
-    def propose(self, sched, inputs, ib, emitted: dict[str, list[int]], hidden
+    def logit_rows(self) -> dict[str, list[int]]:
+        return {}
+
+    def propose(self, sched, inputs, ib, emitted: dict[str, list[int]], extra_logits
                 ) -> tuple[dict[str, list[int]], dict[str, int]]:
         # 1. The step's tokens, as the target ran them: keeps the draft's KV in step.
         ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=self.kv_caches)

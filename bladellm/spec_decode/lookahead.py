@@ -143,10 +143,14 @@ class LookaheadProposer:
         return [last + i for i in range(W)]
 
     # ---- after the step: update the window and the pool, propose the next tree -------------------
-    def propose(self, sched, inputs, ib, emitted: dict[str, list[int]], hidden
+    def logit_rows(self) -> dict[str, list[int]]:
+        """Flat rows whose logits ``propose`` needs: the window outputs of trees run this step."""
+        return {r: self._window_out_flat(st) for r, st in self.states.items() if st.ran_window}
+
+    def propose(self, sched, inputs, ib, emitted: dict[str, list[int]],
+                extra_logits: dict[str, torch.Tensor]
                 ) -> tuple[dict[str, list[int]], dict[str, int]]:
         sizes: dict[str, int] = {}
-        model_logits = getattr(self, "_compute_logits", None)
         for req_id, toks in emitted.items():
             if not toks:
                 continue
@@ -157,18 +161,14 @@ class LookaheadProposer:
             if st is None:
                 st = self._new_state(ib.token_ids[row, :int(ib.num_prompt_tokens[row])])
                 self.states[req_id] = st
-            if st.ran_window and model_logits is not None:
-                flats = self._window_out_flat(st)
-                new = model_logits(hidden[torch.tensor(flats)]).argmax(-1).tolist()
-                self._update_window(st, new)
-            st.ran_window = False
+            if st.ran_window and req_id in extra_logits:
+                self._update_window(st, extra_logits[req_id].argmax(-1).tolist())
             st.root = int(seq[-1])
             st.guesses = self._pick_guesses(st, seq)
             sizes[req_id] = self.tree_size(st)
+        for st in self.states.values():
+            st.ran_window = False  # window rows are this step's flat indices only
         return {}, sizes
-
-    def bind_model(self, model) -> None:
-        self._compute_logits = model.compute_logits
 
     def _new_state(self, prompt: np.ndarray) -> _State:
         W, N = self.W, self.N

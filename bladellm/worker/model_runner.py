@@ -64,7 +64,6 @@ class ModelRunner:
             from bladellm.spec_decode.lookahead import LookaheadProposer
 
             proposer = LookaheadProposer(self.config.speculative, self.block_size)
-            proposer.bind_model(self.model)
         return SpecDecoder(proposer, self.input_batch)
 
     @property

@@ -109,8 +109,18 @@ class SpecDecoder:
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, SampleLogprobs] = {}
         emitted_by_req: dict[str, list[int]] = {}
+        # The proposer's own rows (look_ahead's window outputs) share the one lm_head call.
+        extra_rows = self.proposer.logit_rows()
+        extra_flat = [f for rows in extra_rows.values() for f in rows]
+        extra_logits: dict[str, torch.Tensor] = {}
+        if plan.requests or extra_flat:
+            all_logits = model.compute_logits(hidden[torch.tensor(plan.flat_index + extra_flat)])
+            logits = all_logits[:len(plan.flat_index)]
+            at = len(plan.flat_index)
+            for req_id, rows in extra_rows.items():
+                extra_logits[req_id] = all_logits[at:at + len(rows)]
+                at += len(rows)
         if plan.requests:
-            logits = model.compute_logits(hidden[torch.tensor(plan.flat_index)])
             rows = np.asarray(plan.batch_rows, np.int64)
             md = ib.sampling.metadata(rows, ib.token_ids, ib.num_tokens, ib.num_prompt_tokens,
                                       row_num_tokens=np.asarray(plan.counts, np.int64))
@@ -143,7 +153,7 @@ class SpecDecoder:
                 if raw_lp is not None and params.logprobs is not None:
                     logprobs[req_id] = _logprobs(raw_lp, rows_used, emitted, params.logprobs)
         spec_tokens, tree_sizes = self.proposer.propose(sched, inputs, ib, emitted_by_req,
-                                                        hidden)
+                                                        extra_logits)
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs, spec_token_ids=spec_tokens,
                                  spec_tree_sizes=tree_sizes)
