@@ -2,13 +2,14 @@
 
 The draft has its own KV cache with the target's block layout: the same block ids index both
 (one block = target bytes + draft bytes, so the cache budget is shared and every block the
-scheduler hands out, shares through the prompt cache or frees holds both models' KV). The draft
-stays in step by running, at the end of every step, over exactly the tokens the target ran (its
-KV for accepted tokens is then right, for rejected ones it is overwritten later, as the
-target's), then from the last emitted token ``gamma`` single-token steps that write KV at the
-positions the scheduler reserved (``Scheduler.num_lookahead_slots``). Its KV is therefore valid
-for every position the target has computed, including blocks found in the prompt cache and
-requests recomputed after preemption.
+scheduler hands out, shares through the prompt cache or frees holds both models' KV). At the end
+of a step, a request that proposes first catches the draft up on every token since the draft
+last ran for it (``_valid``: all known tokens are final, so this is exact; a new, resumed or
+preempted request catches up from position 0, which also covers prompt-cache hits), then takes
+``gamma`` single-token steps whose KV lands in the positions the scheduler reserved
+(``Scheduler.num_lookahead_slots``). A request whose proposals the scheduler declines (the
+fallback rule) stops proposing except every ``PROBE_EVERY`` steps, so plain decoding does not
+pay for the draft. The draft's KV only ever affects acceptance, never the emitted tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from bladellm.worker.sampling_rows import step_generator
 logger = logging.getLogger(__name__)
 
 _DRAFT_SALT = 0x2545F4914F6CDD1D  # seeded requests: the draft's draws use their own generator
+PROBE_EVERY = 8  # steps between proposals of a request whose proposals were declined
 
 
 def draft_model_config(config: EngineConfig, max_model_len: int) -> ModelConfig:
@@ -63,6 +65,8 @@ class DraftModelProposer:
             spec.num_layers, spec.num_kv_heads, spec.head_dim)
         self.kv_caches: list[torch.Tensor] = []
         self._probs: dict[str, torch.Tensor] = {}  # req -> [k, V] draft distributions
+        self._valid: dict[str, int] = {}  # req -> the draft's KV is right below this position
+        self._idle: dict[str, int] = {}  # req -> steps since it last proposed
         logger.info("draft model %s (%s, %d layers), gamma %d", resolved.architecture,
                     self.dtype, self.num_layers, self.gamma)
 
@@ -83,34 +87,61 @@ class DraftModelProposer:
 
     def drop(self, req_id: str) -> None:
         self._probs.pop(req_id, None)
+        self._valid.pop(req_id, None)
+        self._idle.pop(req_id, None)
 
     def logit_rows(self) -> dict[str, list[int]]:
         return {}
 
     def propose(self, sched, inputs, ib, emitted: dict[str, list[int]], extra_logits
                 ) -> tuple[dict[str, list[int]], dict[str, int]]:
-        # 1. The step's tokens, as the target ran them: keeps the draft's KV in step.
-        ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=self.kv_caches)
-        self.model(inputs.input_ids, inputs.positions, ctx)
         self._probs = {}
-        reqs = [r for r, toks in emitted.items() if toks]
+        reqs = []
+        for r, toks in emitted.items():
+            if not toks:
+                continue
+            # A request whose proposal the scheduler declined (fallback) proposes again only
+            # every PROBE_EVERY steps: the draft costs nothing while plain decoding pays more.
+            idle = self._idle.get(r, PROBE_EVERY)
+            if r in sched.scheduled_spec_tokens or idle >= PROBE_EVERY:
+                reqs.append(r)
+                self._idle[r] = 0
+            else:
+                self._idle[r] = idle + 1
         if not reqs:
             return {}, {}
         rows = np.array([ib.row_of[r] for r in reqs], np.int64)
-        last = torch.tensor([emitted[r][-1] for r in reqs])
-        # Position of the last emitted token, and how many draft steps fit the reserved blocks.
-        pos = np.array([ib.num_tokens[ib.row_of[r]] + len(emitted[r]) - 1 for r in reqs],
-                       np.int64)
+        n_new = np.array([ib.num_tokens[ib.row_of[r]] + len(emitted[r]) for r in reqs],
+                         np.int64)
+        pos = n_new - 1  # position of the last emitted token
         cap = np.minimum(ib.num_blocks[rows] * self.block_size, ib.max_model_len)
         steps = np.clip(cap - pos, 0, self.gamma)
+        keep = steps > 0
+        reqs = [r for r, k in zip(reqs, keep) if k]
+        rows, n_new, pos, steps = rows[keep], n_new[keep], pos[keep], steps[keep]
+        if not reqs:
+            return {}, {}
+        # First draft step: catch up on every token since the draft last ran (the accepted
+        # ones, the target's own, a whole prompt for a new request) — its KV is then right
+        # wherever the request's tokens are known — and predict the first proposal.
+        chunks = []
+        for r, row, n in zip(reqs, rows.tolist(), n_new.tolist()):
+            start = min(self._valid.get(r, 0), n - 1)
+            known = int(ib.num_tokens[row])
+            toks = ib.token_ids[row, start:min(known, n)].tolist() + emitted[r][
+                max(start - known, 0):]
+            chunks.append((start, toks))
+            self._valid[r] = n
         params = [ib.sampling.params[row] for row in rows]
         proposals: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        tokens = last
-        for j in range(int(steps.max(initial=0))):
-            live = np.flatnonzero(steps > j)
-            logits = self._step(ib, rows[live], pos[live] + j, tokens[live])
-            nxt = tokens.clone()
+        live = np.arange(len(reqs))
+        logits = self._step(ib, rows, chunks)
+        for j in range(int(steps.max())):
+            if j:
+                live = np.flatnonzero(steps > j)
+                logits = self._step(ib, rows[live], [(int(pos[i]) + j, [proposals[i][-1]])
+                                                     for i in live.tolist()])
             for li, i in enumerate(live.tolist()):
                 p = params[i]
                 if p.greedy:
@@ -120,34 +151,41 @@ class DraftModelProposer:
                                      None if p.top_k <= 0 else torch.tensor([p.top_k]),
                                      None if p.top_p >= 1.0 else torch.tensor([p.top_p]),
                                      None if p.min_p <= 0.0 else torch.tensor([p.min_p]))[0]
+                    if not bool(torch.isfinite(q).all()):
+                        break  # a broken draft distribution: propose no further
                     gen = None
                     if p.seed is not None:
                         gen = step_generator(p.seed ^ _DRAFT_SALT, int(pos[i]) + j)
                     tok = int(torch.multinomial(q.double(), 1, generator=gen))
                     probs[i].append(q)
                 proposals[i].append(tok)
-                nxt[i] = tok
-            tokens = nxt
         for i, r in enumerate(reqs):
             if probs[i]:
                 self._probs[r] = torch.stack(probs[i])
         return {r: p for r, p in zip(reqs, proposals) if p}, {}
 
-    def _step(self, ib, rows: np.ndarray, positions: np.ndarray, tokens: torch.Tensor
-              ) -> torch.Tensor:
-        """One token per request at ``positions``: writes its draft KV, returns draft logits."""
+    def _step(self, ib, rows: np.ndarray, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Run the draft on ``chunks[i] = (start position, tokens)`` of batch row ``rows[i]``:
+        writes their draft KV, returns the draft's logits after each chunk's last token."""
         n = len(rows)
         bs = self.block_size
-        seq_lens = (positions + 1).astype(np.int32)
+        q_lens = np.array([len(t) for _, t in chunks], np.int32)
+        qsl = np.zeros(n + 1, np.int32)
+        np.cumsum(q_lens, out=qsl[1:])
+        starts = np.array([s for s, _ in chunks], np.int64)
+        positions = np.repeat(starts - qsl[:n], q_lens) + np.arange(int(qsl[n]))
+        seq_lens = (starts + q_lens).astype(np.int32)
         width = int(-(-seq_lens.max() // bs))
         tables = np.ascontiguousarray(ib.block_table[rows, :width])
-        slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
-        qsl = np.arange(n + 1, dtype=np.int32)
+        tok_rows = np.repeat(np.arange(n), q_lens)
+        slots = tables[tok_rows, positions // bs].astype(np.int64) * bs + positions % bs
         md = AttentionMetadata(
-            num_reqs=n, num_actual_tokens=n, max_query_len=1, max_seq_len=int(seq_lens.max()),
-            query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(seq_lens),
-            block_tables=torch.from_numpy(tables), slot_mapping=torch.from_numpy(slots),
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+            num_reqs=n, num_actual_tokens=int(qsl[n]), max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()), query_start_loc=torch.from_numpy(qsl),
+            seq_lens=torch.from_numpy(seq_lens), block_tables=torch.from_numpy(tables),
+            slot_mapping=torch.from_numpy(slots), query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens)
         ctx = ForwardContext(attn_metadata=md, kv_caches=self.kv_caches)
-        hidden = self.model(tokens, torch.from_numpy(positions.astype(np.int64)), ctx)
-        return self.model.compute_logits(hidden).float()
+        tokens = torch.tensor([t for _, toks in chunks for t in toks], dtype=torch.int64)
+        hidden = self.model(tokens, torch.from_numpy(positions), ctx)
+        return self.model.compute_logits(hidden[torch.from_numpy(qsl[1:] - 1).long()]).float()
