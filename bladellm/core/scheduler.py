@@ -131,8 +131,9 @@ class Scheduler:
         # Cost rule: the bar a proposal must clear grows with the tokens the step already has.
         min_gain = 0.0
         if any(r.spec_token_ids or r.spec_tree_size for r in self.running):
-            min_gain = self.step_cost.min_gain(sum(
-                max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running))
+            min_gain = self.step_cost.min_gain(
+                min(sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running),
+                    budget), len(self.running))
 
         i = 0
         while i < len(self.running) and budget > 0:

@@ -18,9 +18,10 @@ from bladellm.request import Request
 # 1. Acceptance: a request's estimate is an exponential moving average of accepted / proposed
 #    tokens; below FALLBACK_RATE it decodes plainly for FALLBACK_STEPS steps, then probes again.
 # 2. Cost: a step of T query tokens takes about a + b*T (fitted online, ``StepCostModel``).
-#    Adding K proposal tokens that yield g*K accepted tokens to a step of R tokens raises the
-#    step's tokens per second iff g > b*R / (a + b*R): the more the batch already fills the
-#    machine, the more a proposal token must be worth. A request speculates only when its
+#    A step of R query tokens in which D requests emit a token gives D / (a + b*R) tokens per
+#    second; adding K proposal tokens that yield g*K accepted tokens raises that iff
+#    g > D*b / (a + b*R): the more the batch already fills the machine, the more a proposal
+#    token must be worth. A request speculates only when its
 #    expected accepted tokens per proposal query token clear that bar.
 EMA_WEIGHT = 0.3
 FALLBACK_RATE = 0.15
@@ -57,10 +58,11 @@ class StepCostModel:
             return 1.0  # cost grows faster than linearly from zero: speculation rarely pays
         return max(b, 0.0) / a
 
-    def min_gain(self, step_tokens: int) -> float:
-        """Accepted tokens a proposal query token must bring for speculation to pay."""
-        r = self.b_over_a() * max(step_tokens, 1)
-        return r / (1.0 + r)
+    def min_gain(self, step_tokens: int, num_emitting: int) -> float:
+        """Accepted tokens a proposal query token must bring for speculation to pay, in a step
+        of ``step_tokens`` query tokens where ``num_emitting`` requests emit a token."""
+        ratio = self.b_over_a()
+        return max(num_emitting, 1) * ratio / (1.0 + ratio * max(step_tokens, 1))
 
 
 @dataclass
