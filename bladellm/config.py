@@ -197,7 +197,7 @@ class DraftConfig:
         default=None,
         metadata={"help": "Draft model directory for --decode_algo sps: any architecture the "
                           "engine loads, with the target's vocabulary (a shallower model "
-                          "sharing the tokenizer). 'demo' is the built-in SmolLM2-135M-Instruct."})
+                          "sharing the tokenizer). 'demo' is the built-in SmolLM2 135M."})
     attn_cls: str = field(
         default="auto",
         metadata={"help": "Attention backend of the draft model: auto, paged or torch."})
@@ -220,17 +220,18 @@ class SpeculativeConfig:
         default="normal",
         metadata={"help": "normal (one token per step), sps (speculative sampling with "
                           "--draft.model proposing --gamma tokens) or look_ahead (Jacobi "
-                          "lookahead window + n-gram pool seeded from the prompt, verified in "
-                          "the same forward pass). Outputs equal normal decoding: greedy "
-                          "token-identical, sampling with the same distribution.",
+                          "lookahead window and a pool of guessed token sequences seeded from "
+                          "the prompt, verified in the same forward pass). Outputs equal normal "
+                          "decoding: greedy token for token, sampling in distribution.",
                   "choices": _DECODE_ALGOS})
     gamma: int = field(
         default=4, metadata={"help": "sps: tokens the draft proposes per step (1..16)."})
     look_ahead_window_size: int = field(
         default=4, metadata={"help": "look_ahead: Jacobi window width W (1..16)."})
     look_ahead_gram_size: int = field(
-        default=4, metadata={"help": "look_ahead: n-gram size N (2..8); a verified guess adds "
-                                     "at most N-1 tokens."})
+        default=4, metadata={"help": "look_ahead: gram size N (2..8), the length of the "
+                                     "Jacobi trajectories collected; a guess holds N minus 1 "
+                                     "tokens."})
     guess_set_size: int = field(
         default=4, metadata={"help": "look_ahead: most n-grams verified per step G (1..16)."})
     def __post_init__(self) -> None:
