@@ -184,6 +184,81 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+_DECODE_ALGOS = ("normal", "sps", "look_ahead")
+
+
+@dataclass
+class DraftConfig:
+    """The draft model of ``--decode_algo sps`` (flags ``--draft.model``, ``--draft.attn_cls``)."""
+
+    cli_prefix = "draft."
+
+    model: str | None = field(
+        default=None,
+        metadata={"help": "Draft model directory for --decode_algo sps: any architecture the "
+                          "engine loads, with the target's vocabulary (a shallower model "
+                          "sharing the tokenizer). 'demo' is the built-in SmolLM2 135M."})
+    attn_cls: str = field(
+        default="auto",
+        metadata={"help": "Attention backend of the draft model: auto, paged or torch."})
+    dtype: str = field(
+        default="auto", metadata={"help": "Draft model dtype (see --dtype)."})
+
+    def __post_init__(self) -> None:
+        _check(self.model is None or bool(self.model), "draft.model", "must not be empty")
+        _check(self.attn_cls in ("auto", "paged", "torch"), "draft.attn_cls",
+               f"unknown attention backend {self.attn_cls!r}; supported: auto, paged, torch")
+        _check(self.dtype in _DTYPES, "draft.dtype",
+               f"must be one of {_DTYPES}, got {self.dtype!r}")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (draft model) and lookahead decoding; see docs/speculative.md."""
+
+    decode_algo: str = field(
+        default="normal",
+        metadata={"help": "normal (one token per step), sps (speculative sampling with "
+                          "--draft.model proposing --gamma tokens) or look_ahead (Jacobi "
+                          "lookahead window and a pool of guessed token sequences seeded from "
+                          "the prompt, verified in the same forward pass). Outputs equal normal "
+                          "decoding: greedy token for token, sampling in distribution.",
+                  "choices": _DECODE_ALGOS})
+    gamma: int = field(
+        default=4, metadata={"help": "sps: tokens the draft proposes per step (1..16)."})
+    look_ahead_window_size: int = field(
+        default=4, metadata={"help": "look_ahead: Jacobi window width W (1..16)."})
+    look_ahead_gram_size: int = field(
+        default=4, metadata={"help": "look_ahead: gram size N (2..8), the length of the "
+                                     "Jacobi trajectories collected; a guess holds N minus 1 "
+                                     "tokens."})
+    guess_set_size: int = field(
+        default=4, metadata={"help": "look_ahead: most n-grams verified per step G (1..16)."})
+    def __post_init__(self) -> None:
+        _check(self.decode_algo in _DECODE_ALGOS, "decode_algo",
+               f"unknown algorithm {self.decode_algo!r}; supported: {', '.join(_DECODE_ALGOS)}")
+        _check(1 <= self.gamma <= 16, "gamma", f"must be in 1..16, got {self.gamma}")
+        _check(1 <= self.look_ahead_window_size <= 16, "look_ahead_window_size",
+               f"must be in 1..16, got {self.look_ahead_window_size}")
+        _check(2 <= self.look_ahead_gram_size <= 8, "look_ahead_gram_size",
+               f"must be in 2..8, got {self.look_ahead_gram_size}")
+        _check(1 <= self.guess_set_size <= 16, "guess_set_size",
+               f"must be in 1..16, got {self.guess_set_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.decode_algo != "normal"
+
+    @property
+    def max_spec_tokens(self) -> int:
+        """Most proposed tokens one request carries in a step."""
+        if self.decode_algo == "sps":
+            return self.gamma
+        if self.decode_algo == "look_ahead":
+            return self.look_ahead_gram_size - 1
+        return 0
+
+
 @dataclass
 class GuidedDecodingConfig:
     """Structured output (JSON schema / regex / choice / grammar); docs/structured_output.md."""
@@ -233,6 +308,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     guided: GuidedDecodingConfig = field(default_factory=GuidedDecodingConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
     device: str = field(default="cpu", metadata={"help": "Device to run on (only cpu so far)."})
     debug_block_accounting: bool = field(
         default=False,
@@ -247,6 +324,14 @@ class EngineConfig:
         _check(self.cache.max_gpu_memory_utilization == default_util,
                "max_gpu_memory_utilization",
                "applies to GPU devices; on CPU size the KV cache with --kv_cache_memory")
+        spec = self.speculative
+        if spec.decode_algo == "sps":
+            _check(self.draft.model is not None, "draft.model",
+                   "--decode_algo sps needs a draft model directory")
+        else:
+            # A draft flag that nothing would use must not be silently ignored.
+            _check(self.draft.model is None, "draft.model",
+                   f"only used with --decode_algo sps (got --decode_algo {spec.decode_algo})")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -254,9 +339,13 @@ class EngineConfig:
         parts: dict[str, dict[str, Any]] = {}
         sections = {"model": ModelConfig, "cache": CacheConfig,
                     "scheduler": SchedulerConfig, "parallel": ParallelConfig,
-                    "guided": GuidedDecodingConfig}
+                    "guided": GuidedDecodingConfig, "speculative": SpeculativeConfig,
+                    "draft": DraftConfig}
         top: dict[str, Any] = {}
         for key, value in kwargs.items():
+            if key.startswith("draft_"):  # LLM(draft_model=...) for --draft.model
+                parts.setdefault("draft", {})[key[len("draft_"):]] = value
+                continue
             for sec, klass in sections.items():
                 if key in {f.name for f in dataclasses.fields(klass)}:
                     parts.setdefault(sec, {})[key] = value

@@ -60,6 +60,20 @@ class GrammarMatcher(Protocol):
     def is_terminated(self) -> bool: ...  # no token can extend the output: it is complete
 
 
+class SpecStats:
+    """Per-request speculation counters and the acceptance estimate behind the fallback rule."""
+
+    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accept_rate",
+                 "skip_steps")
+
+    def __init__(self) -> None:
+        self.num_drafts = 0  # steps that verified a proposal
+        self.num_draft_tokens = 0  # proposed tokens verified
+        self.num_accepted_tokens = 0  # of those, accepted
+        self.accept_rate = 1.0  # running estimate of accepted / proposed (optimistic start)
+        self.skip_steps = 0  # steps left without speculation (fallback to plain decoding)
+
+
 class Request:
     def __init__(
         self,
@@ -91,6 +105,12 @@ class Request:
         # Structured output: admitted once ready; advanced with every output token.
         self.grammar: GrammarMatcher | None = None
         self.grammar_complete = False  # finished because the grammar cannot be extended
+        # Speculative decoding (docs/speculative.md): the chain of proposed tokens to verify next
+        # step, or the size of the look_ahead tree (window + guesses) the runner asked for. Never
+        # part of all_token_ids: only verified tokens are appended.
+        self.spec_token_ids: list[int] = []
+        self.spec_tree_size = 0
+        self.spec_stats = SpecStats()
 
         max_tokens = sampling_params.max_tokens
         if max_model_len is not None:

@@ -33,6 +33,18 @@ class AttentionMetadata:
     # Host copies (numpy views of the runner's buffers) for backends that plan on the host.
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
+    # Requests whose last query tokens form a tree (look_ahead) rather than a causal run.
+    tree: "TreeAttention | None" = None
+
+
+@dataclass
+class TreeAttention:
+    """Masked query tokens: entries ``(req, start, size, ctx_len, mask)``. Request ``req``'s
+    flat tokens ``start:start+size`` see cache positions ``0..ctx_len-1`` and each other as the
+    bool ``mask [size, size]`` says (row attends to column); their own K/V come from this step's
+    tensors, not the cache."""
+
+    entries: list
 
 
 class AttentionBackend(ABC):

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from bladellm.attention.backend import AttentionBackend, AttentionMetadata
+from bladellm.kernels import ref
 
 
 class PagedAttentionBackend(AttentionBackend):
@@ -32,4 +33,12 @@ class PagedAttentionBackend(AttentionBackend):
         self.kernels.paged_attention(out[:n], query[:n], k_cache, v_cache,
                                      metadata.block_tables, metadata.query_start_loc,
                                      metadata.seq_lens, scale)
+        if metadata.tree is not None:
+            # The compiled kernels take no custom mask: tree tokens (look_ahead) go through the
+            # PyTorch reference, overwriting the rows the causal kernel computed for them.
+            for req, start, size, ctx_len, mask in metadata.tree.entries:
+                out[start:start + size] = ref.tree_attention(
+                    query[start:start + size], key[start:start + size],
+                    value[start:start + size], k_cache, v_cache, metadata.block_tables[req],
+                    ctx_len, mask, scale).to(out.dtype)
         return out

@@ -52,6 +52,11 @@ class SchedulerOutput:
     # filled in the background while the model runs (``bladellm.guided.manager.StepBitmask``:
     # ``req_ids`` and ``result()`` -> [len(req_ids), ceil(V / 32)] int32). None: no constraint.
     grammar_bitmask: Any = None
+    # Speculative decoding (docs/speculative.md). Counted in num_scheduled_tokens:
+    # req_id -> proposed tokens to verify after the request's own tokens (a chain: sps, n-gram);
+    # req_id -> query tokens of a look_ahead tree (Jacobi window + guesses) this step.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_spec_tree: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -76,6 +81,10 @@ class ModelRunnerOutput:
     logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
     # Requests whose step failed (e.g. a bad logit_bias id): finish with an error, not the engine.
     errored: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: sampled_token_ids holds the accepted proposals then one token from
+    # the target (correction or bonus). Proposals for the next step, per request:
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # a chain to verify
+    spec_tree_sizes: dict[str, int] = field(default_factory=dict)  # look_ahead tree query tokens
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

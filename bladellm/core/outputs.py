@@ -35,6 +35,9 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     queued_time: float = 0.0  # seconds from arrival to first scheduled; sent with the first output
     # Finished because its grammar was complete: the last token is text, not a stop token.
     grammar_complete: bool = False
+    # Speculative decoding, sent with the final output: proposed tokens verified, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
@@ -53,3 +56,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     # compiled-grammar cache hits.
     num_grammar_compiles: int = 0
     num_grammar_cache_hits: int = 0
+    # Speculative decoding, cumulative (vLLM's spec_decode_* counters).
+    num_spec_drafts: int = 0  # request-steps that verified a proposal
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0

@@ -26,7 +26,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from bladellm.config import CacheConfig, SchedulerConfig
+from bladellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from bladellm.core import spec_decode
 from bladellm.core.block_pool import _require
 from bladellm.core.interface import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                      SampleLogprobs, SchedulerOutput)
@@ -39,8 +40,16 @@ from bladellm.request import Request, RequestStatus
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, max_model_len: int, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = scheduler_config
+        # sps: the draft writes its KV for the proposals at the end of a step, so a request that
+        # samples gets blocks for that many positions past its scheduled tokens.
+        self.num_lookahead_slots = (speculative.gamma if speculative is not None
+                                    and speculative.decode_algo == "sps" else 0)
+        # look_ahead: tokens one verified guess can add (what a tree step "proposes").
+        self.tree_guess_len = (speculative.look_ahead_gram_size - 1
+                               if speculative is not None else 0)
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -65,6 +74,11 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
+        self.num_spec_drafts = 0
+        self.step_cost = spec_decode.StepCostModel()
+        self._step_start: float | None = None
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
 
     # --- requests in and out -------------------------------------------------------------------
 
@@ -114,6 +128,12 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
         budget = self.config.max_num_batched_tokens
+        # Cost rule: the bar a proposal must clear grows with the tokens the step already has.
+        min_gain = 0.0
+        if any(r.spec_token_ids or r.spec_tree_size for r in self.running):
+            min_gain = self.step_cost.min_gain(
+                min(sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running),
+                    budget), len(self.running))
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -122,9 +142,23 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            new_blocks = self._allocate_or_preempt(req, num_new, out.preempted_req_ids)
+            spec = spec_decode.NO_GRANT
+            # Constrained requests decode one token per step: the grammar mask covers only the
+            # position a request samples at, not verification positions.
+            if num_new == req.num_tokens - req.num_computed_tokens and req.grammar is None:
+                spec = spec_decode.grant(req, budget - num_new, self.max_model_len, min_gain,
+                                         self.tree_guess_len)
+            new_blocks = self._allocate_or_preempt(
+                req, num_new + spec.num_tokens + self._lookahead(req, num_new + spec.num_tokens),
+                out.preempted_req_ids)
             if new_blocks is None:
                 break  # ``req`` was the newest and preempted itself
+            if spec.num_tokens:
+                num_new += spec.num_tokens
+                if spec.tokens:
+                    out.scheduled_spec_tokens[req.request_id] = spec.tokens
+                else:
+                    out.scheduled_spec_tree[req.request_id] = spec.tree
             out.scheduled_cached_reqs.append(CachedRequestData(
                 req.request_id, req.all_token_ids[self._runner_num_tokens[req.request_id]:],
                 new_blocks, req.num_computed_tokens))
@@ -138,6 +172,7 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         if out.total_num_scheduled_tokens:
             self.num_steps += 1
+            self._step_start = self.clock()
         return out
 
     def _allocate_or_preempt(self, req: Request, num_new: int,
@@ -152,7 +187,17 @@ class Scheduler:
             if victim is req:
                 return None
 
+    def _lookahead(self, req: Request, num_scheduled: int) -> int:
+        """KV positions past the scheduled ones that the sps draft writes when the request
+        samples this step (never past the context length)."""
+        if not self.num_lookahead_slots or (req.num_computed_tokens + num_scheduled
+                                            < req.num_tokens):
+            return 0
+        end = req.num_computed_tokens + num_scheduled
+        return max(0, min(self.num_lookahead_slots, self.max_model_len - end))
+
     def _preempt(self, req: Request) -> None:
+        req.spec_token_ids, req.spec_tree_size = [], 0
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -174,7 +219,8 @@ class Scheduler:
                 held_back.append(self.waiting.popleft())
                 continue
             num_new = min(req.num_tokens - num_hit, budget)
-            new_blocks = kv.allocate_slots(req, num_new, hit_blocks)
+            lookahead = self._lookahead_new(req, num_hit, num_new)
+            new_blocks = kv.allocate_slots(req, num_new + lookahead, hit_blocks)
             if new_blocks is None:
                 break  # FCFS: later requests do not jump a request that needs blocks
             self.waiting.popleft()
@@ -194,6 +240,11 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(held_back))
         return budget
+
+    def _lookahead_new(self, req: Request, num_hit: int, num_new: int) -> int:
+        if not self.num_lookahead_slots or num_hit + num_new < req.num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_slots, self.max_model_len - num_hit - num_new))
 
     def _expire_queued(self) -> None:
         max_time = self.config.max_queue_time
@@ -216,6 +267,10 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput,
                            out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._step_start is not None and sched.total_num_scheduled_tokens:
+            self.step_cost.observe(sched.total_num_scheduled_tokens,
+                                   self.clock() - self._step_start)
+            self._step_start = None
         sampled = dict(zip(out.req_ids, out.sampled_token_ids))
         finished: set[str] = set()
         for req_id, num_scheduled in sched.num_scheduled_tokens.items():
@@ -225,14 +280,27 @@ class Scheduler:
             error = out.errored.get(req_id)
             new_tokens: list[int] = []
             if error is None:
-                self._advance(req, num_scheduled)
-                token_ids = sampled.get(req_id) or []
-                new_tokens = self._append_tokens(req, token_ids)
+                tokens = sampled.get(req_id) or []
+                new_tokens = self._append_tokens(req, tokens)
+                # KV of proposals is kept only for accepted chain tokens that were emitted;
+                # the rest (rejected tokens, look_ahead trees) is rolled back.
+                spec = sched.scheduled_spec_tokens.get(req_id, ())
+                tree = sched.scheduled_spec_tree.get(req_id, 0)
+                num_rolled_back = len(spec) + tree
+                if spec or tree:
+                    num_accepted = max(len(tokens) - 1, 0)
+                    self._record_spec(req, len(spec) or self.tree_guess_len, num_accepted)
+                    if spec:
+                        num_rolled_back -= min(num_accepted, len(new_tokens))
+                self._advance(req, num_scheduled - num_rolled_back)
+                if not req.is_finished:
+                    req.spec_token_ids = out.spec_token_ids.get(req_id, [])
+                    req.spec_tree_size = out.spec_tree_sizes.get(req_id, 0)
                 if not new_tokens and req.num_computed_tokens >= req.num_tokens:
                     error = "the model runner returned no token for a finished prefill"
                 if (req.grammar is not None and not req.is_finished
-                        and len(new_tokens) < len(token_ids)):
-                    error = (f"grammar: token {token_ids[len(new_tokens)]} rejected "
+                        and len(new_tokens) < len(tokens)):
+                    error = (f"grammar: token {tokens[len(new_tokens)]} rejected "
                              f"({req.grammar.error or 'not allowed by the grammar'})")
             done = error is not None or req.is_finished
             if done:
@@ -247,6 +315,12 @@ class Scheduler:
             outputs.extend(self.abort_requests([req_id], RequestStatus.FINISHED_ERROR))
             outputs[-1].error = out.errored[req_id]
         return outputs
+
+    def _record_spec(self, req: Request, num_proposed: int, num_accepted: int) -> None:
+        spec_decode.record(req, num_proposed, num_accepted)
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += num_proposed
+        self.num_spec_accepted_tokens += num_accepted
 
     def _advance(self, req: Request, num_scheduled: int) -> None:
         self.num_prompt_tokens += max(0, min(num_scheduled,
@@ -327,6 +401,8 @@ class Scheduler:
             output.finish_reason = req.status.finish_reason
             output.stop_reason = req.stop_reason
             output.grammar_complete = req.grammar_complete
+            output.num_draft_tokens = req.spec_stats.num_draft_tokens
+            output.num_accepted_tokens = req.spec_stats.num_accepted_tokens
         queued_time = self._queued_time.pop(req.request_id, None)
         if queued_time is not None:
             output.num_cached_tokens = max(req.num_cached_tokens, 0)
@@ -347,7 +423,10 @@ class Scheduler:
             num_total_blocks=kv.pool.num_usable_blocks,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens, num_steps=self.num_steps)
+            num_generation_tokens=self.num_generation_tokens, num_steps=self.num_steps,
+            num_spec_drafts=self.num_spec_drafts,
+            num_spec_draft_tokens=self.num_spec_draft_tokens,
+            num_spec_accepted_tokens=self.num_spec_accepted_tokens)
 
     def check_invariants(self) -> None:
         """Block accounting plus queue consistency; raises ``BlockAccountingError``."""

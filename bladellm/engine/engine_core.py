@@ -22,14 +22,25 @@ from bladellm.request import Request
 logger = logging.getLogger(__name__)
 
 
+def _check_draft(config: EngineConfig, resolved: ResolvedModel) -> None:
+    from bladellm.model.checkpoint import resolve_model
+    from bladellm.spec_decode.draft_model import check_draft_vocab, draft_model_config
+
+    draft = resolve_model(draft_model_config(config, resolved.max_model_len))
+    check_draft_vocab(resolved.hf_config, draft.hf_config, draft.path)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
         self.config = config
         self.max_model_len = resolved.max_model_len
+        if config.speculative.decode_algo == "sps":
+            _check_draft(config, resolved)  # before any weights load
         self.executor = get_executor_class(config)(config, resolved)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len,
+                                   speculative=config.speculative)
         self.num_blocks = num_blocks
         self.guided = GuidedRequests(config, resolved, self.scheduler)
 

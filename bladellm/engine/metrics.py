@@ -30,6 +30,8 @@ class FinishedRequestStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_cached_tokens: int
+    num_draft_tokens: int = 0  # speculative decoding: proposed tokens verified
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 class StatLogger(Protocol):

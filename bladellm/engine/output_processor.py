@@ -50,6 +50,8 @@ class _ChildState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_sent_tokens = 0  # delta mode: token ids / logprobs already returned
+        self.num_draft_tokens = 0  # speculative decoding: proposed tokens verified
+        self.num_accepted_tokens = 0  # and accepted (sent with the core's final output)
 
     @property
     def finished(self) -> bool:
@@ -173,6 +175,9 @@ class OutputProcessor:
         return result
 
     def _apply(self, child: _ChildState, out: EngineCoreOutput, reqs_to_abort: list[str]) -> None:
+        if out.num_draft_tokens:
+            child.num_draft_tokens = out.num_draft_tokens
+            child.num_accepted_tokens = out.num_accepted_tokens
         detok = child.detokenizer
         num_before = len(detok.token_ids)
         stop_str = detok.update(out.new_token_ids, stop_terminated=(
@@ -284,11 +289,20 @@ class OutputProcessor:
             reason = parent.children[0].finish_reason
         queued = (metrics.first_scheduled_time - metrics.arrival_time
                   if metrics.first_scheduled_time is not None else 0.0)
-        return FinishedRequestStats(
+        stats = FinishedRequestStats(
             finish_reason=reason, e2e_latency=max(0.0, now - metrics.arrival_time),
             queued_time=queued, num_prompt_tokens=len(parent.prompt_token_ids),
             num_generation_tokens=sum(len(c.detokenizer.token_ids) for c in parent.children),
-            num_cached_tokens=parent.num_cached_tokens)
+            num_cached_tokens=parent.num_cached_tokens,
+            num_draft_tokens=sum(c.num_draft_tokens for c in parent.children),
+            num_accepted_tokens=sum(c.num_accepted_tokens for c in parent.children))
+        if stats.num_draft_tokens:
+            logger.info("request %s finished (%s): %d prompt + %d generated tokens; speculative "
+                        "decoding accepted %d of %d proposed tokens",
+                        parent.request_id, reason, stats.num_prompt_tokens,
+                        stats.num_generation_tokens, stats.num_accepted_tokens,
+                        stats.num_draft_tokens)
+        return stats
 
     def _remove(self, parent: _ParentState) -> None:
         del self._parents[parent.request_id]

@@ -41,6 +41,26 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
         out[begin:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(out.dtype)
 
 
+def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                   ctx_len: int, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of ``t`` tree tokens (query/key/value [t, heads, d]) over a request's first
+    ``ctx_len`` cached positions (all visible) and over each other where ``mask [t, t]`` is
+    True. fp32 scores and softmax; returns [t, nh, d] float32."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = query.shape[1] // num_kv_heads
+    blocks = block_table[:-(-ctx_len // block_size)].long()
+    k = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+    v = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+    k = torch.cat([k.float(), key.float()]).transpose(0, 1)  # [kvh, L + t, d]
+    v = torch.cat([v.float(), value.float()]).transpose(0, 1)
+    t = query.shape[0]
+    visible = torch.cat([torch.ones((t, ctx_len), dtype=torch.bool), mask], dim=1)
+    out = F.scaled_dot_product_attention(query.float().transpose(0, 1), k, v, attn_mask=visible,
+                                         scale=scale, enable_gqa=group > 1)
+    return out.transpose(0, 1)
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store key/value [N, kvh, d] at flat slots ``slot_mapping`` [N] of the caches."""

@@ -48,6 +48,29 @@ class ModelRunner:
         spec = self.model.get_kv_cache_spec()  # per rank: stays right under TP
         self.num_layers, self.num_kv_heads, self.head_dim = (
             spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        self.spec = self._make_spec_decoder(resolved)
+
+    def _make_spec_decoder(self, resolved: ResolvedModel):
+        """--decode_algo sps / look_ahead: the proposer and the verification step."""
+        algo = self.config.speculative.decode_algo
+        if algo == "normal":
+            return None
+        from bladellm.worker.spec_step import SpecDecoder
+
+        if algo == "sps":
+            from bladellm.spec_decode.draft_model import DraftModelProposer
+
+            proposer = DraftModelProposer(self.config, resolved, self.device, self.block_size)
+        else:
+            from bladellm.spec_decode.lookahead import LookaheadProposer
+
+            proposer = LookaheadProposer(self.config.speculative, self.block_size)
+        return SpecDecoder(proposer, self.input_batch)
+
+    @property
+    def spec_bytes_per_block(self) -> int:
+        """KV bytes per block of the sps draft model (0 without one): blocks hold both."""
+        return getattr(getattr(self.spec, "proposer", None), "bytes_per_block", 0)
 
     def _prepack_weights(self) -> int:
         """Let each linear layer keep its kernels' load-time weight layout (on CPU: a oneDNN
@@ -86,21 +109,33 @@ class ModelRunner:
         # uncommitted until a request reaches them.
         self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.num_layers)]
+        if self.spec_bytes_per_block:
+            self.spec.proposer.initialize_kv_cache(num_blocks)
 
     def drop_requests(self, req_ids: list[str]) -> None:
         """Forget requests without a scheduler diff (their step failed)."""
         for req_id in req_ids:
             self.input_batch.remove(req_id)
+        if self.spec is not None:
+            self.spec.drop(req_ids)
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.input_batch.apply(sched)
+        if self.spec is not None:
+            self.spec.drop(sched.finished_req_ids | sched.preempted_req_ids)
         if sched.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if self.spec is not None:
+            self.spec.write_proposals(sched)
         inputs = self.input_batch.prepare(sched)
+        if self.spec is not None:
+            self.spec.lay_out(sched, inputs)
         ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=self.kv_caches)
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        if self.spec is not None:
+            return self.spec.verify(self.model, hidden, sched, inputs)
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, SampleLogprobs] = {}
         if inputs.sampling is not None:

@@ -68,9 +68,12 @@ class SamplingRows:
         self.needs_python[row] = False
 
     def metadata(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
-                 num_prompt_tokens: np.ndarray) -> SamplingMetadata:
+                 num_prompt_tokens: np.ndarray,
+                 row_num_tokens: np.ndarray | None = None) -> SamplingMetadata:
         """Metadata for the requests in batch rows ``rows`` (metadata row i = ``rows[i]``);
-        ``token_ids`` / ``num_tokens`` / ``num_prompt_tokens`` are the batch's row arrays."""
+        ``token_ids`` / ``num_tokens`` / ``num_prompt_tokens`` are the batch's row arrays.
+        ``row_num_tokens``: per metadata row, the tokens to treat as known (speculative
+        verification samples a batch row at several positions); default ``num_tokens[rows]``."""
         temp = self.temperature[rows]
         greedy = temp < GREEDY_TEMPERATURE
         all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
@@ -87,11 +90,13 @@ class SamplingRows:
         md = SamplingMetadata(temperature=temperature, all_greedy=all_greedy,
                               all_random=all_random, top_p=top_p, top_k=top_k, min_p=min_p)
         if self.needs_python[rows].any():
-            self._fill_per_row(md, rows, token_ids, num_tokens, num_prompt_tokens)
+            counts = num_tokens[rows] if row_num_tokens is None else row_num_tokens
+            self._fill_per_row(md, rows, token_ids, counts, num_prompt_tokens)
         return md
 
     def _fill_per_row(self, md: SamplingMetadata, rows: np.ndarray, token_ids: np.ndarray,
-                      num_tokens: np.ndarray, num_prompt_tokens: np.ndarray) -> None:
+                      counts: np.ndarray, num_prompt_tokens: np.ndarray) -> None:
+        """``counts[i]``: tokens known for metadata row i (its batch row's prompt + output)."""
         rep = self.repetition_penalty[rows] != 1.0
         out = (self.presence_penalty[rows] != 0.0) | (self.frequency_penalty[rows] != 0.0)
         if rep.any():
@@ -103,12 +108,12 @@ class SamplingRows:
             md.frequency_penalty = torch.from_numpy(self.frequency_penalty[rows])
         if rep.any() or out.any():
             md.output_token_ids = [
-                token_ids[r, num_prompt_tokens[r]:num_tokens[r]].tolist() if use else []
-                for r, use in zip(rows, rep | out)]
+                token_ids[r, num_prompt_tokens[r]:n].tolist() if use else []
+                for r, n, use in zip(rows, counts, rep | out)]
         for i in np.flatnonzero(self.needs_python[rows]):
             row = int(rows[i])
             params = self.params[row]
-            num_output = int(num_tokens[row] - num_prompt_tokens[row])
+            num_output = int(counts[i] - num_prompt_tokens[row])
             if num_output < params.min_tokens and self.banned[row]:
                 md.min_tokens_banned[int(i)] = self.banned[row]
             if params.logit_bias:
@@ -124,6 +129,12 @@ def attach_grammar_bitmask(inputs, step_bitmask) -> None:
     """Put this step's grammar bitmask (``bladellm.guided.manager.StepBitmask``, filled while the
     model ran) into the sampling metadata, rows matched by request id."""
     sampling_row = {inputs.req_ids[i]: s for s, i in enumerate(inputs.sample_indices.tolist())}
+    attach_grammar_bitmask_rows(inputs.sampling, step_bitmask, sampling_row)
+
+
+def attach_grammar_bitmask_rows(md, step_bitmask, sampling_row: dict[str, int]) -> None:
+    """``attach_grammar_bitmask`` for sampling metadata ``md`` whose row of each request is
+    ``sampling_row[req_id]`` (the speculative verification step samples at its own rows)."""
     rows = [sampling_row.get(req_id, -1) for req_id in step_bitmask.req_ids]
     bitmask = step_bitmask.result()
     keep = [k for k, row in enumerate(rows) if row >= 0]
@@ -132,5 +143,5 @@ def attach_grammar_bitmask(inputs, step_bitmask) -> None:
     if len(keep) < len(rows):
         bitmask = bitmask[keep]
         rows = [rows[k] for k in keep]
-    inputs.sampling.grammar_rows = torch.tensor(rows, dtype=torch.int64)
-    inputs.sampling.grammar_bitmask = bitmask
+    md.grammar_rows = torch.tensor(rows, dtype=torch.int64)
+    md.grammar_bitmask = bitmask

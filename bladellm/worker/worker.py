@@ -33,19 +33,26 @@ class Worker:
         auto (a fixed share of total memory minus the weights; deterministic per machine), never
         more than ``--max_num_seqs`` full-length requests can use (+1 for the null block)."""
         cache, runner = self.config.cache, self.model_runner
+        # sps: one block id holds the target's and the draft's KV, so the budget is shared in
+        # proportion to their per-token KV sizes.
+        per_block = runner.bytes_per_block + runner.spec_bytes_per_block
         weights = model_weight_bytes(runner.model) + runner.packed_weight_bytes
+        if runner.spec_bytes_per_block:
+            logger.info("KV budget shared by target and draft: %d + %d bytes per block",
+                        runner.bytes_per_block, runner.spec_bytes_per_block)
+            weights += model_weight_bytes(runner.spec.proposer.model)
         kv_bytes = None if cache.kv_cache_memory == "auto" else parse_size(cache.kv_cache_memory)
-        return kv_cache_num_blocks(cache.num_kv_blocks, kv_bytes,
-                                   runner.bytes_per_block, self.config.scheduler.max_num_seqs,
-                                   runner.max_model_len, runner.block_size, weights,
-                                   total_memory_bytes())
+        return kv_cache_num_blocks(cache.num_kv_blocks, kv_bytes, per_block,
+                                   self.config.scheduler.max_num_seqs, runner.max_model_len,
+                                   runner.block_size, weights, total_memory_bytes())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         runner = self.model_runner
         runner.initialize_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, --kv_cache_memory "
                     "%s)", num_blocks, runner.block_size, num_blocks * runner.block_size,
-                    num_blocks * runner.bytes_per_block / (1 << 30),
+                    num_blocks * (runner.bytes_per_block + runner.spec_bytes_per_block)
+                    / (1 << 30),
                     self.config.cache.kv_cache_memory)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -79,6 +79,13 @@ class PrometheusStatLogger:
                                          registry=r)
         self.preemptions = Counter(f"{p}num_preemptions", "Requests preempted (KV blocks ran "
                                                          "out) since start.", registry=r)
+        # Speculative decoding (vLLM's names; docs/speculative.md).
+        self.spec_drafts = Counter(f"{p}spec_decode_num_drafts",
+                                   "Request-steps that verified proposed tokens.", registry=r)
+        self.spec_draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens",
+                                         "Proposed tokens verified.", registry=r)
+        self.spec_accepted_tokens = Counter(f"{p}spec_decode_num_accepted_tokens",
+                                            "Proposed tokens accepted.", registry=r)
         self.finished = Counter(f"{p}request_success", "Finished requests by finish reason.",
                                 ["finished_reason"], registry=r)
         for reason in FINISH_REASONS:
@@ -114,7 +121,10 @@ class PrometheusStatLogger:
         last = self._last
         for counter, attr in ((self.prefix_queries, "prefix_cache_queries"),
                               (self.prefix_hits, "prefix_cache_hits"),
-                              (self.preemptions, "num_preemptions")):
+                              (self.preemptions, "num_preemptions"),
+                              (self.spec_drafts, "num_spec_drafts"),
+                              (self.spec_draft_tokens, "num_spec_draft_tokens"),
+                              (self.spec_accepted_tokens, "num_spec_accepted_tokens")):
             now = getattr(stats, attr)
             before = getattr(last, attr) if last is not None else 0
             # A smaller total means the core restarted: count from its new zero.

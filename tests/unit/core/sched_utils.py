@@ -35,12 +35,15 @@ def make_request(req_id: str, prompt: list[int] | int, *, max_tokens: int | None
 def make_scheduler(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16,
                    max_num_batched_tokens: int = 64, max_model_len: int = 64,
                    disable_prompt_cache: bool = False, max_queue_time: float | None = None,
-                   clock: Callable[[], float] | None = None) -> Scheduler:
+                   clock: Callable[[], float] | None = None,
+                   speculative=None) -> Scheduler:
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 max_queue_time=max_queue_time)
     cache_cfg = CacheConfig(block_size=block_size, disable_prompt_cache=disable_prompt_cache)
     kwargs = {"clock": clock} if clock is not None else {}
+    if speculative is not None:
+        kwargs["speculative"] = speculative
     return Scheduler(sched_cfg, cache_cfg, num_blocks, max_model_len, **kwargs)
 
 
@@ -61,6 +64,11 @@ class FakeRunner:
     states: dict[str, _RunnerState] = field(default_factory=dict)
     # block -> slot -> (position, token, cache salt): what a real KV depends on, in miniature.
     kv: dict[int, dict[int, tuple]] = field(default_factory=dict)
+    # Speculative decoding: req_id -> proposal for the next step, and (req_id, k) -> how many
+    # of k verified proposals are accepted. Rejected proposals' KV is written like a real
+    # runner's, so a rollback that kept it would be caught by the read check.
+    propose: Callable[[str], list[int]] | None = None
+    accept: Callable[[str, int], int] | None = None
 
     def execute(self, so: SchedulerOutput, *, tokens_per_step: int = 1,
                 errored: dict[str, str] | None = None,
@@ -85,15 +93,18 @@ class FakeRunner:
         assert so.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
         assert len(so.num_scheduled_tokens) <= sched.config.max_num_seqs
 
-        req_ids, sampled, lps = [], [], {}
+        req_ids, sampled, lps, proposals = [], [], {}, {}
         for req_id, num in so.num_scheduled_tokens.items():
             state = self.states[req_id]
             req = sched.requests[req_id]
             assert state.token_ids == req.all_token_ids, "runner's tokens diverged"
             assert state.block_ids == sched.kv_cache_manager.get_block_ids(req_id)
             assert 0 not in state.block_ids
+            spec = list(so.scheduled_spec_tokens.get(req_id, []))
             start, end = state.num_computed_tokens, state.num_computed_tokens + num
-            assert num >= 1 and end <= len(state.token_ids)
+            assert num >= 1 and end <= len(state.token_ids) + len(spec)
+            assert not spec or end == len(state.token_ids) + len(spec)
+            tokens = state.token_ids + spec
             assert len(state.block_ids) * bs >= end
             for pos in range(start):  # reads: cached / computed prefix holds our tokens
                 slot = self.kv.get(state.block_ids[pos // bs], {}).get(pos % bs)
@@ -103,16 +114,23 @@ class FakeRunner:
                 block = state.block_ids[pos // bs]
                 assert pool.ref_cnt[block] == 1 and pool.block_hash[block] is None, \
                     f"{req_id} writes into shared block {block}"
-                written = (pos, state.token_ids[pos], req.cache_salt)
+                written = (pos, tokens[pos], req.cache_salt)
                 self.kv.setdefault(block, {})[pos % bs] = written
             state.num_computed_tokens = end
             req_ids.append(req_id)
-            if end == len(state.token_ids):
+            if end >= len(state.token_ids):
                 script = self.scripted.get(req_id)
                 toks = [script.pop(0) if script else
                         self.sampler(req_id) if self.sampler else self.default_token
                         for _ in range(tokens_per_step)]
+                if spec:
+                    num_accepted = self.accept(req_id, len(spec)) if self.accept else len(spec)
+                    toks = spec[:num_accepted] + toks[:1]
+                    state.num_computed_tokens = end - (len(spec) - num_accepted)
+                    # Stopped inside the accepted tokens: the scheduler keeps only those emitted.
                 sampled.append(toks)
+                if self.propose is not None:
+                    proposals[req_id] = self.propose(req_id)
                 if logprobs:
                     lps[req_id] = SampleLogprobs(token_ids=[[t, t] for t in toks],
                                                  logprobs=[[-0.5, -0.5] for _ in toks],
@@ -120,7 +138,7 @@ class FakeRunner:
             else:
                 sampled.append([])
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=lps,
-                                 errored=dict(errored or {}))
+                                 errored=dict(errored or {}), spec_token_ids=proposals)
 
 
 def step(sched: Scheduler, runner: FakeRunner, **kwargs):

@@ -337,3 +337,49 @@ def test_reset_prefix_cache_forgets_finished_prompts():
     sched.add_request(make_request("b", 9, max_tokens=1))
     so, _ = step(sched, runner)
     assert so.scheduled_new_reqs[0].num_computed_tokens == 0
+
+
+def test_spec_tokens_scheduled_trimmed_and_rolled_back():
+    """1 + k tokens granted, rejected ones rolled back, never past max_tokens; pool empties."""
+    from bladellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+    from bladellm.core.interface import ModelRunnerOutput
+    from bladellm.core.scheduler import Scheduler
+    from bladellm.request import Request
+    from bladellm.sampling_params import SamplingParams
+
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), CacheConfig(block_size=4),
+                      num_blocks=64, max_model_len=128,
+                      speculative=SpeculativeConfig(decode_algo="sps", gamma=3))
+    req = Request("r", list(range(10)), SamplingParams(max_tokens=6, temperature=0.0))
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update_from_output(out, ModelRunnerOutput(["r"], [[100]],
+                                                    spec_token_ids={"r": [1, 2, 3]}))
+    assert req.num_computed_tokens == 10 and req.num_tokens == 11
+    out = sched.schedule()
+    assert out.num_scheduled_tokens["r"] == 4 and out.scheduled_spec_tokens["r"] == [1, 2, 3]
+    # One proposal accepted, then the target's own token: two of the three are rolled back.
+    sched.update_from_output(out, ModelRunnerOutput(["r"], [[1, 200]],
+                                                    spec_token_ids={"r": [7, 8, 9]}))
+    assert req.num_tokens == 13 and req.num_computed_tokens == 12
+    sched.check_invariants()
+    out = sched.schedule()
+    # 3 output tokens so far, max_tokens 6: at most 2 proposals (+1 from the target).
+    assert out.scheduled_spec_tokens["r"] == [7, 8]
+    sched.update_from_output(out, ModelRunnerOutput(["r"], [[7, 8, 300]]))
+    assert req.is_finished and req.num_output_tokens == 6
+    assert sched.kv_cache_manager.pool.num_used_blocks == 0
+    stats = sched.get_stats()
+    assert (stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens) == (5, 3)
+
+
+def test_step_cost_model_bar_grows_with_the_batch():
+    from bladellm.core.spec_decode import StepCostModel
+
+    model = StepCostModel()
+    for tokens in (1, 2, 4, 8, 16, 32, 1, 64):
+        model.observe(tokens, 0.040 + 0.004 * tokens)  # a = 40 ms, b = 4 ms per token
+    assert abs(model.b_over_a() - 0.1) < 1e-6
+    assert model.min_gain(1, 1) < 0.1 < model.min_gain(16, 16)
+    # A lone request re-running accepted tokens still has a low bar (one emitter).
+    assert model.min_gain(5, 1) < 0.1

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
+from bladellm.config import SpeculativeConfig
 from sched_utils import EOS, FakeRunner, make_request, make_scheduler
 
 BASE_PROMPTS = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [30, 31, 32, 33, 34, 35]]
@@ -14,18 +15,25 @@ BASE_PROMPTS = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [30, 31, 32, 33, 34, 3
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]), extra_blocks=st.integers(0, 4),
                 budget=st.integers(1, 10), max_num_seqs=st.integers(1, 4),
-                disable_cache=st.booleans(), queue_time=st.sampled_from([None, 3.0]))
-    def setup(self, block_size, extra_blocks, budget, max_num_seqs, disable_cache, queue_time):
+                disable_cache=st.booleans(), queue_time=st.sampled_from([None, 3.0]),
+                gamma=st.sampled_from([0, 0, 1, 3]))
+    def setup(self, block_size, extra_blocks, budget, max_num_seqs, disable_cache, queue_time,
+              gamma):
         self.max_model_len = 16
         self.now = 0.0
         self.sched = make_scheduler(
             num_blocks=self.max_model_len // block_size + 1 + extra_blocks,
             block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
             max_model_len=self.max_model_len, disable_prompt_cache=disable_cache,
-            max_queue_time=queue_time, clock=lambda: self.now)
+            max_queue_time=queue_time, clock=lambda: self.now,
+            speculative=SpeculativeConfig(decode_algo="sps", gamma=gamma) if gamma else None)
         self.tokens = [EOS, 3, 4, 5]
         self.token_index = 0
         self.runner = FakeRunner(self.sched, sampler=self._sample)
+        if gamma:  # proposals of varying length, accepted in part: rejections roll back
+            self.runner.propose = lambda _r: [self._sample(_r) for _ in range(
+                self.token_index % (gamma + 1))]
+            self.runner.accept = lambda _r, k: self.token_index % (k + 1)
         self.added: list[str] = []
         self.finished: dict[str, str] = {}  # req_id -> finish reason
 

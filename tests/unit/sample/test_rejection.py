@@ -1,0 +1,44 @@
+"""Verification rules of sample/rejection.py: exact target distributions, statistically."""
+
+from __future__ import annotations
+
+import torch
+from scipy import stats
+
+from bladellm.sample.rejection import rejection_sample, walk
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return stats.chisquare(counts[keep].numpy(), expected[keep].numpy()).pvalue
+
+
+def test_rejection_sampling_matches_target_with_disagreeing_draft():
+    """Draws d ~ q, then rejection_sample: the first emitted token is distributed as p[0]
+    (and the second, when the first was accepted, as p[1]) although q disagrees with p."""
+    torch.manual_seed(0)
+    V = 12
+    p = torch.softmax(torch.randn(3, V) * 2, -1)
+    q = torch.softmax(torch.randn(2, V) * 2, -1)  # a draft that disagrees often
+    gen = torch.Generator().manual_seed(1)
+    first = torch.zeros(V)
+    accepted = 0
+    n = 20000
+    for _ in range(n):
+        d0 = int(torch.multinomial(q[0], 1, generator=gen))
+        d1 = int(torch.multinomial(q[1], 1, generator=gen))
+        out, _ = rejection_sample(p, q, [d0, d1], gen)
+        first[out[0]] += 1
+        accepted += len(out) - 1
+    assert _chi2_pvalue(first, p[0]) > 1e-3
+    assert 0 < accepted < 2 * n  # some accepted, some rejected
+
+
+def test_point_mass_walk_is_the_target_draw():
+    # Row tokens are the target's draws; guesses [5, 6] and [5, 7] share a prefix.
+    row_tokens = [5, 7, 9, 4, 8]  # root, g0 rows (5, 6), g1 rows (5, 7)
+    emitted, rows = walk(row_tokens, 0, [[5, 6], [5, 7]], [[1, 2], [3, 4]])
+    assert emitted == [5, 7, 8] and rows == [0, 1, 4]  # rows 1 and 3 share a prefix
+    emitted, _ = walk([3, 0, 0], 0, [[5, 6]], [[1, 2]])
+    assert emitted == [3]  # first guess token rejected: the target's own token
