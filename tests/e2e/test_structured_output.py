@@ -182,3 +182,26 @@ def test_grammar_failing_in_the_engine_fails_only_its_request(llm):
     assert isinstance(AsyncLLM._request_error(outputs["bad"].error), ValueError)
     assert outputs["ok"].finish_reason == "length"
     core.scheduler.check_invariants()
+
+
+@pytest.mark.parametrize("decode_algo", ["look_ahead", "sps"])
+def test_constrained_requests_beside_speculation(tiny_llama, decode_algo):
+    """With speculative / lookahead decoding on, constrained requests take no proposals (the
+    grammar mask covers the sampled position only) and stay valid; free requests in the same
+    batch still speculate and match plain greedy decoding."""
+    extra = {"draft_model": tiny_llama} if decode_algo == "sps" else {}
+    spec = LLM(model=tiny_llama, dtype="float32", max_model_len=512, num_kv_blocks=512,
+               max_num_seqs=32, num_threads=1, decode_algo=decode_algo, **extra)
+    names = list(SCHEMAS)[:6]
+    params = [_params(GuidedDecodingParams(json=SCHEMAS[n]), t, seed=i)
+              for i, n in enumerate(names) for t in (0.0, 1.0)]
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = spec.generate(["Answer in JSON:"] * len(params) + ["the the the"], params + [free],
+                         use_tqdm=False)
+    for (name, out) in zip([n for n in names for _ in (0, 1)], outs):
+        assert out.outputs[0].finish_reason == "stop", (name, out.outputs[0].text)
+        _check_json(out.outputs[0].text, SCHEMAS[name])
+    plain = LLM(model=tiny_llama, dtype="float32", max_model_len=512, num_kv_blocks=512,
+                num_threads=1)
+    [ref] = plain.generate(["the the the"], free, use_tqdm=False)
+    assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids
