@@ -47,6 +47,11 @@ class ModelRunner:
         spec = self.model.get_kv_cache_spec()  # per rank: stays right under TP
         self.num_layers, self.num_kv_heads, self.head_dim = (
             spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        self.lora = None  # LoRAManager: adapter tiers and the layers' device slots
+        if config.lora.enable_lora:
+            from bladellm.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(config.lora, self.model, resolved.hf_config, self.dtype)
 
     def _prepack_weights(self) -> int:
         """Let each linear layer keep its kernels' load-time weight layout (on CPU: a oneDNN
@@ -99,6 +104,9 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.input_batch.prepare(sched)
         ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=self.kv_caches)
+        if self.lora is not None:
+            ctx.lora = self.lora.prepare_step(inputs.token_lora_ids,
+                                              self.input_batch.active_lora_ids())
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, SampleLogprobs] = {}

@@ -1,0 +1,88 @@
+"""The batched LoRA delta: every token adds ``x @ A[slot] @ B[slot]`` of its own adapter slot.
+
+Punica's kernels take a per-token adapter index: BGMV gathers one adapter per token (decode),
+SGMV multiplies contiguous segments of tokens that share an adapter (prefill). The plain-PyTorch
+version here is the CPU path and the oracle for a device kernel (the seam: ``LoRALinear`` calls
+``sgmv_shrink_expand``; a Triton kernel would replace it on GPU). It is segmented and padded:
+
+- once per step, ``LoRAMapping.build`` groups the tokens by slot with numpy (a stable argsort):
+  ``k`` active slots, each a padded row of ``max_seg`` token indices;
+- per layer: one ``index_select`` gathers the tokens into ``[k, max_seg, in]``, one ``bmm`` with the
+  active slots' A (shrink), one ``bmm`` per output slice with B (expand), one ``index_add_`` puts
+  the deltas back on their tokens. No Python loop over adapters or requests; base-model tokens
+  (slot -1) are simply not gathered, and a step without adapter tokens has no mapping at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class LoRAMapping:
+    """Per-step token → slot layout, shared by every LoRA layer of the forward pass."""
+
+    slots: torch.Tensor  # [k] active slot ids (sorted)
+    all_slots: bool  # slots == arange(num_slots): use the stacks without a gather
+    gather: torch.Tensor  # [k * max_seg] token index per padded position (pads read token 0)
+    valid: torch.Tensor  # [n] padded positions that hold a real token
+    dest: torch.Tensor  # [n] the token each valid position belongs to
+    max_seg: int
+
+    @classmethod
+    def build(cls, token_slots: np.ndarray, num_slots: int) -> "LoRAMapping | None":
+        """``token_slots[t]``: slot of token t, -1 for the base model. None if no token has one."""
+        tokens = np.flatnonzero(token_slots >= 0)
+        if not len(tokens):
+            return None
+        slots_of = token_slots[tokens]
+        active, group = np.unique(slots_of, return_inverse=True)
+        order = np.argsort(group, kind="stable")
+        counts = np.bincount(group, minlength=len(active))
+        starts = np.zeros(len(active), np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        max_seg = int(counts.max())
+        g_sorted = group[order]
+        within = np.arange(len(order)) - starts[g_sorted]
+        valid = g_sorted * max_seg + within
+        gather = np.zeros(len(active) * max_seg, np.int64)
+        dest = tokens[order]
+        gather[valid] = dest
+        return cls(
+            slots=torch.from_numpy(active.astype(np.int64)),
+            all_slots=len(active) == num_slots,
+            gather=torch.from_numpy(gather), valid=torch.from_numpy(valid.astype(np.int64)),
+            dest=torch.from_numpy(dest.astype(np.int64)), max_seg=max_seg)
+
+
+def sgmv_shrink_expand(x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
+                       out: torch.Tensor, offsets: list[int], rank: int,
+                       mapping: LoRAMapping) -> None:
+    """``out[t, offsets[j]:+out_j] += x[t] @ a[s, :, j*rank:(j+1)*rank] @ bs[j][s]`` for every
+    token t with slot s. ``a``: ``[num_slots, in, n*rank]``; ``bs[j]``: ``[num_slots, rank,
+    out_j]``; the stacks' dtype is the LoRA dtype, ``out`` keeps its own."""
+    k = mapping.slots.numel()
+    xs = x.index_select(0, mapping.gather).view(k, mapping.max_seg, x.shape[1]).to(a.dtype)
+    a_act = a if mapping.all_slots else a.index_select(0, mapping.slots)
+    h = torch.bmm(xs, a_act)  # [k, max_seg, n*rank]
+    for j, (b, offset) in enumerate(zip(bs, offsets)):
+        b_act = b if mapping.all_slots else b.index_select(0, mapping.slots)
+        d = torch.bmm(h[:, :, j * rank:(j + 1) * rank], b_act)  # [k, max_seg, out_j]
+        d = d.view(-1, b.shape[2]).index_select(0, mapping.valid).to(out.dtype)
+        out[:, offset:offset + b.shape[2]].index_add_(0, mapping.dest, d)
+
+
+def bgmv_reference(x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
+                   token_slots: torch.Tensor, rank: int) -> torch.Tensor:
+    """The per-token definition (gather each token's adapter), for tests: the delta ``[T, out]``."""
+    deltas = []
+    keep = (token_slots >= 0).to(torch.float64)[:, None]
+    idx = token_slots.clamp(min=0)
+    h = torch.einsum("ti,tir->tr", x.double(), a.double()[idx])
+    for j, b in enumerate(bs):
+        hj = h[:, j * rank:(j + 1) * rank]
+        deltas.append(torch.einsum("tr,tro->to", hj, b.double()[idx]) * keep)
+    return torch.cat(deltas, dim=1)
