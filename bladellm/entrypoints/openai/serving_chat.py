@@ -93,7 +93,7 @@ def _prompt_ids(req: ChatCompletionRequest, ctx: ServingContext) -> list[int]:
 
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
                                  ctx: ServingContext) -> Response:
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     _check(req)
     prompt = _prompt_ids(req, ctx)  # ValueError (bad messages, no template) -> 400
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -101,7 +101,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, ctx, max_tokens=max_tokens, logprobs=logprobs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    merged = merge_streams([ctx.engine.generate(prompt, params, request_id)])
+    merged = merge_streams([ctx.generate(prompt, params, request_id, lora)])
     choices = [_Choice() for _ in range(req.n)]
     if req.stream:
         first = await until_disconnect(anext(merged), raw)
