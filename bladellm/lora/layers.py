@@ -35,30 +35,33 @@ class LoRALinear(nn.Module):
             raise ValueError(f"{base.prefix}: {len(sizes)} output slices, expected "
                              f"{len(slice_names)}")
         self.offsets = [sum(sizes[:j]) for j in range(len(sizes))]
-        in_features = base.input_size_per_partition
-        self.register_buffer("lora_a", torch.zeros(num_slots, in_features,
-                                                   len(sizes) * max_rank, dtype=dtype),
+        in_features, width = base.input_size_per_partition, len(sizes) * max_rank
+        self.register_buffer("lora_a", torch.zeros(num_slots, in_features, width, dtype=dtype),
                              persistent=False)
-        self.lora_b = [torch.zeros(num_slots, max_rank, size, dtype=dtype) for size in sizes]
+        # Block-diagonal: slice j's rank rows feed only slice j's output columns.
+        self.register_buffer("lora_b", torch.zeros(num_slots, width, sum(sizes), dtype=dtype),
+                             persistent=False)
+        self.sizes = sizes
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one adapter's tensors (per PEFT name: A [r, in], scaled B [out, r]) into a slot;
         slices it does not target become zero."""
         self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
         for j, name in enumerate(self.slice_names):
-            self.lora_b[j][slot].zero_()
             pair = weights.get(name)
             if pair is not None:
                 a, b = pair
-                r = a.shape[0]
-                self.lora_a[slot, :, j * self.rank:j * self.rank + r].copy_(a.t())
-                self.lora_b[j][slot, :r].copy_(b.t())
+                r, lo = a.shape[0], j * self.rank
+                self.lora_a[slot, :, lo:lo + r].copy_(a.t())
+                self.lora_b[slot, lo:lo + r, self.offsets[j]:self.offsets[j] + self.sizes[j]] \
+                    .copy_(b.t())
 
     def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         y = self.base(x, ctx)
         mapping = getattr(ctx, "lora", None)
         if mapping is not None:
-            sgmv_shrink_expand(x, self.lora_a, self.lora_b, y, self.offsets, self.rank, mapping)
+            sgmv_shrink_expand(x, self.lora_a, self.lora_b, y, mapping)
         return y
 
 

@@ -8,8 +8,8 @@ version here is the CPU path and the oracle for a device kernel (the seam: ``LoR
 - once per step, ``LoRAMapping.build`` groups the tokens by slot with numpy (a stable argsort):
   ``k`` active slots, each a padded row of ``max_seg`` token indices;
 - per layer: one ``index_select`` gathers the tokens into ``[k, max_seg, in]``, one ``bmm`` with the
-  active slots' A (shrink), one ``bmm`` per output slice with B (expand), one ``index_add_`` puts
-  the deltas back on their tokens. No Python loop over adapters or requests; base-model tokens
+  active slots' A (shrink), one with their B (expand), one ``index_add_`` puts the deltas back on
+  their tokens. No Python loop over adapters or requests; base-model tokens
   (slot -1) are simply not gathered, and a step without adapter tokens has no mapping at all.
 """
 
@@ -31,6 +31,8 @@ class LoRAMapping:
     valid: torch.Tensor  # [n] padded positions that hold a real token
     dest: torch.Tensor  # [n] the token each valid position belongs to
     max_seg: int
+    padded: bool  # some segment is shorter than max_seg (valid selects the real rows)
+    identity: bool  # one adapter for every token of the step: no gather or scatter needed
 
     @classmethod
     def build(cls, token_slots: np.ndarray, num_slots: int) -> "LoRAMapping | None":
@@ -55,34 +57,35 @@ class LoRAMapping:
             slots=torch.from_numpy(active.astype(np.int64)),
             all_slots=len(active) == num_slots,
             gather=torch.from_numpy(gather), valid=torch.from_numpy(valid.astype(np.int64)),
-            dest=torch.from_numpy(dest.astype(np.int64)), max_seg=max_seg)
+            dest=torch.from_numpy(dest.astype(np.int64)), max_seg=max_seg,
+            padded=len(active) * max_seg != len(tokens),
+            identity=len(active) == 1 and len(tokens) == len(token_slots))
 
 
-def sgmv_shrink_expand(x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
-                       out: torch.Tensor, offsets: list[int], rank: int,
+def sgmv_shrink_expand(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                        mapping: LoRAMapping) -> None:
-    """``out[t, offsets[j]:+out_j] += x[t] @ a[s, :, j*rank:(j+1)*rank] @ bs[j][s]`` for every
-    token t with slot s. ``a``: ``[num_slots, in, n*rank]``; ``bs[j]``: ``[num_slots, rank,
-    out_j]``; the stacks' dtype is the LoRA dtype, ``out`` keeps its own."""
+    """``out[t] += x[t] @ a[s] @ b[s]`` for every token t with slot s. ``a``: ``[num_slots, in,
+    n*rank]``; ``b``: ``[num_slots, n*rank, out]``, block-diagonal over a fused layer's n output
+    slices (one expand matmul instead of n); the stacks' dtype is the LoRA dtype, ``out`` keeps
+    its own. Four tensor ops per layer: few small ops matter more than flops on a busy CPU."""
     k = mapping.slots.numel()
-    xs = x.index_select(0, mapping.gather).view(k, mapping.max_seg, x.shape[1]).to(a.dtype)
-    a_act = a if mapping.all_slots else a.index_select(0, mapping.slots)
-    h = torch.bmm(xs, a_act)  # [k, max_seg, n*rank]
-    for j, (b, offset) in enumerate(zip(bs, offsets)):
-        b_act = b if mapping.all_slots else b.index_select(0, mapping.slots)
-        d = torch.bmm(h[:, :, j * rank:(j + 1) * rank], b_act)  # [k, max_seg, out_j]
-        d = d.view(-1, b.shape[2]).index_select(0, mapping.valid).to(out.dtype)
-        out[:, offset:offset + b.shape[2]].index_add_(0, mapping.dest, d)
+    xs = x if mapping.identity else x.index_select(0, mapping.gather)
+    xs = xs.view(k, mapping.max_seg, x.shape[1]).to(a.dtype)
+    if not mapping.all_slots:
+        a, b = a.index_select(0, mapping.slots), b.index_select(0, mapping.slots)
+    d = torch.bmm(torch.bmm(xs, a), b).view(-1, b.shape[2])  # [k * max_seg, out]
+    if mapping.padded:
+        d = d.index_select(0, mapping.valid)
+    if mapping.identity:
+        out.add_(d.to(out.dtype))
+    else:
+        out.index_add_(0, mapping.dest, d.to(out.dtype))
 
 
-def bgmv_reference(x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
-                   token_slots: torch.Tensor, rank: int) -> torch.Tensor:
+def bgmv_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   token_slots: torch.Tensor) -> torch.Tensor:
     """The per-token definition (gather each token's adapter), for tests: the delta ``[T, out]``."""
-    deltas = []
     keep = (token_slots >= 0).to(torch.float64)[:, None]
     idx = token_slots.clamp(min=0)
     h = torch.einsum("ti,tir->tr", x.double(), a.double()[idx])
-    for j, b in enumerate(bs):
-        hj = h[:, j * rank:(j + 1) * rank]
-        deltas.append(torch.einsum("tr,tro->to", hj, b.double()[idx]) * keep)
-    return torch.cat(deltas, dim=1)
+    return torch.einsum("tr,tro->to", h, b.double()[idx]) * keep

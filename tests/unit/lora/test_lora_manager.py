@@ -109,7 +109,8 @@ def test_slot_holds_the_adapter_delta(tiny_llama, adapters):
     a, b = mgr.host[1].modules[(0, "q_proj")]
     slot = mgr.slot_of[1]
     x = torch.randn(3, 64)
-    got = x @ layer.lora_a[slot][:, :layer.rank] @ layer.lora_b[0][slot]
-    torch.testing.assert_close(got, x @ a.t() @ b.t())
-    assert not layer.lora_b[1][slot].any() and not layer.lora_b[2][slot].any()  # k, v untargeted
+    delta = x @ layer.lora_a[slot] @ layer.lora_b[slot]  # [3, q + k + v]
+    q = layer.sizes[0]
+    torch.testing.assert_close(delta[:, :q], x @ a.t() @ b.t())
+    assert not delta[:, q:].any()  # k, v untargeted
     mgr.shutdown()
