@@ -57,8 +57,10 @@ def client(server) -> openai.OpenAI:
 
 
 def _complete(client: openai.OpenAI, model: str) -> str:
-    return client.completions.create(model=model, prompt="The quick brown fox", max_tokens=8,
-                                     temperature=0.0).choices[0].text
+    resp = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=8,
+                                     temperature=0.0)
+    assert resp.model == model
+    return resp.choices[0].text
 
 
 def test_models_list_adapters(client):
@@ -75,6 +77,9 @@ def test_adapter_by_name_and_by_path(client, dirs):
     assert _complete(client, "a1") == by_name  # relative to the root
     assert _complete(client, "a2") not in (base, by_name)
     assert _complete(client, "tiny") == base
+    chat = client.chat.completions.create(model="named", max_tokens=4, temperature=0.0,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert chat.model == "named" and chat.choices[0].message.content
 
 
 @pytest.mark.parametrize("model", [

@@ -102,14 +102,15 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
     params = build_sampling_params(req, ctx, max_tokens=max_tokens, logprobs=logprobs)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     merged = merge_streams([ctx.generate(prompt, params, request_id, lora)])
+    model = lora.lora_name if lora is not None else ctx.model_name
     choices = [_Choice() for _ in range(req.n)]
     if req.stream:
         first = await until_disconnect(anext(merged), raw)
-        body = _stream(req, request_id, ctx.model_name, first, merged, choices)
+        body = _stream(req, request_id, model, first, merged, choices)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
     usage = await until_disconnect(_collect(req, merged, choices), raw)
     response = ChatCompletionResponse(
-        id=request_id, model=ctx.model_name, usage=usage,
+        id=request_id, model=model, usage=usage,
         choices=[ChatChoice(index=k, message=ChatResponseMessage(content="".join(c.texts)),
                             logprobs=c.logprobs, finish_reason=c.finish_reason)
                  for k, c in enumerate(choices)])

@@ -75,7 +75,7 @@ async def create_completion(req: CompletionRequest, raw: Request,
             text = p if isinstance(p, str) else ctx.tokenizer.decode(p)
             for j in range(req.n):
                 choices[i * req.n + j].echo = text
-    model = ctx.model_name
+    model = lora.lora_name if lora is not None else ctx.model_name
     if req.stream:
         first = await until_disconnect(anext(merged), raw)
         body = _stream(req, request_id, model, first, merged, choices)
