@@ -26,7 +26,8 @@ class LoRAMapping:
     """Per-step token → slot layout, shared by every LoRA layer of the forward pass."""
 
     slots: torch.Tensor  # [k] active slot ids (sorted)
-    all_slots: bool  # slots == arange(num_slots): use the stacks without a gather
+    # The active slots are consecutive (always true for one): a view of the stacks, no gather.
+    slot_range: tuple[int, int] | None
     gather: torch.Tensor  # [k * max_seg] token index per padded position (pads read token 0)
     valid: torch.Tensor  # [n] padded positions that hold a real token
     dest: torch.Tensor  # [n] the token each valid position belongs to
@@ -55,7 +56,8 @@ class LoRAMapping:
         gather[valid] = dest
         return cls(
             slots=torch.from_numpy(active.astype(np.int64)),
-            all_slots=len(active) == num_slots,
+            slot_range=((int(active[0]), len(active))
+                        if int(active[-1]) - int(active[0]) + 1 == len(active) else None),
             gather=torch.from_numpy(gather), valid=torch.from_numpy(valid.astype(np.int64)),
             dest=torch.from_numpy(dest.astype(np.int64)), max_seg=max_seg,
             padded=len(active) * max_seg != len(tokens),
@@ -71,7 +73,10 @@ def sgmv_shrink_expand(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: t
     k = mapping.slots.numel()
     xs = x if mapping.identity else x.index_select(0, mapping.gather)
     xs = xs.view(k, mapping.max_seg, x.shape[1]).to(a.dtype)
-    if not mapping.all_slots:
+    if mapping.slot_range is not None:
+        first, count = mapping.slot_range
+        a, b = a.narrow(0, first, count), b.narrow(0, first, count)
+    else:
         a, b = a.index_select(0, mapping.slots), b.index_select(0, mapping.slots)
     d = torch.bmm(torch.bmm(xs, a), b).view(-1, b.shape[2])  # [k * max_seg, out]
     if mapping.padded:

@@ -13,7 +13,8 @@ from bladellm.lora.ops import LoRAMapping, bgmv_reference, sgmv_shrink_expand
     [0, 0, 1, -1, 2, 1, 1, -1, 0],  # mixed, base tokens in between
     [3] * 7,  # one adapter (a long prefill)
     [2, -1, -1],
-    [0, 1, 2, 3],  # every slot active: stacks used without a gather
+    [0, 1, 2, 3],  # every slot active: a view of the stacks, no gather
+    [1, 3, 3, -1],  # slots 1 and 3: gathered
     [0, 1, 2, 3, 3, 2, 1, 0],  # equal segments: no padding
 ])
 def test_sgmv_matches_bgmv_reference(slots):
