@@ -297,6 +297,60 @@ class GuidedDecodingConfig:
                f"must be >= 1000, got {self.guided_max_grammar_size}")
         _check(not self.json_warmup_schemas or self.enable_json_warmup, "json_warmup_schemas",
                "needs --enable_json_warmup")
+_LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (docs/lora.md)."""
+
+    enable_lora: bool = field(
+        default=False,
+        metadata={"help": "Serve PEFT LoRA adapters on top of --model; a request picks one by "
+                          "its `model` field (a registered name or a path under --lora_root)."})
+    max_lora_rank: int = field(
+        default=16, metadata={"help": "Largest adapter rank accepted (device slots are sized "
+                                      "for it)."})
+    max_loras: int = field(
+        default=4, metadata={"help": "Adapters resident on the device, i.e. the most distinct "
+                                     "adapters among running requests; others wait."})
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata={"help": "Adapters kept in host memory (>= --max_loras; default: "
+                          "--max_loras); the least recently used unused one is dropped."})
+    lora_dtype: str = field(
+        default="auto", metadata={"help": "dtype of adapter weights: auto (the model's), "
+                                          "float16, bfloat16 or float32."})
+    lora_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "Adapters registered at start-up, as name=path (vLLM style)."})
+    lora_root: list[str] | None = field(
+        default=None,
+        metadata={"help": "The only directories from which adapters may be loaded by path "
+                          "(requests, /v1/load_lora_adapter, --lora_modules); symlinks are "
+                          "resolved before the check."})
+
+    def __post_init__(self) -> None:
+        _check(self.max_lora_rank >= 1, "max_lora_rank",
+               f"must be >= 1, got {self.max_lora_rank}")
+        _check(self.max_loras >= 1, "max_loras", f"must be >= 1, got {self.max_loras}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _check(self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+               f"must be >= --max_loras ({self.max_loras}), got {self.max_cpu_loras}")
+        _check(self.lora_dtype in _LORA_DTYPES, "lora_dtype",
+               f"must be one of {_LORA_DTYPES}, got {self.lora_dtype!r}")
+        for item in self.lora_modules or []:
+            name, sep, path = item.partition("=")
+            _check(bool(sep and name.strip() and path.strip()), "lora_modules",
+                   f"expected name=path, got {item!r}")
+        if not self.enable_lora:
+            _check(not self.lora_modules and not self.lora_root, "enable_lora",
+                   "--lora_modules / --lora_root need --enable_lora")
+
+    @property
+    def named_modules(self) -> dict[str, str]:
+        return dict(item.split("=", 1) for item in self.lora_modules or [])
 
 
 @dataclass
@@ -310,6 +364,7 @@ class EngineConfig:
     guided: GuidedDecodingConfig = field(default_factory=GuidedDecodingConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     device: str = field(default="cpu", metadata={"help": "Device to run on (only cpu so far)."})
     debug_block_accounting: bool = field(
         default=False,
@@ -332,6 +387,9 @@ class EngineConfig:
             # A draft flag that nothing would use must not be silently ignored.
             _check(self.draft.model is None, "draft.model",
                    f"only used with --decode_algo sps (got --decode_algo {spec.decode_algo})")
+        # The verification step and the sps draft have no LoRA path yet (docs/lora.md).
+        _check(not (self.lora.enable_lora and spec.enabled), "enable_lora",
+               f"cannot be combined with --decode_algo {spec.decode_algo} yet")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -340,7 +398,7 @@ class EngineConfig:
         sections = {"model": ModelConfig, "cache": CacheConfig,
                     "scheduler": SchedulerConfig, "parallel": ParallelConfig,
                     "guided": GuidedDecodingConfig, "speculative": SpeculativeConfig,
-                    "draft": DraftConfig}
+                    "draft": DraftConfig, "lora": LoRAConfig}
         top: dict[str, Any] = {}
         for key, value in kwargs.items():
             if key.startswith("draft_"):  # LLM(draft_model=...) for --draft.model

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 from bladellm.sampling_params import SamplingParams
 
@@ -84,6 +84,7 @@ class Request:
         max_model_len: int | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -92,6 +93,9 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         # Extra key mixed into prompt-cache hashes (LoRA id, image hashes later).
         self.cache_salt = cache_salt
+        # The LoRA adapter (``bladellm.lora.LoRARequest``) or None; 0 = the base model.
+        self.lora_request = lora_request
+        self.lora_id: int = lora_request.lora_int_id if lora_request is not None else 0
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

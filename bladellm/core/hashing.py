@@ -41,5 +41,9 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
     return hashes
 
 
-def request_extra_keys(cache_salt: str | None) -> tuple | None:
-    return (cache_salt,) if cache_salt is not None else None
+def request_extra_keys(cache_salt: str | None, lora_id: int = 0) -> tuple | None:
+    """Two LoRA adapters never share KV blocks (their K/V differ); one adapter shares its own."""
+    keys = (cache_salt,) if cache_salt is not None else ()
+    if lora_id:
+        keys += ("lora", lora_id)
+    return keys or None

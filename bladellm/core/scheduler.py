@@ -41,7 +41,8 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, max_model_len: int, *,
                  clock: Callable[[], float] = time.time,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 max_loras: int | None = None) -> None:
         self.config = scheduler_config
         # sps: the draft writes its KV for the proposals at the end of a step, so a request that
         # samples gets blocks for that many positions past its scheduled tokens.
@@ -79,6 +80,11 @@ class Scheduler:
         self._step_start: float | None = None
         self.num_spec_draft_tokens = 0
         self.num_spec_accepted_tokens = 0
+        # LoRA (None: off): running requests use at most ``max_loras`` distinct adapters, and
+        # a request is admitted only once its adapter is in host memory (``lora_ready``, set
+        # by the engine core each step); others wait without blocking the queue.
+        self.max_loras = max_loras
+        self.lora_ready: set[int] = set()
 
     # --- requests in and out -------------------------------------------------------------------
 
@@ -209,10 +215,14 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         kv = self.kv_cache_manager
         held_back: list[Request] = []
+        running_loras = self._running_loras()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.grammar is not None and not req.grammar.is_ready():
                 held_back.append(self.waiting.popleft())  # still compiling: others go first
+                continue
+            if req.lora_id and self._lora_must_wait(req.lora_id, running_loras):
+                held_back.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(req)
             if kv.pending_owner(req, len(hit_blocks)) is not None:
@@ -234,7 +244,9 @@ class Scheduler:
             out.scheduled_new_reqs.append(NewRequestData(
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
                 req.sampling_params, list(kv.get_block_ids(req.request_id)), num_hit,
-                eos_token_ids=sorted(req.eos_token_ids)))
+                eos_token_ids=sorted(req.eos_token_ids), lora_id=req.lora_id))
+            if req.lora_id:
+                running_loras.add(req.lora_id)
             self._runner_num_tokens[req.request_id] = req.num_tokens
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
@@ -245,6 +257,29 @@ class Scheduler:
         if not self.num_lookahead_slots or num_hit + num_new < req.num_tokens:
             return 0
         return max(0, min(self.num_lookahead_slots, self.max_model_len - num_hit - num_new))
+    def _running_loras(self) -> set[int]:
+        if self.max_loras is None:
+            return set()
+        return {r.lora_id for r in self.running if r.lora_id}
+
+    def _lora_must_wait(self, lora_id: int, running_loras: set[int]) -> bool:
+        if self.max_loras is None:
+            return False
+        if lora_id not in self.lora_ready:
+            return True
+        return lora_id not in running_loras and len(running_loras) >= self.max_loras
+
+    def wanted_loras(self) -> dict[int, object]:
+        """The adapter of every unfinished request, by id (its ``LoRARequest``)."""
+        return {r.lora_id: r.lora_request for r in self.requests.values() if r.lora_id}
+
+    def fail_lora(self, lora_id: int, error: str) -> list[EngineCoreOutput]:
+        """Fail every unfinished request of an adapter that cannot be loaded."""
+        req_ids = [r.request_id for r in self.requests.values() if r.lora_id == lora_id]
+        outputs = self.abort_requests(req_ids, RequestStatus.FINISHED_ERROR)
+        for output in outputs:
+            output.error = error
+        return outputs
 
     def _expire_queued(self) -> None:
         max_time = self.config.max_queue_time

@@ -22,6 +22,7 @@ from bladellm.engine.messages import GRAMMAR_ERROR_PREFIX, QUEUE_TIMEOUT_ERROR, 
 from bladellm.engine.metrics import StatLogger
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
+from bladellm.lora.request import LoRARequest
 from bladellm.model.checkpoint import resolve_model
 from bladellm.outputs import RequestOutput
 from bladellm.sampling_params import SamplingParams
@@ -47,6 +48,15 @@ class AsyncLLM:
             self.client.close()
             raise
         self.input_processor = InputProcessor(self.model_info, config.guided.guided_max_grammar_size)
+        self.lora_registry = None  # names/paths -> adapters (bladellm/lora/registry.py)
+        if config.lora.enable_lora:
+            from bladellm.lora.registry import LoRARegistry
+
+            try:
+                self.lora_registry = LoRARegistry(config.lora, resolved.hf_config)
+            except BaseException:
+                self.client.close()
+                raise
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
         self._queues: dict[str, asyncio.Queue] = {}
@@ -82,7 +92,8 @@ class AsyncLLM:
 
     # ---- requests -----------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
-                       request_id: str, *, delta: bool = True) -> AsyncIterator[RequestOutput]:
+                       request_id: str, *, delta: bool = True,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request. Raises before yielding for bad input or overload."""
         await self.check_health()
         self._ensure_output_task()
@@ -93,7 +104,8 @@ class AsyncLLM:
             raise EngineOverloadedError(f"{len(self._not_started)} requests waiting "
                                         f"(--max_queue_size {limit})")
         arrival = time.time()
-        core_reqs = self.input_processor.process(request_id, prompt, sampling_params, arrival)
+        core_reqs = self.input_processor.process(request_id, prompt, sampling_params, arrival,
+                                                 lora_request=lora_request)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._not_started.add(request_id)
@@ -153,6 +165,13 @@ class AsyncLLM:
         fut = asyncio.get_running_loop().create_future()
         self._utility_waiters[call_id] = fut
         return await fut
+
+    async def remove_lora(self, name: str) -> None:
+        """Unregister an adapter and drop its copies in the engine (running requests finish)."""
+        if self.lora_registry is None:
+            raise ValueError("LoRA is not enabled (--enable_lora)")
+        req = self.lora_registry.remove(name)
+        await self.call_utility("remove_lora", req.lora_int_id)
 
     # ---- output loop --------------------------------------------------------------------------
     def _ensure_output_task(self) -> None:

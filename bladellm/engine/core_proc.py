@@ -116,6 +116,9 @@ def _utility(core: Any, method: str, args: list) -> Any:
         return msgspec.to_builtins(core.scheduler.get_stats())
     if method == "guided_stats":  # compiled-grammar cache counters (tests, debugging)
         return core.guided.stats()
+    if method == "remove_lora":
+        core.remove_lora(int(args[0]))
+        return True
     if method == "raise":  # test hook: prove that a dead core fails requests instead of hanging
         raise RuntimeError(f"raise requested: {args}")
     raise ValueError(f"unknown utility {method!r}")

@@ -39,8 +39,10 @@ class EngineCore:
         self.executor = get_executor_class(config)(config, resolved)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
+        self.lora_enabled = config.lora.enable_lora
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len,
-                                   speculative=config.speculative)
+                                   speculative=config.speculative,
+                                   max_loras=config.lora.max_loras if self.lora_enabled else None)
         self.num_blocks = num_blocks
         self.guided = GuidedRequests(config, resolved, self.scheduler)
 
@@ -48,7 +50,8 @@ class EngineCore:
         request = Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_ids=tuple(req.eos_token_ids), max_model_len=self.max_model_len,
-            arrival_time=req.arrival_time or None, cache_salt=req.cache_salt)
+            arrival_time=req.arrival_time or None, cache_salt=req.cache_salt,
+            lora_request=req.lora_request)
         if req.sampling_params.guided_decoding is not None:
             request.grammar = self.guided.grammar_for(req.sampling_params.guided_decoding)
         self.scheduler.add_request(request)
@@ -60,18 +63,39 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
+        lora_failures, loading = self._sync_loras() if self.lora_enabled else ([], False)
         failed = self.guided.fail_broken_grammars()
         sched = self.scheduler.schedule()
         sched.grammar_bitmask = self.guided.start_bitmask(sched)
         if sched.is_empty:
+            if loading:
+                time.sleep(0.002)  # only requests waiting for an adapter load: do not spin
             self.guided.wait_for_compiling()  # only grammar-waiting requests: don't spin
         runner_out = self._execute(sched)
-        outputs = failed + self.scheduler.update_from_output(sched, runner_out)
+        outputs = (lora_failures + failed
+                   + self.scheduler.update_from_output(sched, runner_out))
         if self.config.debug_block_accounting:
             self.scheduler.check_invariants()
         stats = self.scheduler.get_stats()
         self.guided.fill_stats(stats)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
+
+    def _sync_loras(self) -> tuple[list[EngineCoreOutput], bool]:
+        """Start disk loads of wanted adapters (off this loop), tell the scheduler which are in
+        host memory, fail the requests of adapters that cannot be loaded."""
+        wanted = self.scheduler.wanted_loras()
+        if not wanted:
+            return [], False
+        ready, failed, loading = self.executor.collective_rpc(
+            "sync_loras", (list(wanted.values()),))[0]
+        self.scheduler.lora_ready = set(ready)
+        outputs: list[EngineCoreOutput] = []
+        for lora_id, error in failed.items():
+            outputs.extend(self.scheduler.fail_lora(lora_id, error))
+        return outputs, loading
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.executor.collective_rpc("remove_lora", (lora_id,))
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run the batch; if it fails, fail the requests in it rather than the engine."""

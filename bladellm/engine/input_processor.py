@@ -17,6 +17,7 @@ from typing import Any
 
 from bladellm.engine.messages import EngineCoreRequest
 from bladellm.engine.model_info import ModelInfo
+from bladellm.lora.request import LoRARequest
 from bladellm.sampling_params import SamplingParams
 
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -35,8 +36,8 @@ class InputProcessor:
         self._grammar_validator = None  # built on the first constrained request
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                arrival_time: float, *, add_special_tokens: bool = True
-                ) -> list[EngineCoreRequest]:
+                arrival_time: float, *, add_special_tokens: bool = True,
+                lora_request: LoRARequest | None = None) -> list[EngineCoreRequest]:
         """Tokenize and validate one request; returns one EngineCoreRequest per sample.
 
         ``add_special_tokens=False`` is for text that already carries them (a chat template's
@@ -48,11 +49,11 @@ class InputProcessor:
         if params.n == 1:
             return [EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                       sampling_params=params, eos_token_ids=eos,
-                                      arrival_time=arrival_time)]
+                                      arrival_time=arrival_time, lora_request=lora_request)]
         return [
             EngineCoreRequest(request_id=child_id, prompt_token_ids=prompt_token_ids,
                               sampling_params=_child_params(params, i), eos_token_ids=eos,
-                              arrival_time=arrival_time)
+                              arrival_time=arrival_time, lora_request=lora_request)
             for i, child_id in enumerate(child_request_ids(request_id, params.n))
         ]
 

@@ -18,6 +18,7 @@ from bladellm.engine.engine_core import EngineCore
 from bladellm.engine.input_processor import InputProcessor
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
+from bladellm.lora.request import LoRARequest
 from bladellm.model.checkpoint import resolve_model
 from bladellm.outputs import RequestOutput
 from bladellm.sampling_params import SamplingParams
@@ -35,14 +36,23 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.model_info, config.guided.guided_max_grammar_size)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
         self.core = EngineCore(config, resolved)
+        self.lora_registry = None
+        if config.lora.enable_lora:
+            from bladellm.lora.registry import LoRARegistry
+
+            self.lora_registry = LoRARegistry(config.lora, resolved.hf_config)
 
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.model_info.sampling_defaults)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         arrival_time = time.time() if arrival_time is None else arrival_time
-        core_reqs = self.input_processor.process(request_id, prompt, params, arrival_time)
+        if lora_request is not None and self.lora_registry is None:
+            raise ValueError("lora_request: LoRA is not enabled (enable_lora=True)")
+        core_reqs = self.input_processor.process(request_id, prompt, params, arrival_time,
+                                                 lora_request=lora_request)
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None,
             core_reqs[0].prompt_token_ids, params, [r.request_id for r in core_reqs],
@@ -71,13 +81,25 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._ids = itertools.count()
 
+    def lora_request(self, name: str, path: str) -> LoRARequest:
+        """Register (once) and return the adapter in PEFT directory ``path`` under ``name``."""
+        registry = self.engine.lora_registry
+        if registry is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True)")
+        existing = registry.get(name)
+        return existing if existing is not None else registry.add(name, path, trusted=True)
+
     def get_tokenizer(self):
         return self.engine.model_info.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs in the order of the prompts."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs in the order of the prompts.
+        ``lora_request``: one adapter for all prompts or one (or None) per prompt; build them
+        with ``LLM.lora_request(name, path)``."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -90,11 +112,15 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params_list)} for "
                                  f"{len(prompts)} prompts")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         ids = [str(next(self._ids)) for _ in prompts]
         added: list[str] = []
         try:
-            for request_id, prompt, params in zip(ids, prompts, params_list):
-                self.engine.add_request(request_id, prompt, params)
+            for request_id, prompt, params, lora in zip(ids, prompts, params_list, loras):
+                self.engine.add_request(request_id, prompt, params, lora_request=lora)
                 added.append(request_id)
         except Exception:
             # A bad prompt fails the whole call: leave nothing of it in the engine.

@@ -10,6 +10,7 @@ import msgspec
 
 from bladellm.core.outputs import (GRAMMAR_ERROR_PREFIX, QUEUE_TIMEOUT_ERROR, EngineCoreOutput,
                                    Logprobs, SchedulerStats)
+from bladellm.lora.request import LoRARequest
 from bladellm.sampling_params import SamplingParams
 
 __all__ = ["GRAMMAR_ERROR_PREFIX", "QUEUE_TIMEOUT_ERROR", "EngineCoreOutput", "EngineCoreOutputs",
@@ -24,6 +25,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defa
     eos_token_ids: list[int] = []
     arrival_time: float = 0.0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):

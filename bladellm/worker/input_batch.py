@@ -37,6 +37,7 @@ class StepInputs:
     sample_indices: np.ndarray  # [S] int64
     logits_indices: torch.Tensor  # [S] int64
     sampling: SamplingMetadata | None  # None when nothing samples
+    token_lora_ids: np.ndarray | None = None  # [T] each token's LoRA adapter (0: base model)
 
 
 class InputBatch:
@@ -56,6 +57,7 @@ class InputBatch:
         self.block_table = np.zeros((R, B), np.int32)
         self.num_blocks = np.zeros(R, np.int64)
         self.sampling = SamplingRows(R)
+        self.lora_ids = np.zeros(R, np.int64)  # the row's LoRA adapter (0: the base model)
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(R - 1, -1, -1))  # pop() hands out the lowest row
         # Step buffers: the model's input tensors are views of these (torch.from_numpy shares).
@@ -98,11 +100,18 @@ class InputBatch:
         self.block_table[row, :b] = new.block_ids
         self.num_blocks[row] = b
         self.sampling.set_row(row, new.sampling_params, new.eos_token_ids)
+        self.lora_ids[row] = new.lora_id
+
+    def active_lora_ids(self) -> set[int]:
+        """Adapters of every request in the batch (pinned on the device while they run)."""
+        rows = np.fromiter(self.row_of.values(), np.int64, len(self.row_of))
+        return {int(i) for i in np.unique(self.lora_ids[rows]) if i}
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.sampling.clear_row(row)
+            self.lora_ids[row] = 0
             self._free_rows.append(row)
 
     # ---- one step's flat inputs -----------------------------------------------------------------
@@ -160,4 +169,4 @@ class InputBatch:
             positions=torch.from_numpy(positions), attn_metadata=metadata,
             sample_indices=sample_indices,
             logits_indices=torch.from_numpy(qsl[1:][sample_indices].astype(np.int64) - 1),
-            sampling=sampling)
+            sampling=sampling, token_lora_ids=self.lora_ids[tok_rows])

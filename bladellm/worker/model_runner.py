@@ -71,6 +71,11 @@ class ModelRunner:
     def spec_bytes_per_block(self) -> int:
         """KV bytes per block of the sps draft model (0 without one): blocks hold both."""
         return getattr(getattr(self.spec, "proposer", None), "bytes_per_block", 0)
+        self.lora = None  # LoRAManager: adapter tiers and the layers' device slots
+        if config.lora.enable_lora:
+            from bladellm.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(config.lora, self.model, resolved.hf_config, self.dtype)
 
     def _prepack_weights(self) -> int:
         """Let each linear layer keep its kernels' load-time weight layout (on CPU: a oneDNN
@@ -133,6 +138,9 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.lay_out(sched, inputs)
         ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=self.kv_caches)
+        if self.lora is not None:
+            ctx.lora = self.lora.prepare_step(inputs.token_lora_ids,
+                                              self.input_batch.active_lora_ids())
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         if self.spec is not None:
             return self.spec.verify(self.model, hidden, sched, inputs)

@@ -61,5 +61,18 @@ class Worker:
     def drop_requests(self, req_ids: list[str]) -> None:
         self.model_runner.drop_requests(req_ids)
 
+    def sync_loras(self, wanted: list) -> tuple[list[int], dict[int, str], bool]:
+        """LoRA host tier: (ready ids, failed ids, loads still running); see lora/manager.py."""
+        lora = self.model_runner.lora
+        if lora is None:
+            return [], {r.lora_int_id: "LoRA is not enabled (--enable_lora)" for r in wanted}, False
+        ready, failed = lora.sync(wanted)
+        return ready, failed, lora.has_pending_loads
+
+    def remove_lora(self, lora_id: int) -> None:
+        lora = self.model_runner.lora
+        if lora is not None:
+            lora.remove(lora_id, self.model_runner.input_batch.active_lora_ids())
+
     def check_health(self) -> None:
         """Raises if this worker cannot serve (in-process: it is alive if we got here)."""

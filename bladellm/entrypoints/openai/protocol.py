@@ -271,6 +271,7 @@ class ModelCard(_Response):
     created: int = Field(default_factory=_now)
     owned_by: str = "bladellm"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

@@ -29,6 +29,7 @@ from bladellm.entrypoints.openai.protocol import (
 from bladellm.entrypoints.openai.serving_chat import create_chat_completion
 from bladellm.entrypoints.openai.serving_common import ClientDisconnected, ServingContext
 from bladellm.entrypoints.openai.serving_completion import create_completion
+from bladellm.entrypoints.openai.serving_lora import adapter_cards, add_lora_routes
 
 logger = logging.getLogger("bladellm.server")
 
@@ -138,15 +139,23 @@ def build_app(engine: Any, server_config: ServerConfig,
     def model_card() -> ModelCard:
         return ModelCard(id=ctx.model_name, created=created, max_model_len=ctx.max_model_len)
 
+    def all_cards() -> list[ModelCard]:
+        return [model_card(), *adapter_cards(engine, ctx.model_name, created, ctx.max_model_len)]
+
     @v1.get("/v1/models")
     async def list_models() -> Response:
-        return Response(ModelList(data=[model_card()]).model_dump_json(),
+        return Response(ModelList(data=all_cards()).model_dump_json(),
                         media_type="application/json")
 
     @v1.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> Response:
-        ctx.check_model(model_id)
-        return Response(model_card().model_dump_json(), media_type="application/json")
+        card = next((c for c in all_cards() if c.id == model_id), None)
+        if card is None:
+            raise APIError(404, f"The model `{model_id}` does not exist.",
+                           "invalid_request_error", param="model", code="model_not_found")
+        return Response(card.model_dump_json(), media_type="application/json")
+
+    add_lora_routes(v1, engine)
 
     app.include_router(v1)
 

@@ -117,7 +117,7 @@ def _prompt_ids(req: ChatCompletionRequest, ctx: ServingContext,
 
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
                                  ctx: ServingContext) -> Response:
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     _check(req)
     tools = parse_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
     prompt = _prompt_ids(req, ctx, tools)  # ValueError (bad messages, no template) -> 400
@@ -127,15 +127,16 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
     params = build_sampling_params(req, ctx, max_tokens=max_tokens, logprobs=logprobs,
                                    forced_constraint=forced_constraint(tools))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    merged = merge_streams([ctx.engine.generate(prompt, params, request_id)])
+    merged = merge_streams([ctx.generate(prompt, params, request_id, lora)])
+    model = lora.lora_name if lora is not None else ctx.model_name
     choices = [_Choice() for _ in range(req.n)]
     if req.stream:
         first = await until_disconnect(anext(merged), raw)
-        body = _stream(req, request_id, ctx.model_name, first, merged, choices, tools)
+        body = _stream(req, request_id, model, first, merged, choices, tools)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
     usage = await until_disconnect(_collect(req, merged, choices), raw)
     response = ChatCompletionResponse(
-        id=request_id, model=ctx.model_name, usage=usage,
+        id=request_id, model=model, usage=usage,
         choices=[_final_choice(k, c, tools) for k, c in enumerate(choices)])
     return Response(response.model_dump_json(), media_type="application/json")
 

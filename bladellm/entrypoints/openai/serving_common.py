@@ -50,10 +50,28 @@ class ServingContext:
                    max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                    tokenizer=info.tokenizer, sampling_defaults=dict(info.sampling_defaults))
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error",
-                           param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> Any:
+        """None for the base model, the ``LoRARequest`` an adapter name or path resolves to
+        (``--enable_lora``); 404 for anything else, 400 for an adapter that cannot be served."""
+        if name is None or name == self.model_name:
+            return None
+        registry = getattr(self.engine, "lora_registry", None)
+        if registry is not None:
+            from bladellm.lora.registry import LoRANotFoundError
+
+            try:
+                return registry.resolve(name)
+            except LoRANotFoundError:
+                pass
+        raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error",
+                       param="model", code="model_not_found")
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                 lora: Any = None) -> Any:
+        """The engine's stream for one prompt, with the request's LoRA adapter if any."""
+        if lora is None:
+            return self.engine.generate(prompt, params, request_id)
+        return self.engine.generate(prompt, params, request_id, lora_request=lora)
 
 
 # ------------------------------------------------------------------------- request checking

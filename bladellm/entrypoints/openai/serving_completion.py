@@ -60,13 +60,13 @@ def _check(req: CompletionRequest) -> None:
 
 async def create_completion(req: CompletionRequest, raw: Request,
                             ctx: ServingContext) -> Response:
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     _check(req)
     prompts = _prompts(req, ctx)
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     params = build_sampling_params(req, ctx, max_tokens=max_tokens, logprobs=req.logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = [ctx.engine.generate(p, params, f"{request_id}-p{i}")
+    streams = [ctx.generate(p, params, f"{request_id}-p{i}", lora)
                for i, p in enumerate(prompts)]
     merged = merge_streams(streams)
     choices = [_Choice() for _ in range(len(prompts) * req.n)]
@@ -75,7 +75,7 @@ async def create_completion(req: CompletionRequest, raw: Request,
             text = p if isinstance(p, str) else ctx.tokenizer.decode(p)
             for j in range(req.n):
                 choices[i * req.n + j].echo = text
-    model = ctx.model_name
+    model = lora.lora_name if lora is not None else ctx.model_name
     if req.stream:
         first = await until_disconnect(anext(merged), raw)
         body = _stream(req, request_id, model, first, merged, choices)

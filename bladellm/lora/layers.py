@@ -1,0 +1,85 @@
+"""``LoRALinear``: a base linear layer plus the per-token delta of each token's adapter slot.
+
+The device tier lives here: every wrapped layer holds stacks with one slot per device-resident
+adapter (``--max_loras``), sized for ``--max_lora_rank`` (a smaller rank is zero-padded, which
+adds exact zeros). A fused layer (q/k/v, gate/up) keeps one A block and one B stack per slice, so
+an adapter may target any subset of its slices; untargeted slices stay zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from bladellm.lora.adapter import TARGETS
+from bladellm.lora.ops import sgmv_shrink_expand
+
+# Our layer name -> the PEFT module names of its output slices, in order.
+SLICES: dict[str, tuple[str, ...]] = {}
+for _peft, (_ours, _idx) in TARGETS.items():
+    SLICES.setdefault(_ours, ())
+    SLICES[_ours] += (_peft,)
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Module, slice_names: tuple[str, ...], num_slots: int,
+                 max_rank: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base = base
+        self.slice_names = slice_names
+        self.rank = max_rank
+        sizes = list(base.output_partition_sizes)
+        if len(sizes) != len(slice_names):
+            raise ValueError(f"{base.prefix}: {len(sizes)} output slices, expected "
+                             f"{len(slice_names)}")
+        self.offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+        in_features, width = base.input_size_per_partition, len(sizes) * max_rank
+        self.register_buffer("lora_a", torch.zeros(num_slots, in_features, width, dtype=dtype),
+                             persistent=False)
+        # Block-diagonal: slice j's rank rows feed only slice j's output columns.
+        self.register_buffer("lora_b", torch.zeros(num_slots, width, sum(sizes), dtype=dtype),
+                             persistent=False)
+        self.sizes = sizes
+
+    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write one adapter's tensors (per PEFT name: A [r, in], scaled B [out, r]) into a slot;
+        slices it does not target become zero."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for j, name in enumerate(self.slice_names):
+            pair = weights.get(name)
+            if pair is not None:
+                a, b = pair
+                r, lo = a.shape[0], j * self.rank
+                self.lora_a[slot, :, lo:lo + r].copy_(a.t())
+                self.lora_b[slot, lo:lo + r, self.offsets[j]:self.offsets[j] + self.sizes[j]] \
+                    .copy_(b.t())
+
+    def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        y = self.base(x, ctx)
+        mapping = getattr(ctx, "lora", None)
+        if mapping is not None:
+            sgmv_shrink_expand(x, self.lora_a, self.lora_b, y, mapping)
+        return y
+
+
+def wrap_model(model: nn.Module, num_slots: int, max_rank: int,
+               dtype: torch.dtype) -> dict[tuple[int, str], LoRALinear]:
+    """Replace each decoder layer's projections by ``LoRALinear``; returns them by
+    (layer index, our layer name)."""
+    wrapped: dict[tuple[int, str], LoRALinear] = {}
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError("--enable_lora: this model has no decoder layers to adapt")
+    for i, layer in enumerate(layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if name in SLICES:
+                    lora = LoRALinear(child, SLICES[name], num_slots, max_rank, dtype)
+                    setattr(parent, name, lora)
+                    wrapped[(i, name)] = lora
+    if not wrapped:
+        raise ValueError("--enable_lora: no adaptable projections found in this model")
+    return wrapped

@@ -1,0 +1,90 @@
+"""API side: which adapter a request's ``model`` names (docs/lora.md, "Selecting an adapter").
+
+A ``model`` value is, in order: the base model's served name (no adapter), a registered adapter
+name (``--lora_modules`` or ``POST /v1/load_lora_adapter``), or a path, absolute or relative to
+a ``--lora_root``. A path is resolved with ``os.path.realpath`` (symlinks and ``..`` included)
+and must then lie inside a resolved root; anything else is "not found", without saying whether
+the path exists. The adapter directory is checked here (config and safetensors header, no weights
+read), so a bad adapter is a 400 before the request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+from bladellm.lora.adapter import BaseShapes, LoRAError, validate_dir
+from bladellm.lora.request import LoRARequest
+
+
+class LoRANotFoundError(LookupError):
+    """No such adapter (HTTP 404)."""
+
+
+class LoRARegistry:
+    def __init__(self, config: Any, hf_config: Any) -> None:
+        self.max_rank = config.max_lora_rank
+        self.roots = [os.path.realpath(r) for r in config.lora_root or []]
+        for root, given in zip(self.roots, config.lora_root or []):
+            if not os.path.isdir(root):
+                raise ValueError(f"--lora_root: {given!r} is not a directory")
+        self.base = BaseShapes.from_hf_config(hf_config)
+        self._by_name: dict[str, LoRARequest] = {}
+        self._ids = itertools.count(1)
+        for name, path in config.named_modules.items():
+            try:
+                self.add(name, path, trusted=True)
+            except (LoRAError, LoRANotFoundError) as exc:
+                raise ValueError(f"--lora_modules {name}={path}: {exc}") from None
+
+    def adapters(self) -> list[LoRARequest]:
+        return list(self._by_name.values())
+
+    def get(self, name: str) -> LoRARequest | None:
+        return self._by_name.get(name)
+
+    def add(self, name: str, path: str, *, trusted: bool = False) -> LoRARequest:
+        """Register an adapter. ``trusted`` (operator flags) skips the ``--lora_root`` check."""
+        if not name:
+            raise LoRAError("lora_name must not be empty")
+        if name in self._by_name:
+            raise LoRAError(f"The lora adapter '{name}' has already been loaded.")
+        real = os.path.realpath(path) if trusted else self.resolve_path(path)
+        try:
+            validate_dir(real, self.max_rank, self.base)
+        except FileNotFoundError:
+            raise LoRANotFoundError(f"no LoRA adapter at '{path}'") from None
+        req = LoRARequest(name, next(self._ids), real)
+        self._by_name[name] = req
+        return req
+
+    def remove(self, name: str) -> LoRARequest:
+        req = self._by_name.pop(name, None)
+        if req is None:
+            raise LoRANotFoundError(f"The lora adapter '{name}' cannot be found.")
+        return req
+
+    def resolve(self, model: str) -> LoRARequest:
+        """The adapter a request's ``model`` names (registered, or a path under a root)."""
+        req = self._by_name.get(model)
+        if req is not None:
+            return req
+        return self.add(model, model)
+
+    def resolve_path(self, path: str) -> str:
+        """``path`` resolved inside a ``--lora_root``; LoRANotFoundError otherwise."""
+        if not self.roots:
+            raise LoRANotFoundError(f"'{path}' is not a registered adapter, and loading "
+                                    "adapters by path needs --lora_root")
+        if "\x00" in path:
+            raise LoRANotFoundError(f"no LoRA adapter at '{path}'")
+        candidates = [path] if os.path.isabs(path) else [os.path.join(r, path)
+                                                         for r in self.roots]
+        for candidate in candidates:
+            real = os.path.realpath(candidate)
+            if any(os.path.commonpath([real, root]) == root for root in self.roots) \
+                    and os.path.isdir(real):
+                return real
+        raise LoRANotFoundError(f"no LoRA adapter at '{path}' under the --lora_root "
+                                "directories")
