@@ -89,3 +89,12 @@ def test_draft_vocab_mismatch_names_both_sizes(tiny_llama, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"--draft.model.*500.*384"):
         LLM(model=tiny_llama, dtype="float32", decode_algo="sps", draft_model=str(d))
+
+
+@pytest.mark.parametrize("algo", ["sps", "look_ahead"])
+def test_lora_with_speculation_is_refused(algo):
+    from bladellm.config import EngineConfig
+
+    extra = {"draft_model": "/some/draft"} if algo == "sps" else {}
+    with pytest.raises(ValueError, match="--enable_lora: cannot be combined"):
+        EngineConfig.from_kwargs(model="m", enable_lora=True, decode_algo=algo, **extra)
