@@ -297,6 +297,8 @@ class GuidedDecodingConfig:
                f"must be >= 1000, got {self.guided_max_grammar_size}")
         _check(not self.json_warmup_schemas or self.enable_json_warmup, "json_warmup_schemas",
                "needs --enable_json_warmup")
+
+
 _LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 

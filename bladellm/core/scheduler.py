@@ -257,6 +257,7 @@ class Scheduler:
         if not self.num_lookahead_slots or num_hit + num_new < req.num_tokens:
             return 0
         return max(0, min(self.num_lookahead_slots, self.max_model_len - num_hit - num_new))
+
     def _running_loras(self) -> set[int]:
         if self.max_loras is None:
             return set()

@@ -49,6 +49,11 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = (
             spec.num_layers, spec.num_kv_heads, spec.head_dim)
         self.spec = self._make_spec_decoder(resolved)
+        self.lora = None  # LoRAManager: adapter tiers and the layers' device slots
+        if config.lora.enable_lora:
+            from bladellm.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(config.lora, self.model, resolved.hf_config, self.dtype)
 
     def _make_spec_decoder(self, resolved: ResolvedModel):
         """--decode_algo sps / look_ahead: the proposer and the verification step."""
@@ -71,11 +76,6 @@ class ModelRunner:
     def spec_bytes_per_block(self) -> int:
         """KV bytes per block of the sps draft model (0 without one): blocks hold both."""
         return getattr(getattr(self.spec, "proposer", None), "bytes_per_block", 0)
-        self.lora = None  # LoRAManager: adapter tiers and the layers' device slots
-        if config.lora.enable_lora:
-            from bladellm.lora.manager import LoRAManager
-
-            self.lora = LoRAManager(config.lora, self.model, resolved.hf_config, self.dtype)
 
     def _prepack_weights(self) -> int:
         """Let each linear layer keep its kernels' load-time weight layout (on CPU: a oneDNN
