@@ -16,7 +16,9 @@ from collections.abc import AsyncIterator
 
 from bladellm.config import EngineConfig
 from bladellm.engine.core_client import AsyncMPClient
-from bladellm.engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from bladellm.engine.cpu_offload import CpuOffload
+from bladellm.engine.errors import (
+    EngineDeadError, EngineOverloadedError, RequestFailedError, ServerShuttingDownError)
 from bladellm.engine.input_processor import InputProcessor
 from bladellm.engine.messages import QUEUE_TIMEOUT_ERROR, SchedulerStats
 from bladellm.engine.metrics import StatLogger
@@ -38,6 +40,8 @@ class AsyncLLM:
         self.model_info = model_info_for(resolved)
         self.input_processor = InputProcessor(self.model_info)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
+        # Tokenization runs here, not on the event loop (the server shares this thread).
+        self.cpu_offload = CpuOffload()
         self.stat_loggers = list(stat_loggers or [])
         self.client = AsyncMPClient(config)
         self._queues: dict[str, asyncio.Queue] = {}
@@ -68,7 +72,20 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason)
 
     def get_scheduler_stats(self) -> SchedulerStats | None:
+        if self.is_dead:  # a dead core holds nothing: never report its last snapshot
+            return None
         return self._latest_stats
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def fail_all(self, reason: str) -> int:
+        """Finish every in-flight request with ``ServerShuttingDownError`` (their generators
+        abort them in the core); returns how many there were."""
+        for queue in self._queues.values():
+            queue.put_nowait(ServerShuttingDownError(reason))
+        return len(self._queues)
 
     # ---- requests -----------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
@@ -83,7 +100,8 @@ class AsyncLLM:
             raise EngineOverloadedError(f"{len(self._not_started)} requests waiting "
                                         f"(--max_queue_size {limit})")
         arrival = time.time()
-        core_reqs = self.input_processor.process(request_id, prompt, sampling_params, arrival)
+        core_reqs = await self.cpu_offload.run(
+            self.input_processor.process, request_id, prompt, sampling_params, arrival)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._not_started.add(request_id)
@@ -194,3 +212,4 @@ class AsyncLLM:
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError("engine is shutting down"))
         self.client.close()
+        self.cpu_offload.shutdown()

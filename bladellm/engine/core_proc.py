@@ -10,6 +10,7 @@ drain the input socket (ADD / ABORT / UTILITY / SHUTDOWN), step while there is w
 from __future__ import annotations
 
 import enum
+import gc
 import logging
 import os
 import signal
@@ -72,6 +73,9 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
         inp.close(linger=0)
         out.close()
         ctx.term()
+        # The final collection of the model's heap at interpreter exit takes seconds and
+        # serves no one: skip it (see entrypoints/cli/server.py).
+        gc.freeze()
 
 
 def _busy_loop(core: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> None:

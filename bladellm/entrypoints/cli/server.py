@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 
 from bladellm.entrypoints.cli.args import parse_args
@@ -11,7 +12,11 @@ def main(argv: list[str] | None = None) -> int:
     engine_config, server_config = parse_args(argv)
     from bladellm.entrypoints.openai.server import run_server
 
-    return run_server(engine_config, server_config)
+    code = run_server(engine_config, server_config)
+    # Everything is shut down. Python's final garbage collection of the heap (tokenizer, torch)
+    # takes seconds on a busy machine; frozen objects are skipped, so exit is prompt.
+    gc.freeze()
+    return code
 
 
 if __name__ == "__main__":

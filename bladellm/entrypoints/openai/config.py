@@ -38,6 +38,16 @@ class ServerConfig:
         default=10.0,
         metadata={"help": "On SIGINT/SIGTERM, seconds to let in-flight requests finish before "
                           "they are aborted."})
+    trust_request_chat_template: bool = field(
+        default=False,
+        metadata={"help": "Accept a Jinja chat template sent with a chat request "
+                          "(chat_template / chat_template_kwargs.chat_template). Off: such "
+                          "requests get 400, since the template runs in the API process."})
+    keep_serving_on_engine_death: bool = field(
+        default=False,
+        metadata={"help": "When the engine core dies, keep the server up answering 503 "
+                          "(the old behaviour). Off: in-flight requests get 503, then the "
+                          "process exits with status 1 so an orchestrator restarts it."})
     retry_after: int = field(
         default=1,
         metadata={"help": "Retry-After seconds sent with HTTP 503 (overloaded or engine down)."})

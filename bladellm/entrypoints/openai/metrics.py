@@ -127,5 +127,10 @@ class PrometheusStatLogger:
         self.kv_used_blocks.set(stats.num_used_blocks)
         self.kv_total_blocks.set(stats.num_total_blocks)
 
+    def zero_engine_gauges(self) -> None:
+        """A dead engine core runs nothing and holds no blocks: never show its last state."""
+        for gauge in (self.running, self.waiting, self.kv_usage, self.kv_used_blocks):
+            gauge.set(0)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -114,6 +114,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused unless --trust_request_chat_template
     # Declared but unsupported.
     tools: list[Any] | None = None
     tool_choice: Any = None

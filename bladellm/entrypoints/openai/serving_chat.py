@@ -11,6 +11,8 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from bladellm.engine.prompt_limits import check_prompt_chars
+from bladellm.entrypoints.openai.chat_template import template_options
 from bladellm.entrypoints.openai.errors import bad_request, from_exception, unsupported
 from bladellm.entrypoints.openai.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -50,9 +52,6 @@ def _check(req: ChatCompletionRequest) -> None:
         if not 0 <= req.top_logprobs <= _MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs: must be in [0, {_MAX_TOP_LOGPROBS}], "
                               f"got {req.top_logprobs}", "top_logprobs")
-    if req.continue_final_message and req.add_generation_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be "
-                          "true", "continue_final_message")
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -82,11 +81,14 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def _prompt_ids(req: ChatCompletionRequest, ctx: ServingContext) -> list[int]:
-    kwargs = dict(req.chat_template_kwargs or {})
-    if req.continue_final_message:
+    """Render and tokenize; CPU-heavy for long conversations, so it runs in ``ctx.offload``."""
+    options = template_options(req, ctx.trust_request_chat_template)
+    kwargs = dict(options.kwargs)
+    if options.continue_final_message:
         kwargs["continue_final_message"] = True
     text = ctx.engine.input_processor.apply_chat_template(
-        _messages(req), add_generation_prompt=req.add_generation_prompt, **kwargs)
+        _messages(req), add_generation_prompt=options.add_generation_prompt, **kwargs)
+    check_prompt_chars(text, ctx.max_prompt_chars, ctx.max_model_len, "messages")
     # The template already wrote the special tokens (BOS, role markers): add none.
     return list(ctx.tokenizer.encode(text, add_special_tokens=False))
 
@@ -95,7 +97,8 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
                                  ctx: ServingContext) -> Response:
     ctx.check_model(req.model)
     _check(req)
-    prompt = _prompt_ids(req, ctx)  # ValueError (bad messages, no template) -> 400
+    template_options(req, ctx.trust_request_chat_template)  # 400s before any CPU work
+    prompt = await ctx.offload.run(_prompt_ids, req, ctx)  # ValueError (bad messages) -> 400
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -72,7 +72,8 @@ async def create_completion(req: CompletionRequest, raw: Request,
     choices = [_Choice() for _ in range(len(prompts) * req.n)]
     if req.echo:
         for i, p in enumerate(prompts):
-            text = p if isinstance(p, str) else ctx.tokenizer.decode(p)
+            # Decoding a long token-id prompt is CPU work: off the event loop.
+            text = p if isinstance(p, str) else await ctx.offload.run(ctx.tokenizer.decode, p)
             for j in range(req.n):
                 choices[i * req.n + j].echo = text
     model = ctx.model_name
