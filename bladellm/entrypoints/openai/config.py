@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from bladellm.config import parse_size
@@ -38,6 +39,10 @@ class ServerConfig:
         default=10.0,
         metadata={"help": "On SIGINT/SIGTERM, seconds to let in-flight requests finish before "
                           "they are aborted."})
+    chat_template: str | None = field(
+        default=None,
+        metadata={"help": "Chat template for /v1/chat/completions instead of the tokenizer's: "
+                          "a file path, or the Jinja template itself (vLLM's --chat-template)."})
     trust_request_chat_template: bool = field(
         default=False,
         metadata={"help": "Accept a Jinja chat template sent with a chat request "
@@ -67,7 +72,19 @@ class ServerConfig:
                f"must be one of {_LOG_LEVELS}, got {self.log_level!r}")
         _check(self.shutdown_timeout >= 0, "shutdown_timeout",
                f"must be >= 0, got {self.shutdown_timeout}")
+        if self.chat_template is not None:
+            _check(bool(self.chat_template.strip()), "chat_template", "must not be empty")
+            looks_inline = any(c in self.chat_template for c in "{%\n")
+            _check(looks_inline or os.path.isfile(self.chat_template), "chat_template",
+                   f"no such file: {self.chat_template!r}")
         _check(self.retry_after >= 0, "retry_after", f"must be >= 0, got {self.retry_after}")
+
+    def load_chat_template(self) -> str | None:
+        """The template text: the file's content, or the flag's value when given inline."""
+        if self.chat_template is None or not os.path.isfile(self.chat_template):
+            return self.chat_template
+        with open(self.chat_template, encoding="utf-8") as f:
+            return f.read()
 
     @property
     def max_body_bytes(self) -> int:

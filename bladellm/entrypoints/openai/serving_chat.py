@@ -84,6 +84,8 @@ def _prompt_ids(req: ChatCompletionRequest, ctx: ServingContext) -> list[int]:
     """Render and tokenize; CPU-heavy for long conversations, so it runs in ``ctx.offload``."""
     options = template_options(req, ctx.trust_request_chat_template)
     kwargs = dict(options.kwargs)
+    if "chat_template" not in kwargs and ctx.default_chat_template is not None:
+        kwargs["chat_template"] = ctx.default_chat_template
     if options.continue_final_message:
         kwargs["continue_final_message"] = True
     text = ctx.engine.input_processor.apply_chat_template(

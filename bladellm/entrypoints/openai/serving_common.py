@@ -48,6 +48,7 @@ class ServingContext:
     offload: CpuOffload = field(default_factory=CpuOffload)
     max_prompt_chars: int | None = None  # cheap pre-tokenization bound (prompt_limits.py)
     trust_request_chat_template: bool = False
+    default_chat_template: str | None = None  # --chat_template: replaces the tokenizer's
 
     @classmethod
     def from_engine(cls, engine: Any, server_config: Any = None) -> "ServingContext":
@@ -59,7 +60,9 @@ class ServingContext:
                    offload=offload,
                    max_prompt_chars=prompt_char_limit(info.tokenizer, info.max_model_len),
                    trust_request_chat_template=bool(getattr(
-                       server_config, "trust_request_chat_template", False)))
+                       server_config, "trust_request_chat_template", False)),
+                   default_chat_template=server_config.load_chat_template()
+                   if server_config is not None else None)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -226,3 +226,10 @@ async def test_engine_death_triggers_exit_after_a_drain():
     engine.dead_reason = "engine core process exited (exit code -9)"
     await asyncio.wait_for(exited.wait(), timeout=3)
     await watcher
+
+
+async def test_server_chat_template_flag_replaces_the_tokenizers(engine, make_client):
+    async with make_client(engine, chat_template="{{ messages[0].content }}") as client:
+        r = await client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1})
+    assert r.status_code == 200
+    assert engine.input_processor.last_kwargs["chat_template"] == "{{ messages[0].content }}"
