@@ -53,6 +53,11 @@ class ServerConfig:
         metadata={"help": "When the engine core dies, keep the server up answering 503 "
                           "(the old behaviour). Off: in-flight requests get 503, then the "
                           "process exits with status 1 so an orchestrator restarts it."})
+    metrics_names: str = field(
+        default="both",
+        metadata={"help": "Names of the /metrics series: vllm (vllm:* with a model_name "
+                          "label, as vLLM publishes them), bladellm (bladellm_*), or both.",
+                  "choices": ("both", "vllm", "bladellm")})
     retry_after: int = field(
         default=1,
         metadata={"help": "Retry-After seconds sent with HTTP 503 (overloaded or engine down)."})
@@ -77,6 +82,8 @@ class ServerConfig:
             looks_inline = any(c in self.chat_template for c in "{%\n")
             _check(looks_inline or os.path.isfile(self.chat_template), "chat_template",
                    f"no such file: {self.chat_template!r}")
+        _check(self.metrics_names in ("both", "vllm", "bladellm"), "metrics_names",
+               f"must be one of both, vllm, bladellm; got {self.metrics_names!r}")
         _check(self.retry_after >= 0, "retry_after", f"must be >= 0, got {self.retry_after}")
 
     def load_chat_template(self) -> str | None:

@@ -125,7 +125,8 @@ def build_app(engine: Any, server_config: ServerConfig,
     app = FastAPI(title="BladeLLM", version=server_version(), root_path=server_config.root_path)
     app.state.retry_after = server_config.retry_after
     app.state.engine = engine
-    app.state.metrics = metrics = metrics or PrometheusStatLogger()
+    app.state.metrics = metrics = metrics or PrometheusStatLogger(
+        model_name=engine.model_info.served_model_name, names=server_config.metrics_names)
     app.state.lifecycle = lifecycle = Lifecycle(server_config.retry_after)
     ctx = ServingContext.from_engine(engine, server_config)
     created = int(time.time())
@@ -273,10 +274,22 @@ def _configure_logging(level: str) -> None:
     logging.getLogger("bladellm").setLevel(py_level)
 
 
+def _metrics_for(engine_config: EngineConfig, server_config: ServerConfig) -> PrometheusStatLogger:
+    """The model_name label is the served name: resolved here as the engine will (cheap: it
+    reads config.json only)."""
+    from bladellm.model.checkpoint import default_served_name, resolve_model
+
+    name = engine_config.model.served_model_name
+    if name is None:
+        name = default_served_name(engine_config.model.model,
+                                   resolve_model(engine_config.model).path)
+    return PrometheusStatLogger(model_name=name, names=server_config.metrics_names)
+
+
 async def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     from bladellm.engine.async_llm import AsyncLLM
 
-    metrics = PrometheusStatLogger()
+    metrics = _metrics_for(engine_config, server_config)
     logger.info("starting the engine for model %s", engine_config.model.model)
     engine = AsyncLLM.from_engine_config(engine_config, stat_loggers=[metrics])
     sock = None
