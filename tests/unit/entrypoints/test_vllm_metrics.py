@@ -80,3 +80,18 @@ async def test_server_labels_with_the_served_model_name():
         text = (await client.get("/metrics")).text
     assert 'vllm:num_requests_running{model_name="fake-model"} 0.0' in text
     assert "bladellm_" not in text
+
+
+def test_grafana_dashboard_uses_only_series_we_publish():
+    import json
+    import pathlib
+    import re
+
+    path = pathlib.Path(__file__).parents[3] / "docs/grafana/bladellm-vllm-dashboard.json"
+    exprs = [t["expr"] for p in json.loads(path.read_text())["panels"] for t in p["targets"]]
+    used = {name for e in exprs for name in re.findall(r"vllm:[a-z0-9_]+", e)}
+    m = PrometheusStatLogger(model_name="x", names="vllm")
+    _feed(m)
+    published = {name for name, _ in _samples(m)}
+    assert used and used <= published, used - published
+    assert all('model_name=~"$model_name"' in e for e in exprs)
