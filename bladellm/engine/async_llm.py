@@ -10,6 +10,7 @@ it in the core, which frees its KV blocks. A dead core fails every pending reque
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -32,6 +33,14 @@ from bladellm.platforms.threads import configure_frontend_threads
 logger = logging.getLogger(__name__)
 
 
+def _local_model_config(config: EngineConfig, path: str) -> EngineConfig:
+    """The engine core gets the resolved local path, so that a hub model id is fetched (or
+    looked up) once, here, not again in the core process."""
+    if config.model.model in ("demo", path):
+        return config
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, model=path))
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None) -> None:
         configure_frontend_threads()
@@ -43,7 +52,7 @@ class AsyncLLM:
         # Tokenization runs here, not on the event loop (the server shares this thread).
         self.cpu_offload = CpuOffload()
         self.stat_loggers = list(stat_loggers or [])
-        self.client = AsyncMPClient(config)
+        self.client = AsyncMPClient(_local_model_config(config, resolved.path))
         self._queues: dict[str, asyncio.Queue] = {}
         self._not_started: set[str] = set()  # requests without a first output yet
         self._output_task: asyncio.Task | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import time
@@ -124,8 +125,14 @@ async def test_sigterm_under_load(server):
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
 
 
-def test_engine_death_exits_nonzero(tiny_model_factory):
-    srv = _start(tiny_model_factory("llama"))
+def test_engine_death_exits_nonzero(tiny_model_factory, tmp_path, monkeypatch):
+    """Served from a hub model id in a pre-populated cache, offline (issue 15 item 6)."""
+    snapshot = tmp_path / "models--acme--tiny" / "snapshots" / ("c" * 40)
+    shutil.copytree(tiny_model_factory("llama"), snapshot)
+    (tmp_path / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "models--acme--tiny" / "refs" / "main").write_text("c" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    srv = _start("acme/tiny", "--download_dir", str(tmp_path))
     try:
         (core,) = [pid for pid in _children(srv.proc.pid)
                    if "resource_tracker" not in open(f"/proc/{pid}/cmdline").read()]
