@@ -270,6 +270,71 @@ async def test_disconnect_while_waiting_for_a_full_response_aborts(server):
     assert _metric(after, "bladellm_kv_cache_used_blocks") == 0
 
 
+# ------------------------------------------------------- vLLM extras (issue 15, item 7)
+
+
+async def test_tokenize_and_detokenize_match_the_engine(server, client):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    msgs = [{"role": "user", "content": "hello"}]
+    resp = await client.completions.create(model="tiny", prompt="The quick brown fox",
+                                           max_tokens=1)
+    chat = await client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
+    async with httpx.AsyncClient(base_url=server.url, headers=headers) as http:
+        r = await http.post("/tokenize", json={"model": "tiny", "prompt": "The quick brown fox",
+                                               "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["count"] == len(body["tokens"]) == resp.usage.prompt_tokens
+        assert body["max_model_len"] == MAX_MODEL_LEN and len(body["token_strs"]) == body["count"]
+        r = await http.post("/tokenize", json={"messages": msgs})
+        assert r.json()["count"] == chat.usage.prompt_tokens
+        ids = body["tokens"]
+        r = await http.post("/detokenize", json={"model": "tiny", "tokens": ids})
+        assert r.status_code == 200 and r.json()["prompt"].endswith("The quick brown fox")
+        r = await http.post("/detokenize", json={"tokens": [10**6]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+        r = await http.post("/tokenize", json={"prompt": "x", "messages": msgs})
+        assert r.status_code == 400
+        r = await http.post("/tokenize", json={"prompt": "x"}, headers={"Authorization": "no"})
+        assert r.status_code == 401
+
+
+async def test_stop_reason_in_choices(client):
+    greedy = await client.completions.create(model="tiny", prompt="Paris is", max_tokens=6,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    text = greedy.choices[0].text
+    assert greedy.choices[0].model_extra["stop_reason"] is None
+    stop = text[2:4]
+    resp = await client.completions.create(model="tiny", prompt="Paris is", max_tokens=6,
+                                           temperature=0, stop=[stop],
+                                           extra_body={"ignore_eos": True})
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].model_extra["stop_reason"] == stop
+    tok = (await client.completions.create(model="tiny", prompt="Paris is", max_tokens=1,
+                                           temperature=0, logprobs=0,
+                                           extra_body={"ignore_eos": True}))
+    first = tok.choices[0].text
+    async with httpx.AsyncClient(base_url=client.base_url.__str__().removesuffix("/v1/"),
+                                 headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        ids = (await http.post("/tokenize", json={"prompt": first,
+                                                  "add_special_tokens": False})).json()["tokens"]
+    msgs = [{"role": "user", "content": "hi"}]
+    full = await client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                                temperature=0, extra_body={"ignore_eos": True})
+    chat_stop = full.choices[0].message.content[2:4]
+    chat = await client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=6, temperature=0, stream=True, stop=[chat_stop],
+        extra_body={"ignore_eos": True})
+    chunks = [c async for c in chat]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].model_extra["stop_reason"] == chat_stop
+    resp = await client.completions.create(model="tiny", prompt="Paris is", max_tokens=6,
+                                           temperature=0, extra_body={
+                                               "ignore_eos": True, "stop_token_ids": ids[:1]})
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].model_extra["stop_reason"] == ids[0]
+
+
 # ----------------------------------------------------------------------------------- errors
 
 

@@ -153,6 +153,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM extra: stop string or token id
 
 
 class CompletionResponse(_Response):
@@ -191,6 +192,7 @@ class ChatChoice(_Response):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM extra: stop string or token id
 
 
 class ChatCompletionResponse(_Response):
@@ -219,6 +221,7 @@ class ChatChunkChoice(_Response):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM extra: stop string or token id
 
 
 class ChatCompletionChunk(_Response):

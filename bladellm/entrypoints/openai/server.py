@@ -34,6 +34,8 @@ from bladellm.entrypoints.openai.protocol import (
 from bladellm.entrypoints.openai.serving_chat import create_chat_completion
 from bladellm.entrypoints.openai.serving_common import ClientDisconnected, ServingContext
 from bladellm.entrypoints.openai.serving_completion import create_completion
+from bladellm.entrypoints.openai.serving_tokenize import (
+    DetokenizeRequest, TokenizeRequest, detokenize, tokenize)
 
 logger = logging.getLogger("bladellm.server")
 
@@ -160,6 +162,15 @@ def build_app(engine: Any, server_config: ServerConfig,
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serve(request, ChatCompletionRequest, create_chat_completion)
+
+    # vLLM's tokenizer endpoints (no /v1 prefix, as in vLLM; behind --api_key like /v1/*).
+    @v1.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await serve(request, TokenizeRequest, tokenize)
+
+    @v1.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await serve(request, DetokenizeRequest, detokenize)
 
     def model_card() -> ModelCard:
         return ModelCard(id=ctx.model_name, created=created, max_model_len=ctx.max_model_len)

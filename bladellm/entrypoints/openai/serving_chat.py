@@ -30,6 +30,7 @@ class _Choice:
     texts: list[str] = field(default_factory=list)
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string / stop token id that ended it
 
 
 def _check(req: ChatCompletionRequest) -> None:
@@ -116,7 +117,8 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
     response = ChatCompletionResponse(
         id=request_id, model=ctx.model_name, usage=usage,
         choices=[ChatChoice(index=k, message=ChatResponseMessage(content="".join(c.texts)),
-                            logprobs=c.logprobs, finish_reason=c.finish_reason)
+                            logprobs=c.logprobs, finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason)
                  for k, c in enumerate(choices)])
     return Response(response.model_dump_json(), media_type="application/json")
 
@@ -135,6 +137,7 @@ def _apply(req: ChatCompletionRequest, out: RequestOutput, choices: list[_Choice
             choice.logprobs.content.extend(new_lp.content or [])  # type: ignore[union-attr]
         if comp.finish_reason is not None:
             choice.finish_reason = comp.finish_reason
+            choice.stop_reason = comp.stop_reason
         updates.append((comp.index, comp.text, new_lp, comp.finish_reason))
     return updates
 
@@ -159,7 +162,8 @@ async def _stream(req: ChatCompletionRequest, request_id: str, model: str, first
     def chunk(k: int, delta: DeltaMessage, lp=None, finish=None) -> str:
         c = ChatCompletionChunk(
             id=request_id, created=created, model=model,
-            choices=[ChatChunkChoice(index=k, delta=delta, logprobs=lp, finish_reason=finish)],
+            choices=[ChatChunkChoice(index=k, delta=delta, logprobs=lp, finish_reason=finish,
+                                     stop_reason=choices[k].stop_reason if finish else None)],
             usage=usage.usage() if continuous else None)
         return sse(c.model_dump_json(exclude=exclude))
 

@@ -30,6 +30,7 @@ class _Choice:
     length: int = 0  # characters sent so far, echo included (for text_offset)
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string / stop token id that ended it
 
 
 def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[str | list[int]]:
@@ -85,7 +86,7 @@ async def create_completion(req: CompletionRequest, raw: Request,
     response = CompletionResponse(
         id=request_id, model=model, usage=usage,
         choices=[CompletionChoice(index=k, text=c.echo + "".join(c.texts), logprobs=c.logprobs,
-                                  finish_reason=c.finish_reason)
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                  for k, c in enumerate(choices)])
     return Response(response.model_dump_json(), media_type="application/json")
 
@@ -113,6 +114,7 @@ def _apply(req: CompletionRequest, stream_idx: int, out: RequestOutput,
         choice.length = offset + len(comp.text)
         if comp.finish_reason is not None:
             choice.finish_reason = comp.finish_reason
+            choice.stop_reason = comp.stop_reason
         updates.append((k, text, new_lp, comp.finish_reason))
     return updates
 
@@ -137,7 +139,9 @@ async def _stream(req: CompletionRequest, request_id: str, model: str, first, me
     def chunk(k: int, text: str, lp, finish) -> str:
         c = CompletionChunk(id=request_id, created=created, model=model,
                             choices=[CompletionChoice(index=k, text=text, logprobs=lp,
-                                                      finish_reason=finish)],
+                                                      finish_reason=finish,
+                                                      stop_reason=choices[k].stop_reason
+                                                      if finish else None)],
                             usage=usage.usage() if continuous else None)
         return sse(c.model_dump_json(exclude=exclude))
 
