@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from bladellm.config import EngineConfig
 from bladellm.engine.core_client import AsyncMPClient
+from bladellm.engine import embedding
 from bladellm.engine.cpu_offload import CpuOffload
 from bladellm.engine.errors import (
     EngineDeadError, EngineOverloadedError, RequestFailedError, ServerShuttingDownError)
@@ -26,6 +27,7 @@ from bladellm.engine.metrics import StatLogger
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
 from bladellm.model.checkpoint import resolve_model
+from bladellm.model.pooling_config import pooling_config
 from bladellm.outputs import RequestOutput
 from bladellm.sampling_params import SamplingParams
 from bladellm.platforms.threads import configure_frontend_threads
@@ -49,6 +51,7 @@ class AsyncLLM:
         self.model_info = model_info_for(resolved)
         self.input_processor = InputProcessor(self.model_info)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
+        self.pooling = pooling_config(resolved.path, resolved.hf_config)
         # Tokenization runs here, not on the event loop (the server shares this thread).
         self.cpu_offload = CpuOffload()
         self.stat_loggers = list(stat_loggers or [])
@@ -145,6 +148,26 @@ class AsyncLLM:
         if error == QUEUE_TIMEOUT_ERROR:
             return EngineOverloadedError("request waited longer than --max_queue_time")
         return RequestFailedError(error)
+
+    async def embed(self, prompts: list[str | list[int]],
+                    dimensions: int | None = None) -> list[embedding.EmbeddingOutput]:
+        """Embeddings of the prompts (pooled as the model's config says, normalized)."""
+        await self.check_health()
+        embedding.check_dimensions(dimensions, self.pooling)
+        info = self.model_info
+
+        def tokenize() -> list[list[int]]:
+            ids = [self.input_processor.tokenize(p) for p in prompts]
+            for i, one in enumerate(ids):
+                embedding.check_prompt(one, info.max_model_len, info.vocab_size, i)
+            return ids
+
+        ids = await self.cpu_offload.run(tokenize)
+        result = await self.call_utility("embed", ids, self.pooling.pooling)
+        if "error" in result:  # type: ignore[operator]
+            raise RequestFailedError(result["error"])  # type: ignore[index]
+        return [embedding.EmbeddingOutput(embedding.finish(v, self.pooling, dimensions), p)
+                for v, p in zip(result["embeddings"], ids)]  # type: ignore[index]
 
     async def abort(self, request_id: str) -> None:
         self._abort_nowait(request_id)

@@ -118,6 +118,13 @@ def _utility(core: Any, method: str, args: list) -> Any:
         return True
     if method == "get_stats":
         return msgspec.to_builtins(core.scheduler.get_stats())
+    if method == "embed":  # the embeddings path: one forward per prompt between steps
+        prompts, pooling = args
+        try:
+            return {"embeddings": core.embed(prompts, pooling)}
+        except Exception as exc:  # noqa: BLE001 - one bad request must not kill the engine
+            logger.error("embedding failed: %s", exc)
+            return {"error": f"{type(exc).__name__}: {exc}"}
     if method == "raise":  # test hook: prove that a dead core fails requests instead of hanging
         raise RuntimeError(f"raise requested: {args}")
     raise ValueError(f"unknown utility {method!r}")

@@ -15,6 +15,7 @@ from bladellm.platforms.cpu_defaults import (auto_kv_cache_bytes, model_weight_b
                                              total_memory_bytes)
 from bladellm.platforms.threads import configure_engine_threads
 from bladellm.worker.model_runner import ModelRunner
+from bladellm.worker.pooling import embed_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -59,3 +60,7 @@ class Worker:
 
     def check_health(self) -> None:
         """Raises if this worker cannot serve (in-process: it is alive if we got here)."""
+
+    def embed(self, prompts: list[list[int]], pooling: str) -> list[list[float]]:
+        """Pooled hidden states of each prompt (the embeddings path, apart from the step)."""
+        return embed_prompts(self.model_runner.model, prompts, pooling, self.device)

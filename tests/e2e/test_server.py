@@ -335,6 +335,27 @@ async def test_stop_reason_in_choices(client):
     assert resp.choices[0].model_extra["stop_reason"] == ids[0]
 
 
+async def test_embeddings_with_the_official_client(server, client):
+    import math
+
+    texts = ["The quick brown fox", "Paris is the capital of France"]
+    resp = await client.embeddings.create(model="tiny", input=texts)  # base64 on the wire
+    assert [d.index for d in resp.data] == [0, 1] and resp.model == "tiny"
+    vecs = [d.embedding for d in resp.data]
+    assert all(len(v) == 64 and abs(math.sqrt(sum(x * x for x in v)) - 1) < 1e-4 for v in vecs)
+    assert vecs[0] != vecs[1]
+    floats = await client.embeddings.create(model="tiny", input=texts[0],
+                                            encoding_format="float")
+    assert floats.data[0].embedding == pytest.approx(vecs[0], abs=1e-6)
+    ids = await client.embeddings.create(model="tiny", input=[[5, 6, 7], [8, 9]])
+    assert ids.usage.prompt_tokens == 5 == ids.usage.total_tokens
+    assert resp.usage.prompt_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="Matryoshka"):
+        await client.embeddings.create(model="tiny", input="x", dimensions=8)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        await client.embeddings.create(model="tiny", input=[[5] * (MAX_MODEL_LEN + 1)])
+
+
 # ----------------------------------------------------------------------------------- errors
 
 

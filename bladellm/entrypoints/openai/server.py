@@ -34,6 +34,7 @@ from bladellm.entrypoints.openai.protocol import (
 from bladellm.entrypoints.openai.serving_chat import create_chat_completion
 from bladellm.entrypoints.openai.serving_common import ClientDisconnected, ServingContext
 from bladellm.entrypoints.openai.serving_completion import create_completion
+from bladellm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
 from bladellm.entrypoints.openai.serving_tokenize import (
     DetokenizeRequest, TokenizeRequest, detokenize, tokenize)
 
@@ -162,6 +163,10 @@ def build_app(engine: Any, server_config: ServerConfig,
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serve(request, ChatCompletionRequest, create_chat_completion)
+
+    @v1.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await serve(request, EmbeddingRequest, create_embedding)
 
     # vLLM's tokenizer endpoints (no /v1 prefix, as in vLLM; behind --api_key like /v1/*).
     @v1.post("/tokenize")
