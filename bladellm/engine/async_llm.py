@@ -28,7 +28,8 @@ from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
 from bladellm.model.checkpoint import resolve_model
 from bladellm.model.pooling_config import pooling_config
-from bladellm.outputs import RequestOutput
+from bladellm.engine.prompt_logprobs import to_token_logprobs
+from bladellm.outputs import RequestOutput, TokenLogprob
 from bladellm.sampling_params import SamplingParams
 from bladellm.platforms.threads import configure_frontend_threads
 
@@ -163,11 +164,22 @@ class AsyncLLM:
             return ids
 
         ids = await self.cpu_offload.run(tokenize)
-        result = await self.call_utility("embed", ids, self.pooling.pooling)
-        if "error" in result:  # type: ignore[operator]
-            raise RequestFailedError(result["error"])  # type: ignore[index]
+        vectors = await self._core_call("embed", ids, self.pooling.pooling)
         return [embedding.EmbeddingOutput(embedding.finish(v, self.pooling, dimensions), p)
-                for v, p in zip(result["embeddings"], ids)]  # type: ignore[index]
+                for v, p in zip(vectors, ids)]
+
+    async def prompt_logprobs(self, prompts: list[list[int]],
+                              num_top: int) -> list[list[list[TokenLogprob]]]:
+        """For each token-id prompt: per token after the first, the token's logprob and rank
+        given the tokens before it, then the ``num_top`` most likely tokens there."""
+        raw = await self._core_call("prompt_logprobs", prompts, num_top)
+        return await self.cpu_offload.run(to_token_logprobs, raw, self.model_info.tokenizer)
+
+    async def _core_call(self, method: str, *args) -> list:
+        reply = await self.call_utility(method, *args)
+        if "error" in reply:  # type: ignore[operator]
+            raise RequestFailedError(reply["error"])  # type: ignore[index]
+        return reply["result"]  # type: ignore[index]
 
     async def abort(self, request_id: str) -> None:
         self._abort_nowait(request_id)

@@ -118,12 +118,11 @@ def _utility(core: Any, method: str, args: list) -> Any:
         return True
     if method == "get_stats":
         return msgspec.to_builtins(core.scheduler.get_stats())
-    if method == "embed":  # the embeddings path: one forward per prompt between steps
-        prompts, pooling = args
+    if method in ("embed", "prompt_logprobs"):  # one extra forward per prompt, between steps
         try:
-            return {"embeddings": core.embed(prompts, pooling)}
+            return {"result": getattr(core, method)(*args)}
         except Exception as exc:  # noqa: BLE001 - one bad request must not kill the engine
-            logger.error("embedding failed: %s", exc)
+            logger.error("%s failed: %s", method, exc)
             return {"error": f"{type(exc).__name__}: {exc}"}
     if method == "raise":  # test hook: prove that a dead core fails requests instead of hanging
         raise RuntimeError(f"raise requested: {args}")

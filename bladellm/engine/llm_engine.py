@@ -146,7 +146,7 @@ class LLM:
         ids = [engine.input_processor.tokenize(p) for p in texts]
         for i, one in enumerate(ids):
             embedding.check_prompt(one, info.max_model_len, info.vocab_size, i)
-        vectors = engine.core.embed(ids, engine.pooling.pooling)
+        vectors = engine.core.embed(ids, engine.pooling.pooling)  # in-process core
         return [embedding.EmbeddingOutput(embedding.finish(v, engine.pooling, dimensions), p)
                 for v, p in zip(vectors, ids)]
 

@@ -356,6 +356,40 @@ async def test_embeddings_with_the_official_client(server, client):
         await client.embeddings.create(model="tiny", input=[[5] * (MAX_MODEL_LEN + 1)])
 
 
+async def test_prompt_logprobs_and_echo_with_logprobs(server, client):
+    import math
+
+    prompt = "The quick brown fox jumps"
+    resp = await client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+        extra_body={"ignore_eos": True, "prompt_logprobs": 1})
+    choice = resp.choices[0]
+    plp = choice.model_extra["prompt_logprobs"]
+    n_prompt = resp.usage.prompt_tokens
+    assert len(plp) == n_prompt and plp[0] is None
+    lp = choice.logprobs
+    assert len(lp.tokens) == n_prompt + 3 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert choice.text.startswith(prompt)
+    # Each prompt token's logprob: the one vLLM's field reports for it, <= 0, rank >= 1.
+    tok = (await httpx.AsyncClient(base_url=server.url, headers={
+        "Authorization": f"Bearer {API_KEY}"}).post("/tokenize", json={"prompt": prompt})).json()
+    for pos in range(1, n_prompt):
+        entry = plp[pos][str(tok["tokens"][pos])]
+        assert entry["logprob"] == pytest.approx(lp.token_logprobs[pos], abs=1e-5)
+        assert entry["logprob"] <= 0 and entry["rank"] >= 1
+    assert sum(math.exp(v) for v in lp.top_logprobs[1].values()) <= 1.0 + 1e-6
+    stream = await client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+        stream=True, extra_body={"ignore_eos": True, "prompt_logprobs": 1})
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].model_extra["prompt_logprobs"] == plp
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks) == n_prompt + 3
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        await client.chat.completions.create(model="tiny", messages=[
+            {"role": "user", "content": "x"}], extra_body={"prompt_logprobs": 1})
+
+
 # ----------------------------------------------------------------------------------- errors
 
 
@@ -367,6 +401,7 @@ async def test_errors_and_the_server_keeps_serving(server, client):
         (openai.BadRequestError, dict(prompt="hello " * 200, max_tokens=100)),
         (openai.BadRequestError, dict(prompt="x", temperature="hot")),
         (openai.BadRequestError, dict(prompt="x", extra_body={"guided_json": {}})),
+        (openai.BadRequestError, dict(prompt="x", extra_body={"prompt_logprobs": 21})),
         (openai.BadRequestError, dict(prompt="x", suffix="y")),
         (openai.NotFoundError, dict(prompt="x", model="gpt-4")),
     ]

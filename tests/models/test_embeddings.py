@@ -73,3 +73,20 @@ def test_vllm_prompt_forms_and_chat_options(llm):
     (plain,) = llm.chat(msgs, params, use_tqdm=False)
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert plain.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+
+
+def test_prompt_logprobs_match_transformers(llm, tiny_llama):
+    """The engine's prompt-logprobs pass (behind prompt_logprobs / echo + logprobs)."""
+    lm = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_llama, torch_dtype=torch.float32).eval()
+    ids = llm.get_tokenizer().encode("The quick brown fox jumps over")
+    (entries,) = llm.engine.core.prompt_logprobs([ids], 3)
+    with torch.no_grad():
+        ref = torch.log_softmax(lm(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert len(entries) == len(ids) - 1
+    for pos, (tok_ids, lps, rank) in enumerate(entries):
+        row = ref[pos]
+        assert tok_ids[0] == ids[pos + 1]
+        assert lps[0] == pytest.approx(row[ids[pos + 1]].item(), abs=1e-4)
+        assert rank == int((row > row[ids[pos + 1]]).sum()) + 1
+        assert tok_ids[1:] == row.topk(3).indices.tolist()

@@ -154,6 +154,7 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM extra: stop string or token id
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM extra
 
 
 class CompletionResponse(_Response):

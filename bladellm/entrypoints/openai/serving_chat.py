@@ -35,6 +35,8 @@ class _Choice:
 
 def _check(req: ChatCompletionRequest) -> None:
     reject_unsupported(req)
+    if req.prompt_logprobs is not None:  # served on /v1/completions only
+        raise unsupported("prompt_logprobs", "prompt_logprobs on chat completions")
     if req.tools:
         raise unsupported("tools", "tool calling")
     if req.tool_choice not in (None, "none"):

@@ -84,7 +84,7 @@ def reject_unsupported(req: SamplingRequest) -> None:
         raise unsupported("response_format", f"response_format of type "
                                              f"'{req.response_format.type}'")
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                 "guided_decoding_backend", "guided_whitespace_pattern", "prompt_logprobs"):
+                 "guided_decoding_backend", "guided_whitespace_pattern"):
         if getattr(req, name) is not None:
             raise unsupported(name)
     if req.use_beam_search:
