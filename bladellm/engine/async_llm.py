@@ -63,6 +63,7 @@ class AsyncLLM:
         self._latest_stats: SchedulerStats | None = None
         self._utility_waiters: dict[int, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
+        self._failed_all: str | None = None  # set by fail_all: no new request gets in
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig,
@@ -96,6 +97,7 @@ class AsyncLLM:
     def fail_all(self, reason: str) -> int:
         """Finish every in-flight request with ``ServerShuttingDownError`` (their generators
         abort them in the core); returns how many there were."""
+        self._failed_all = reason
         for queue in self._queues.values():
             queue.put_nowait(ServerShuttingDownError(reason))
         return len(self._queues)
@@ -106,18 +108,26 @@ class AsyncLLM:
         """Stream outputs of one request. Raises before yielding for bad input or overload."""
         await self.check_health()
         self._ensure_output_task()
-        if request_id in self._queues:
+        if request_id in self._queues or request_id in self._not_started:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         limit = self.config.scheduler.max_queue_size
         if limit is not None and len(self._not_started) >= limit:
             raise EngineOverloadedError(f"{len(self._not_started)} requests waiting "
                                         f"(--max_queue_size {limit})")
         arrival = time.time()
-        core_reqs = await self.cpu_offload.run(
-            self.input_processor.process, request_id, prompt, sampling_params, arrival)
+        # Counted as waiting from here: requests being tokenized take their queue slot at once.
+        self._not_started.add(request_id)
+        try:
+            core_reqs = await self.cpu_offload.run(
+                self.input_processor.process, request_id, prompt, sampling_params, arrival)
+        except BaseException:
+            self._not_started.discard(request_id)
+            raise
+        if self._failed_all is not None:  # shutting down while this one was being tokenized
+            self._not_started.discard(request_id)
+            raise ServerShuttingDownError(self._failed_all)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._not_started.add(request_id)
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None,
             core_reqs[0].prompt_token_ids, sampling_params, [r.request_id for r in core_reqs],
