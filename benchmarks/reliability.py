@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+EXIT_WAIT_S = 30
 READY = re.compile(r"ready at (http://[\d.]+:\d+)")
 SCRAPED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
            "vllm:generation_tokens_total", "vllm:prompt_tokens_total",
@@ -39,12 +40,15 @@ SCRAPED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_ca
 
 
 class Server:
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(self, args: list[str], log_path: Path, code: str) -> None:
         self.log_path = log_path
         self.log = open(log_path, "w")
+        # cwd and PYTHONPATH both name the checkout under test (`-m` puts cwd first on sys.path).
         self.proc = subprocess.Popen([sys.executable, "-m", "bladellm.entrypoints.cli.server",
                                       *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     text=True, cwd=code,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                          "PYTHONPATH": code})
         self.url: str | None = None
         self.ready = threading.Event()
         threading.Thread(target=self._drain, daemon=True).start()
@@ -183,16 +187,29 @@ async def under_signal(srv: Server, n: int, max_tokens: int, action) -> dict:
 
         tasks = [asyncio.ensure_future(run(i)) for i in range(n)]
         for _ in range(600):
-            m = parse_metrics((await http.get("/metrics")).text)
-            if m.get("vllm:num_requests_running", 0) >= 1:
+            text = (await http.get("/metrics")).text
+            running = re.search(r"^(?:vllm:|bladellm_)num_requests_running\S* (\S+)$", text,
+                                re.M)
+            if running and float(running.group(1)) >= 1:
                 break
             await asyncio.sleep(0.05)
         sent = time.monotonic()
         action()
         await asyncio.gather(*tasks)
-    code = await asyncio.to_thread(srv.proc.wait, 120)
+    clients_done = round(time.monotonic() - sent, 2)
+    try:
+        code = await asyncio.to_thread(srv.proc.wait, EXIT_WAIT_S)
+        exited = round(time.monotonic() - sent, 2)
+    except subprocess.TimeoutExpired:  # e.g. a server that keeps running without its engine
+        code, exited = None, f"still running after {EXIT_WAIT_S} s"
+        srv.proc.terminate()
+        try:
+            srv.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            srv.proc.kill()
+            srv.proc.wait()
     return {"requests": n, "outcomes": outcomes, "exit_code": code,
-            "seconds_to_exit": round(time.monotonic() - sent, 2),
+            "seconds_until_clients_done": clients_done, "seconds_to_exit": exited,
             "tracebacks_in_log": srv.text().count("Traceback")}
 
 
@@ -206,15 +223,17 @@ async def main() -> None:
     ap.add_argument("--max_tokens", type=int, default=16)
     ap.add_argument("--grace", type=float, default=5.0, help="--shutdown_timeout of the server")
     ap.add_argument("--server_args", default="", help="extra server flags")
+    ap.add_argument("--code", default=str(Path(__file__).resolve().parents[1]),
+                    help="checkout whose server is tested (e.g. a baseline worktree)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = ["--model", args.model, "--host", "127.0.0.1", "--port", "0", "--disable_access_log",
             "--shutdown_timeout", str(args.grace), *args.server_args.split()]
-    results: dict = {"model": args.model, "server_args": base}
+    results: dict = {"model": args.model, "server_args": base, "code": args.code}
     series: list = []
     phase = ["start"]
-    srv = Server(base, out / "server.log")
+    srv = Server(base, out / "server.log", args.code)
     url = srv.wait_ready()
     stop = asyncio.Event()
     scrape = asyncio.ensure_future(scraper(url, series, stop, phase))
@@ -234,7 +253,7 @@ async def main() -> None:
     print("sigterm", results["sigterm"], flush=True)
     stop.set()
     await scrape
-    srv2 = Server(base, out / "server_engine_kill.log")
+    srv2 = Server(base, out / "server_engine_kill.log", args.code)
     srv2.wait_ready()
     core = srv2.core_pid()
     results["engine_kill"] = await under_signal(srv2, 64, 200,
