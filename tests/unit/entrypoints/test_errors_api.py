@@ -84,7 +84,7 @@ async def test_invalid_values_are_400(client, path, body, param, words):
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content"),
     (CMPL, {"suffix": "tail"}, "suffix"),
     (CMPL, {"best_of": 3, "n": 1}, "best_of"),
-    (CMPL, {"echo": True, "logprobs": 1}, "logprobs"),
+    (CHAT, {"prompt_logprobs": 1}, "prompt_logprobs"),
     (CMPL, {"guided_json": {"type": "object"}}, "guided_json"),
     (CMPL, {"use_beam_search": True}, "use_beam_search"),
 ])
