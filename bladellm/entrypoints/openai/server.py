@@ -291,14 +291,15 @@ def _configure_logging(level: str) -> None:
 
 
 def _metrics_for(engine_config: EngineConfig, server_config: ServerConfig) -> PrometheusStatLogger:
-    """The model_name label is the served name: resolved here as the engine will (cheap: it
-    reads config.json only)."""
-    from bladellm.model.checkpoint import default_served_name, resolve_model
+    """The model_name label is the served name, named here as the engine will name it (from
+    the --model text alone: no hub access, no file read)."""
+    from bladellm.model.checkpoint import default_served_name
+    from bladellm.model.demo import resolve_model_path
 
     name = engine_config.model.served_model_name
     if name is None:
         name = default_served_name(engine_config.model.model,
-                                   resolve_model(engine_config.model).path)
+                                   resolve_model_path(engine_config.model.model))
     return PrometheusStatLogger(model_name=name, names=server_config.metrics_names)
 
 
