@@ -3,6 +3,7 @@
     python benchmarks/reliability.py --model demo --out bench_results/reliability
 
 Phases (each against a server this script starts and watches):
+  huge_prompt       a 10 MiB prompt while /health is polled (worst /health latency).
   load64 / load256  closed-loop load at concurrency 64 and 256 (chat + completions, streaming and
                     not); every response checked; KV blocks must return to 0 afterwards.
   disconnect        streams dropped by the client after their first token; KV back to 0.
@@ -165,6 +166,24 @@ async def load(url: str, n: int, concurrency: int, max_tokens: int, **kw) -> dic
             "outcomes": outcomes}
 
 
+async def huge_prompt(url: str, mib: int = 10) -> dict:
+    """A prompt of ``mib`` MiB (under the body limit) while /health is polled: the worst /health
+    latency says whether the event loop stalled."""
+    body = {"prompt": "hello world " * ((mib << 20) // 12), "max_tokens": 1}
+    worst, polls = 0.0, 0
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        start = time.monotonic()
+        task = asyncio.ensure_future(http.post("/v1/completions", json=body))
+        while not task.done():
+            t = time.monotonic()
+            await http.get("/health")
+            worst, polls = max(worst, time.monotonic() - t), polls + 1
+            await asyncio.sleep(0.05)
+        r = await task
+    return {"status": r.status_code, "seconds": round(time.monotonic() - start, 2),
+            "worst_health_latency_s": round(worst, 3), "health_polls": polls}
+
+
 async def kv_used(url: str) -> float:
     async with httpx.AsyncClient(base_url=url, timeout=5) as http:
         for _ in range(100):
@@ -229,6 +248,7 @@ async def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = ["--model", args.model, "--host", "127.0.0.1", "--port", "0", "--disable_access_log",
+            "--max_request_body_bytes", "16MiB",
             "--shutdown_timeout", str(args.grace), *args.server_args.split()]
     results: dict = {"model": args.model, "server_args": base, "code": args.code}
     series: list = []
@@ -237,6 +257,9 @@ async def main() -> None:
     url = srv.wait_ready()
     stop = asyncio.Event()
     scrape = asyncio.ensure_future(scraper(url, series, stop, phase))
+    phase[0] = "huge_prompt"
+    results["huge_prompt"] = await huge_prompt(url)
+    print("huge_prompt", results["huge_prompt"], flush=True)
     for name, n, c in (("load64", args.requests64, 64), ("load256", args.requests256, 256)):
         phase[0] = name
         results[name] = await load(url, n, c, args.max_tokens)
