@@ -37,8 +37,9 @@ class ServerConfig:
         default="", metadata={"help": "ASGI root_path when served behind a path-prefixing proxy."})
     shutdown_timeout: float = field(
         default=10.0,
-        metadata={"help": "On SIGINT/SIGTERM, seconds to let in-flight requests finish before "
-                          "they are aborted."})
+        metadata={"help": "On SIGINT/SIGTERM, new requests get 503 and in-flight ones get "
+                          "this many seconds to finish; those still running then end with an "
+                          "OpenAI error (503 body, or an SSE error event + [DONE])."})
     chat_template: str | None = field(
         default=None,
         metadata={"help": "Chat template for /v1/chat/completions instead of the tokenizer's: "
