@@ -63,6 +63,18 @@ class ModelConfig:
         metadata={"help": "Attention backend: auto / paged (paged-attention kernels compiled "
                           "for this CPU's ISA; the PyTorch reference if they cannot be built) "
                           "or torch (the plain-PyTorch reference twins)."})
+    revision: str | None = field(
+        default=None,
+        metadata={"help": "For a hub model id: the branch, tag or commit to serve (default: "
+                          "the main branch)."})
+    download_dir: str | None = field(
+        default=None,
+        metadata={"help": "For a hub model id: the cache directory to download into and read "
+                          "from (default: the hub's own cache, e.g. ~/.cache/huggingface/hub)."})
+    model_hub: str = field(
+        default="huggingface",
+        metadata={"help": "Where a model id (org/name) comes from: huggingface or modelscope "
+                          "(needs pip install modelscope)."})
     load_format: str = field(
         default="auto",
         metadata={"help": "auto (safetensors, then pytorch .bin), safetensors, pt, gguf, or "
@@ -75,6 +87,8 @@ class ModelConfig:
                f"must be positive, got {self.max_model_len}")
         _check(self.attn_cls in ("auto", "paged", "torch"), "attn_cls",
                f"unknown attention backend {self.attn_cls!r}; supported: auto, paged, torch")
+        _check(self.model_hub in ("huggingface", "modelscope"), "model_hub",
+               f"must be huggingface or modelscope, got {self.model_hub!r}")
         _check(self.load_format in ("auto", "safetensors", "pt", "gguf", "dummy"), "load_format",
                f"unknown format {self.load_format!r}")
 

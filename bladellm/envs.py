@@ -13,6 +13,8 @@ a function at the moment it is needed, so tests can set it with ``monkeypatch.se
   (``model/gguf_cache.py``); ``0`` always reads the GGUF file.
 - ``BLADELLM_GGUF_CACHE_DIR`` (a directory, default ``BLADELLM_CACHE_DIR/gguf``): where those
   copies are kept.
+- ``HF_HUB_OFFLINE`` (huggingface_hub's own switch): ``--model org/name`` uses only the local
+  hub cache and never reaches the network.
 - OpenMP's own ``OMP_NUM_THREADS`` (the engine's thread count when ``--num_threads`` is not
   given) and ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` (a user's choice is kept; otherwise the
   engine process gets ``OMP_WAIT_POLICY=PASSIVE``, see ``platforms/threads.py``).
@@ -69,3 +71,9 @@ def omp_wait_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The OpenMP wait settings the user chose (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``)."""
     env = os.environ if env is None else env
     return {k: env[k] for k in OMP_WAIT_VARS if k in env}
+
+
+def hf_hub_offline() -> bool:
+    """``HF_HUB_OFFLINE``: huggingface_hub's switch, read here so that the cache-only lookup and
+    the error message agree with it."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")

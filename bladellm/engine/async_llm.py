@@ -10,25 +10,40 @@ it in the core, which frees its KV blocks. A dead core fails every pending reque
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 
 from bladellm.config import EngineConfig
 from bladellm.engine.core_client import AsyncMPClient
-from bladellm.engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from bladellm.engine import embedding
+from bladellm.engine.cpu_offload import CpuOffload
+from bladellm.engine.errors import (
+    EngineDeadError, EngineOverloadedError, RequestFailedError, ServerShuttingDownError)
 from bladellm.engine.input_processor import InputProcessor
 from bladellm.engine.messages import GRAMMAR_ERROR_PREFIX, QUEUE_TIMEOUT_ERROR, SchedulerStats
 from bladellm.engine.metrics import StatLogger
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
 from bladellm.lora.request import LoRARequest
-from bladellm.model.checkpoint import resolve_model
-from bladellm.outputs import RequestOutput
+from bladellm.model.checkpoint import ResolvedModel, resolve_model
+from bladellm.model.pooling_config import pooling_config
+from bladellm.engine.prompt_logprobs import to_token_logprobs
+from bladellm.outputs import RequestOutput, TokenLogprob
 from bladellm.sampling_params import SamplingParams
 from bladellm.platforms.threads import configure_frontend_threads
 
 logger = logging.getLogger(__name__)
+
+
+def _local_model_config(config: EngineConfig, resolved: ResolvedModel) -> EngineConfig:
+    """The engine core gets the resolved local path, so that a hub model id is fetched (or
+    looked up) once, here, not again in the core process."""
+    path = resolved.source or resolved.path
+    if config.model.model in ("demo", path):
+        return config
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, model=path))
 
 
 class AsyncLLM:
@@ -38,26 +53,28 @@ class AsyncLLM:
         wait=False)``), so that its start-up overlapped the caller's; None starts one here."""
         configure_frontend_threads()
         self.config = config
-        # The engine core loads the weights while this process loads the tokenizer.
-        self.client = client or AsyncMPClient(config, wait=False)
+        self.client = client
         try:
             resolved = resolve_model(config.model)
+            if self.client is None:  # the engine core loads weights while we load the tokenizer
+                self.client = AsyncMPClient(_local_model_config(config, resolved), wait=False)
             self.model_info = model_info_for(resolved)
+            self.input_processor = InputProcessor(self.model_info,
+                                                  config.guided.guided_max_grammar_size)
+            self.lora_registry = None  # names/paths -> adapters (bladellm/lora/registry.py)
+            if config.lora.enable_lora:
+                from bladellm.lora.registry import LoRARegistry
+
+                self.lora_registry = LoRARegistry(config.lora, resolved.hf_config)
             self.client.wait_ready()
         except BaseException:
-            self.client.close()
-            raise
-        self.input_processor = InputProcessor(self.model_info, config.guided.guided_max_grammar_size)
-        self.lora_registry = None  # names/paths -> adapters (bladellm/lora/registry.py)
-        if config.lora.enable_lora:
-            from bladellm.lora.registry import LoRARegistry
-
-            try:
-                self.lora_registry = LoRARegistry(config.lora, resolved.hf_config)
-            except BaseException:
+            if self.client is not None:
                 self.client.close()
-                raise
+            raise
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
+        self.pooling = pooling_config(resolved.path, resolved.hf_config)
+        # Tokenization runs here, not on the event loop (the server shares this thread).
+        self.cpu_offload = CpuOffload()
         self.stat_loggers = list(stat_loggers or [])
         self._queues: dict[str, asyncio.Queue] = {}
         self._not_started: set[str] = set()  # requests without a first output yet
@@ -65,6 +82,7 @@ class AsyncLLM:
         self._latest_stats: SchedulerStats | None = None
         self._utility_waiters: dict[int, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
+        self._failed_all: str | None = None  # set by fail_all: no new request gets in
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig,
@@ -88,7 +106,21 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason)
 
     def get_scheduler_stats(self) -> SchedulerStats | None:
+        if self.is_dead:  # a dead core holds nothing: never report its last snapshot
+            return None
         return self._latest_stats
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def fail_all(self, reason: str) -> int:
+        """Finish every in-flight request with ``ServerShuttingDownError`` (their generators
+        abort them in the core); returns how many there were."""
+        self._failed_all = reason
+        for queue in self._queues.values():
+            queue.put_nowait(ServerShuttingDownError(reason))
+        return len(self._queues)
 
     # ---- requests -----------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
@@ -97,18 +129,27 @@ class AsyncLLM:
         """Stream outputs of one request. Raises before yielding for bad input or overload."""
         await self.check_health()
         self._ensure_output_task()
-        if request_id in self._queues:
+        if request_id in self._queues or request_id in self._not_started:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         limit = self.config.scheduler.max_queue_size
         if limit is not None and len(self._not_started) >= limit:
             raise EngineOverloadedError(f"{len(self._not_started)} requests waiting "
                                         f"(--max_queue_size {limit})")
         arrival = time.time()
-        core_reqs = self.input_processor.process(request_id, prompt, sampling_params, arrival,
-                                                 lora_request=lora_request)
+        # Counted as waiting from here: requests being tokenized take their queue slot at once.
+        self._not_started.add(request_id)
+        try:
+            core_reqs = await self.cpu_offload.run(
+                self.input_processor.process, request_id, prompt, sampling_params, arrival,
+                lora_request=lora_request)
+        except BaseException:
+            self._not_started.discard(request_id)
+            raise
+        if self._failed_all is not None:  # shutting down while this one was being tokenized
+            self._not_started.discard(request_id)
+            raise ServerShuttingDownError(self._failed_all)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._not_started.add(request_id)
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None,
             core_reqs[0].prompt_token_ids, sampling_params, [r.request_id for r in core_reqs],
@@ -142,6 +183,37 @@ class AsyncLLM:
         if error.startswith(GRAMMAR_ERROR_PREFIX):  # the client's constraint: a 400
             return ValueError(error[len(GRAMMAR_ERROR_PREFIX):])
         return RequestFailedError(error)
+
+    async def embed(self, prompts: list[str | list[int]],
+                    dimensions: int | None = None) -> list[embedding.EmbeddingOutput]:
+        """Embeddings of the prompts (pooled as the model's config says, normalized)."""
+        await self.check_health()
+        embedding.check_dimensions(dimensions, self.pooling)
+        info = self.model_info
+
+        def tokenize() -> list[list[int]]:
+            ids = [self.input_processor.tokenize(p) for p in prompts]
+            for i, one in enumerate(ids):
+                embedding.check_prompt(one, info.max_model_len, info.vocab_size, i)
+            return ids
+
+        ids = await self.cpu_offload.run(tokenize)
+        vectors = await self._core_call("embed", ids, self.pooling.pooling)
+        return [embedding.EmbeddingOutput(embedding.finish(v, self.pooling, dimensions), p)
+                for v, p in zip(vectors, ids)]
+
+    async def prompt_logprobs(self, prompts: list[list[int]],
+                              num_top: int) -> list[list[list[TokenLogprob]]]:
+        """For each token-id prompt: per token after the first, the token's logprob and rank
+        given the tokens before it, then the ``num_top`` most likely tokens there."""
+        raw = await self._core_call("prompt_logprobs", prompts, num_top)
+        return await self.cpu_offload.run(to_token_logprobs, raw, self.model_info.tokenizer)
+
+    async def _core_call(self, method: str, *args) -> list:
+        reply = await self.call_utility(method, *args)
+        if "error" in reply:  # type: ignore[operator]
+            raise RequestFailedError(reply["error"])  # type: ignore[index]
+        return reply["result"]  # type: ignore[index]
 
     async def abort(self, request_id: str) -> None:
         self._abort_nowait(request_id)
@@ -225,3 +297,4 @@ class AsyncLLM:
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError("engine is shutting down"))
         self.client.close()
+        self.cpu_offload.shutdown()

@@ -10,6 +10,7 @@ drain the input socket (ADD / ABORT / UTILITY / SHUTDOWN), step while there is w
 from __future__ import annotations
 
 import enum
+import gc
 import logging
 import os
 import signal
@@ -72,6 +73,9 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
         inp.close(linger=0)
         out.close()
         ctx.term()
+        # The final collection of the model's heap at interpreter exit takes seconds and
+        # serves no one: skip it (see entrypoints/cli/server.py).
+        gc.freeze()
 
 
 def _busy_loop(core: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> None:
@@ -119,6 +123,12 @@ def _utility(core: Any, method: str, args: list) -> Any:
     if method == "remove_lora":
         core.remove_lora(int(args[0]))
         return True
+    if method in ("embed", "prompt_logprobs"):  # one extra forward per prompt, between steps
+        try:
+            return {"result": getattr(core, method)(*args)}
+        except Exception as exc:  # noqa: BLE001 - one bad request must not kill the engine
+            logger.error("%s failed: %s", method, exc)
+            return {"error": f"{type(exc).__name__}: {exc}"}
     if method == "raise":  # test hook: prove that a dead core fails requests instead of hanging
         raise RuntimeError(f"raise requested: {args}")
     raise ValueError(f"unknown utility {method!r}")

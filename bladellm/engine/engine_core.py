@@ -59,6 +59,14 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(request_ids)
 
+    def embed(self, prompts: list[list[int]], pooling: str) -> list[list[float]]:
+        """Embeddings of token-id prompts, outside the scheduler (they hold no KV blocks)."""
+        return self.executor.collective_rpc("embed", (prompts, pooling))[0]
+
+    def prompt_logprobs(self, prompts: list[list[int]], num_top: int) -> list[list]:
+        """Prompt-token logprobs, outside the scheduler (a separate forward per prompt)."""
+        return self.executor.collective_rpc("prompt_logprobs", (prompts, num_top))[0]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

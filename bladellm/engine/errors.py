@@ -11,3 +11,8 @@ class EngineOverloadedError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """One request failed inside the engine; the engine keeps serving (HTTP 500)."""
+
+
+class ServerShuttingDownError(RuntimeError):
+    """The server is stopping and the request did not finish within --shutdown_timeout
+    (HTTP 503: the client may retry on another replica)."""

@@ -18,6 +18,7 @@ from typing import Any
 from bladellm.engine.messages import EngineCoreRequest
 from bladellm.engine.model_info import ModelInfo
 from bladellm.lora.request import LoRARequest
+from bladellm.engine.prompt_limits import check_prompt_chars, prompt_char_limit
 from bladellm.sampling_params import SamplingParams
 
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -34,6 +35,8 @@ class InputProcessor:
         self.tokenizer = model_info.tokenizer
         self._max_grammar_size = max_grammar_size
         self._grammar_validator = None  # built on the first constrained request
+        # Refuse hopeless prompts by length before paying for tokenization.
+        self.max_prompt_chars = prompt_char_limit(self.tokenizer, model_info.max_model_len)
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float, *, add_special_tokens: bool = True,
@@ -61,6 +64,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
+            check_prompt_chars(prompt, self.max_prompt_chars, self.model_info.max_model_len)
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"prompt: must be a string or a list of token ids, "

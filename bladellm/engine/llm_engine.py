@@ -15,11 +15,13 @@ from tqdm.auto import tqdm
 
 from bladellm.config import EngineConfig
 from bladellm.engine.engine_core import EngineCore
+from bladellm.engine import embedding
 from bladellm.engine.input_processor import InputProcessor
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
 from bladellm.lora.request import LoRARequest
 from bladellm.model.checkpoint import resolve_model
+from bladellm.model.pooling_config import pooling_config
 from bladellm.outputs import RequestOutput
 from bladellm.sampling_params import SamplingParams
 
@@ -41,6 +43,7 @@ class LLMEngine:
             from bladellm.lora.registry import LoRARegistry
 
             self.lora_registry = LoRARegistry(config.lora, resolved.hf_config)
+        self.pooling = pooling_config(resolved.path, resolved.hf_config)
 
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.model_info.sampling_defaults)
@@ -100,9 +103,9 @@ class LLM:
         """Generate for each prompt (text or token ids); outputs in the order of the prompts.
         ``lora_request``: one adapter for all prompts or one (or None) per prompt; build them
         with ``LLM.lora_request(name, path)``."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = [_prompt_of(p) for p in prompts]  # type: ignore[union-attr]
         if sampling_params is None:
             sampling_params = self.engine.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -131,14 +134,47 @@ class LLM:
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
              **template_kwargs) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the chat template (the model's, or ``chat_template``) to each conversation, then
+        generate. ``tools`` are rendered by the template (tool calls in the output are not
+        parsed); ``chat_template_kwargs`` (or extra keyword arguments) are template variables.
+        The rendered text already holds the special tokens, so none are added again."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.input_processor.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, **template_kwargs)
-            for conv in conversations]
+        kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        if tools is not None:
+            kwargs["tools"] = tools
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt cannot "
+                                 "both be true")
+            kwargs["continue_final_message"] = True
+        processor = self.engine.input_processor
+        prompts = [processor.tokenize(processor.apply_chat_template(
+            conv, add_generation_prompt=add_generation_prompt, **kwargs),
+            add_special_tokens=False) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: PromptType | dict | Sequence[PromptType | dict],
+              dimensions: int | None = None) -> list[embedding.EmbeddingOutput]:
+        """Embeddings of the prompts: the final hidden states pooled as the model's config says
+        (last token by default, mean for sentence-transformers mean pooling), L2-normalized."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        texts = [_prompt_of(p) for p in prompts]  # type: ignore[union-attr]
+        engine = self.engine
+        embedding.check_dimensions(dimensions, engine.pooling)
+        info = engine.model_info
+        ids = [engine.input_processor.tokenize(p) for p in texts]
+        for i, one in enumerate(ids):
+            embedding.check_prompt(one, info.max_model_len, info.vocab_size, i)
+        vectors = engine.core.embed(ids, engine.pooling.pooling)  # in-process core
+        return [embedding.EmbeddingOutput(embedding.finish(v, engine.pooling, dimensions), p)
+                for v, p in zip(vectors, ids)]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -160,3 +196,18 @@ class LLM:
         finally:
             bar.close()
         return [finished[i] for i in ids]
+
+
+def _prompt_of(prompt: PromptType | dict) -> PromptType:
+    """vLLM's prompt forms: a string, token ids, ``{"prompt": str}`` or
+    ``{"prompt_token_ids": [...]}``."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
+        return list(prompt["prompt_token_ids"])
+    raise ValueError(f"prompt: a dict prompt must be {{'prompt': str}} or "
+                     f"{{'prompt_token_ids': [int, ...]}}; got keys {sorted(keys)} "
+                     f"(multi-modal data is not supported)")

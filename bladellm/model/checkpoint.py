@@ -46,6 +46,10 @@ class ResolvedModel:
 def default_served_name(model: str, path: str) -> str:
     if model == "demo":
         return "SmolLM2-135M-Instruct"
+    from bladellm.model.hub import is_model_id
+
+    if is_model_id(model):  # served under its id, as vLLM does
+        return model
     base = os.path.basename(os.path.normpath(path))
     return base[:-5] if base.endswith(".gguf") else base
 
@@ -53,9 +57,13 @@ def default_served_name(model: str, path: str) -> str:
 def resolve_model(model_config: ModelConfig) -> ResolvedModel:
     """Find the checkpoint and read its config (cheap); weights are read by ``load_model``."""
     from bladellm.model.demo import resolve_model_path
+    from bladellm.model.hub import download_model, is_model_id
     from bladellm.model.loader import load_hf_config, resolve_dtype
 
     source = path = resolve_model_path(model_config.model)
+    if model_config.model != "demo" and is_model_id(model_config.model):
+        source = path = download_model(model_config.model, model_config.revision,
+                                       model_config.download_dir, model_config.model_hub)
     is_gguf = model_config.load_format == "gguf" or path.endswith(".gguf")
     gguf = None
     if is_gguf:

@@ -15,6 +15,7 @@ from bladellm.platforms.cpu_defaults import (kv_cache_num_blocks, model_weight_b
                                              total_memory_bytes)
 from bladellm.platforms.threads import configure_engine_threads
 from bladellm.worker.model_runner import ModelRunner
+from bladellm.worker.pooling import embed_prompts, prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +77,11 @@ class Worker:
 
     def check_health(self) -> None:
         """Raises if this worker cannot serve (in-process: it is alive if we got here)."""
+
+    def embed(self, prompts: list[list[int]], pooling: str) -> list[list[float]]:
+        """Pooled hidden states of each prompt (the embeddings path, apart from the step)."""
+        return embed_prompts(self.model_runner.model, prompts, pooling, self.device)
+
+    def prompt_logprobs(self, prompts: list[list[int]], num_top: int) -> list[list]:
+        """Logprobs of each prompt token given the ones before it (see worker/pooling.py)."""
+        return prompt_logprobs(self.model_runner.model, prompts, num_top, self.device)

@@ -270,6 +270,126 @@ async def test_disconnect_while_waiting_for_a_full_response_aborts(server):
     assert _metric(after, "bladellm_kv_cache_used_blocks") == 0
 
 
+# ------------------------------------------------------- vLLM extras (issue 15, item 7)
+
+
+async def test_tokenize_and_detokenize_match_the_engine(server, client):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    msgs = [{"role": "user", "content": "hello"}]
+    resp = await client.completions.create(model="tiny", prompt="The quick brown fox",
+                                           max_tokens=1)
+    chat = await client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
+    async with httpx.AsyncClient(base_url=server.url, headers=headers) as http:
+        r = await http.post("/tokenize", json={"model": "tiny", "prompt": "The quick brown fox",
+                                               "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["count"] == len(body["tokens"]) == resp.usage.prompt_tokens
+        assert body["max_model_len"] == MAX_MODEL_LEN and len(body["token_strs"]) == body["count"]
+        r = await http.post("/tokenize", json={"messages": msgs})
+        assert r.json()["count"] == chat.usage.prompt_tokens
+        ids = body["tokens"]
+        r = await http.post("/detokenize", json={"model": "tiny", "tokens": ids})
+        assert r.status_code == 200 and r.json()["prompt"].endswith("The quick brown fox")
+        r = await http.post("/detokenize", json={"tokens": [10**6]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+        r = await http.post("/tokenize", json={"prompt": "x", "messages": msgs})
+        assert r.status_code == 400
+        r = await http.post("/tokenize", json={"prompt": "x"}, headers={"Authorization": "no"})
+        assert r.status_code == 401
+
+
+async def test_stop_reason_in_choices(client):
+    greedy = await client.completions.create(model="tiny", prompt="Paris is", max_tokens=6,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    text = greedy.choices[0].text
+    assert greedy.choices[0].model_extra["stop_reason"] is None
+    stop = text[2:4]
+    resp = await client.completions.create(model="tiny", prompt="Paris is", max_tokens=6,
+                                           temperature=0, stop=[stop],
+                                           extra_body={"ignore_eos": True})
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].model_extra["stop_reason"] == stop
+    tok = (await client.completions.create(model="tiny", prompt="Paris is", max_tokens=1,
+                                           temperature=0, logprobs=0,
+                                           extra_body={"ignore_eos": True}))
+    first = tok.choices[0].text
+    async with httpx.AsyncClient(base_url=client.base_url.__str__().removesuffix("/v1/"),
+                                 headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        ids = (await http.post("/tokenize", json={"prompt": first,
+                                                  "add_special_tokens": False})).json()["tokens"]
+    msgs = [{"role": "user", "content": "hi"}]
+    full = await client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                                temperature=0, extra_body={"ignore_eos": True})
+    chat_stop = full.choices[0].message.content[2:4]
+    chat = await client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=6, temperature=0, stream=True, stop=[chat_stop],
+        extra_body={"ignore_eos": True})
+    chunks = [c async for c in chat]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].model_extra["stop_reason"] == chat_stop
+    resp = await client.completions.create(model="tiny", prompt="Paris is", max_tokens=6,
+                                           temperature=0, extra_body={
+                                               "ignore_eos": True, "stop_token_ids": ids[:1]})
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].model_extra["stop_reason"] == ids[0]
+
+
+async def test_embeddings_with_the_official_client(server, client):
+    import math
+
+    texts = ["The quick brown fox", "Paris is the capital of France"]
+    resp = await client.embeddings.create(model="tiny", input=texts)  # base64 on the wire
+    assert [d.index for d in resp.data] == [0, 1] and resp.model == "tiny"
+    vecs = [d.embedding for d in resp.data]
+    assert all(len(v) == 64 and abs(math.sqrt(sum(x * x for x in v)) - 1) < 1e-4 for v in vecs)
+    assert vecs[0] != vecs[1]
+    floats = await client.embeddings.create(model="tiny", input=texts[0],
+                                            encoding_format="float")
+    assert floats.data[0].embedding == pytest.approx(vecs[0], abs=1e-6)
+    ids = await client.embeddings.create(model="tiny", input=[[5, 6, 7], [8, 9]])
+    assert ids.usage.prompt_tokens == 5 == ids.usage.total_tokens
+    assert resp.usage.prompt_tokens > 0
+    with pytest.raises(openai.BadRequestError, match="Matryoshka"):
+        await client.embeddings.create(model="tiny", input="x", dimensions=8)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        await client.embeddings.create(model="tiny", input=[[5] * (MAX_MODEL_LEN + 1)])
+
+
+async def test_prompt_logprobs_and_echo_with_logprobs(server, client):
+    import math
+
+    prompt = "The quick brown fox jumps"
+    resp = await client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+        extra_body={"ignore_eos": True, "prompt_logprobs": 1})
+    choice = resp.choices[0]
+    plp = choice.model_extra["prompt_logprobs"]
+    n_prompt = resp.usage.prompt_tokens
+    assert len(plp) == n_prompt and plp[0] is None
+    lp = choice.logprobs
+    assert len(lp.tokens) == n_prompt + 3 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert choice.text.startswith(prompt)
+    # Each prompt token's logprob: the one vLLM's field reports for it, <= 0, rank >= 1.
+    tok = (await httpx.AsyncClient(base_url=server.url, headers={
+        "Authorization": f"Bearer {API_KEY}"}).post("/tokenize", json={"prompt": prompt})).json()
+    for pos in range(1, n_prompt):
+        entry = plp[pos][str(tok["tokens"][pos])]
+        assert entry["logprob"] == pytest.approx(lp.token_logprobs[pos], abs=1e-5)
+        assert entry["logprob"] <= 0 and entry["rank"] >= 1
+    assert sum(math.exp(v) for v in lp.top_logprobs[1].values()) <= 1.0 + 1e-6
+    stream = await client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+        stream=True, extra_body={"ignore_eos": True, "prompt_logprobs": 1})
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].model_extra["prompt_logprobs"] == plp
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks) == n_prompt + 3
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        await client.chat.completions.create(model="tiny", messages=[
+            {"role": "user", "content": "x"}], extra_body={"prompt_logprobs": 1})
+
+
 # ----------------------------------------------------------------------------------- errors
 
 
@@ -281,6 +401,7 @@ async def test_errors_and_the_server_keeps_serving(server, client):
         (openai.BadRequestError, dict(prompt="hello " * 200, max_tokens=100)),
         (openai.BadRequestError, dict(prompt="x", temperature="hot")),
         (openai.BadRequestError, dict(prompt="x", extra_body={"guided_json": {"type": "foo"}})),
+        (openai.BadRequestError, dict(prompt="x", extra_body={"prompt_logprobs": 21})),
         (openai.BadRequestError, dict(prompt="x", suffix="y")),
         (openai.NotFoundError, dict(prompt="x", model="gpt-4")),
     ]

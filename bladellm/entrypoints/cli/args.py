@@ -19,6 +19,7 @@ import typing
 from typing import Any
 
 from bladellm.config import EngineConfig
+from bladellm.entrypoints.cli.vllm_flags import add_vllm_flags
 from bladellm.entrypoints.openai.config import ServerConfig
 
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
@@ -149,6 +150,7 @@ def make_parser(prog: str = "blade_llm_server") -> argparse.ArgumentParser:
                                      "give one section a cli_prefix")
                 seen[name] = title
             group.add_argument(*names, dest=spec.dest, **spec.kwargs)
+    add_vllm_flags(parser, set(seen))
     return parser
 
 

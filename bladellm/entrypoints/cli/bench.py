@@ -26,6 +26,18 @@ from bladellm.bench.report import (format_markdown_comparison, format_table, loa
 from bladellm.bench.runner import SweepConfig, make_session, parse_rates, run_rate, warm_up
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help line (unless the help already explains it); the
+    description and epilog keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text
+                or action.default in (None, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def _add(parser: argparse.ArgumentParser, name: str, **kw: Any) -> None:
     """Add ``--foo_bar`` and its dash spelling ``--foo-bar``."""
     names = [name]
@@ -36,14 +48,18 @@ def _add(parser: argparse.ArgumentParser, name: str, **kw: Any) -> None:
 
 def build_run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="blade_llm_bench",
+        prog="blade_llm_bench", formatter_class=_HelpFormatter,
+        usage="blade_llm_bench [run options]\n       blade_llm_bench plot FILE.json [FILE.json "
+              "...] [plot options]",
         description="Stream requests to an OpenAI-compatible server at a sweep of request rates "
-                    "and report TTFT, ITL/TBT, TPOT, E2E, throughput and goodput. "
-                    "`blade_llm_bench plot FILE.json ...` draws curves from result files.")
+                    "and report TTFT, ITL/TBT, TPOT, E2E, throughput and goodput.",
+        epilog="subcommands:\n  plot  draw TTFT-vs-QPS and TBT-vs-QPS curves and a comparison "
+               "table from result files (blade_llm_bench plot --help)")
     _add(p, "--base_url", default="http://127.0.0.1:8081", help="server root URL")
     _add(p, "--model", default=None,
          help="model name sent in requests (default: the first id at /v1/models)")
-    _add(p, "--endpoint", choices=("completions", "chat"), default="completions")
+    _add(p, "--endpoint", choices=("completions", "chat"), default="completions",
+         help="API to call: /v1/completions or /v1/chat/completions")
     _add(p, "--dataset", default="random",
          help="random | shared_prefix | sharegpt:FILE | jsonl:FILE")
     _add(p, "--tokenizer", default=None,
@@ -62,31 +78,36 @@ def build_run_parser() -> argparse.ArgumentParser:
     _add(p, "--ignore_eos", action="store_true", help="send ignore_eos: true")
     _add(p, "--eos_logit_bias", default=None,
          help="ID[,ID]: send logit_bias -100 on these token ids (for servers that drop ignore_eos)")
-    _add(p, "--temperature", type=float, default=0.0)
+    _add(p, "--temperature", type=float, default=0.0, help="sampling temperature sent")
     _add(p, "--seed", type=int, default=0, help="seeds prompts and arrival times")
     _add(p, "--slo", default=None, help="goodput targets in ms, e.g. ttft:500,tpot:50[,e2e:MS]")
     _add(p, "--slo_target", type=float, default=0.9,
          help="a rate meets the SLO when this fraction of its requests does (for plots)")
     _add(p, "--num_warmup", type=int, default=0, help="requests sent first and not measured")
-    _add(p, "--output_dir", default="bench_results")
+    _add(p, "--output_dir", default="bench_results",
+         help="where the result JSON, CSV and plots are written")
     _add(p, "--label", default=None, help="name of this run/server (file names, plot legend)")
     _add(p, "--request_timeout", type=float, default=3600.0, help="seconds per request")
     _add(p, "--no_usage", action="store_true",
          help="don't send stream_options.include_usage (count chunks as tokens)")
-    _add(p, "--plot_stat", choices=("mean", "p50", "p90", "p99"), default="mean")
-    _add(p, "--disable_tqdm", action="store_true")
+    _add(p, "--plot_stat", choices=("mean", "p50", "p90", "p99"), default="mean",
+         help="statistic drawn on the latency axes of the plots")
+    _add(p, "--disable_tqdm", action="store_true", help="no progress bar")
     return p
 
 
 def build_plot_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="blade_llm_bench plot",
+                                formatter_class=_HelpFormatter,
                                 description="TTFT-vs-QPS and TBT-vs-QPS, one line per file, "
                                             "and comparison.md: one Markdown table of all.")
     p.add_argument("files", nargs="+", help="result JSON files from blade_llm_bench")
-    _add(p, "--output_dir", default=".")
+    _add(p, "--output_dir", default=".", help="where the plots and comparison.md go")
     _add(p, "--slo", default=None, help="re-judge goodput under this SLO (default: the files')")
-    _add(p, "--slo_target", type=float, default=0.9)
-    _add(p, "--stat", choices=("mean", "p50", "p90", "p99"), default="mean")
+    _add(p, "--slo_target", type=float, default=0.9,
+         help="a rate meets the SLO when this fraction of its requests does")
+    _add(p, "--stat", choices=("mean", "p50", "p90", "p99"), default="mean",
+         help="statistic drawn on the latency axes")
     _add(p, "--labels", default=None, help="comma list of legend names, one per file "
          "(default: each file's label)")
     return p

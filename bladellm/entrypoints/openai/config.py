@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 from bladellm.config import parse_size
@@ -37,8 +38,28 @@ class ServerConfig:
         default="", metadata={"help": "ASGI root_path when served behind a path-prefixing proxy."})
     shutdown_timeout: float = field(
         default=10.0,
-        metadata={"help": "On SIGINT/SIGTERM, seconds to let in-flight requests finish before "
-                          "they are aborted."})
+        metadata={"help": "On SIGINT/SIGTERM, new requests get 503 and in-flight ones get "
+                          "this many seconds to finish; those still running then end with an "
+                          "OpenAI error (503 body, or an SSE error event + [DONE])."})
+    chat_template: str | None = field(
+        default=None,
+        metadata={"help": "Chat template for /v1/chat/completions instead of the tokenizer's: "
+                          "a file path, or the Jinja template itself (vLLM's --chat-template)."})
+    trust_request_chat_template: bool = field(
+        default=False,
+        metadata={"help": "Accept a Jinja chat template sent with a chat request "
+                          "(chat_template / chat_template_kwargs.chat_template). Off: such "
+                          "requests get 400, since the template runs in the API process."})
+    keep_serving_on_engine_death: bool = field(
+        default=False,
+        metadata={"help": "When the engine core dies, keep the server up answering 503 "
+                          "(the old behaviour). Off: in-flight requests get 503, then the "
+                          "process exits with status 1 so an orchestrator restarts it."})
+    metrics_names: str = field(
+        default="both",
+        metadata={"help": "Names of the /metrics series: vllm (vllm:* with a model_name "
+                          "label, as vLLM publishes them), bladellm (bladellm_*), or both.",
+                  "choices": ("both", "vllm", "bladellm")})
     retry_after: int = field(
         default=1,
         metadata={"help": "Retry-After seconds sent with HTTP 503 (overloaded or engine down)."})
@@ -58,7 +79,21 @@ class ServerConfig:
                f"must be one of {_LOG_LEVELS}, got {self.log_level!r}")
         _check(self.shutdown_timeout >= 0, "shutdown_timeout",
                f"must be >= 0, got {self.shutdown_timeout}")
+        if self.chat_template is not None:
+            _check(bool(self.chat_template.strip()), "chat_template", "must not be empty")
+            looks_inline = any(c in self.chat_template for c in "{%\n")
+            _check(looks_inline or os.path.isfile(self.chat_template), "chat_template",
+                   f"no such file: {self.chat_template!r}")
+        _check(self.metrics_names in ("both", "vllm", "bladellm"), "metrics_names",
+               f"must be one of both, vllm, bladellm; got {self.metrics_names!r}")
         _check(self.retry_after >= 0, "retry_after", f"must be >= 0, got {self.retry_after}")
+
+    def load_chat_template(self) -> str | None:
+        """The template text: the file's content, or the flag's value when given inline."""
+        if self.chat_template is None or not os.path.isfile(self.chat_template):
+            return self.chat_template
+        with open(self.chat_template, encoding="utf-8") as f:
+            return f.read()
 
     @property
     def py_log_level(self) -> int:

@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from bladellm.engine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from bladellm.engine.errors import (
+    EngineDeadError, EngineOverloadedError, RequestFailedError, ServerShuttingDownError)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,11 @@ def unsupported(param: str, what: str | None = None) -> APIError:
                        code="unsupported_parameter")
 
 
+def shutting_down(message: str, retry_after: int = 1) -> APIError:
+    return APIError(503, f"The server is shutting down: {message}", "server_error",
+                    code="server_shutting_down", headers={"Retry-After": str(retry_after)})
+
+
 def _param_of(message: str) -> str | None:
     # SamplingParams and the configs say "name: message".
     head, sep, _ = message.partition(":")
@@ -72,6 +78,8 @@ def from_exception(exc: BaseException, retry_after: int = 1) -> APIError:
         return APIError(503, str(exc) or "The server is overloaded; retry later.",
                         "server_error", code="overloaded",
                         headers={"Retry-After": str(retry_after)})
+    if isinstance(exc, ServerShuttingDownError):
+        return shutting_down(str(exc), retry_after)
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine is not running: {exc}", "server_error",
                         code="engine_dead", headers={"Retry-After": str(retry_after)})
@@ -140,6 +148,7 @@ def install_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(ValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    for exc_type in (ValueError, EngineOverloadedError, EngineDeadError, RequestFailedError):
+    for exc_type in (ValueError, EngineOverloadedError, EngineDeadError, RequestFailedError,
+                     ServerShuttingDownError):
         app.add_exception_handler(exc_type, api_error)
     app.add_exception_handler(Exception, api_error)

@@ -1,11 +1,16 @@
 """Prometheus metrics for /metrics: a ``StatLogger`` fed by the engine front end.
 
-Each logger owns its ``CollectorRegistry`` so that several apps (tests) never collide in the
-global registry. Cumulative counts that the engine core reports as running totals (prompt-cache
-lookups, preemptions) are turned into counter increments here.
+Every metric is published under vLLM's name with a ``model_name`` label
+(``vllm:time_to_first_token_seconds{model_name="..."}``), so dashboards built for vLLM work
+unchanged, and/or under our own ``bladellm_*`` name; ``--metrics_names`` picks (``both`` by
+default). Each logger owns its ``CollectorRegistry`` so that several apps (tests) never collide
+in the global registry. Cumulative counts that the engine core reports as running totals
+(prompt-cache lookups, preemptions) are turned into counter increments here.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -14,7 +19,9 @@ from bladellm.engine.messages import SchedulerStats
 from bladellm.engine.metrics import FinishedRequestStats, IterationStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+METRICS_NAMES = ("both", "vllm", "bladellm")
 _PREFIX = "bladellm_"
+_VLLM = "vllm:"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -25,72 +32,120 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+class _Fan:
+    """One logical metric published under one or more names: forwards every update."""
+
+    def __init__(self, parents: list[tuple[Any, dict[str, str]]]) -> None:
+        self._parents = parents  # (prometheus metric, labels bound up front)
+        # Metrics with labels beyond the bound ones get their children from labels().
+        self._children = [m.labels(**bound) if bound else m for m, bound in parents
+                          if len(m._labelnames) == len(bound)]
+
+    def labels(self, **labels: str) -> "_Fan":
+        fan = _Fan([])
+        fan._children = [m.labels(**bound, **labels) for m, bound in self._parents]
+        return fan
+
+    def observe(self, value: float) -> None:
+        for child in self._children:
+            child.observe(value)
+
+    def inc(self, value: float = 1.0) -> None:
+        for child in self._children:
+            child.inc(value)
+
+    def set(self, value: float) -> None:
+        for child in self._children:
+            child.set(value)
+
+
 class PrometheusStatLogger:
     """Implements ``bladellm.engine.metrics.StatLogger``."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, model_name: str = "",
+                 names: str = "both") -> None:
+        if names not in METRICS_NAMES:
+            raise ValueError(f"--metrics_names: must be one of {METRICS_NAMES}, got {names!r}")
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        p = _PREFIX
-        self.ttft = Histogram(f"{p}time_to_first_token_seconds",
-                              "Time from arrival to the first generated token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tbt = Histogram(f"{p}time_between_tokens_seconds",
-                             "Time between consecutive generated tokens of a request.",
-                             buckets=_TBT_BUCKETS, registry=r)
-        self.e2e = Histogram(f"{p}e2e_request_latency_seconds",
-                             "Time from arrival to the end of a request.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram(f"{p}request_queue_time_seconds",
-                                    "Time a request waited before it was first scheduled.",
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.request_prompt_tokens = Histogram(
-            f"{p}request_prompt_tokens", "Prompt length of finished requests.",
-            buckets=_TOKEN_BUCKETS, registry=r)
-        self.request_generation_tokens = Histogram(
-            f"{p}request_generation_tokens", "Generated tokens of finished requests.",
-            buckets=_TOKEN_BUCKETS, registry=r)
-        self.running = Gauge(f"{p}num_requests_running", "Requests in the running batch.",
-                             registry=r)
-        self.waiting = Gauge(f"{p}num_requests_waiting", "Requests waiting to be scheduled.",
-                             registry=r)
-        self.kv_usage = Gauge(f"{p}kv_cache_usage_ratio",
-                              "Fraction of KV-cache blocks held by requests (0..1).", registry=r)
-        self.grammar_compiles = Gauge(f"{p}guided_grammar_compiles",
-                                      "Grammars compiled for structured output (cumulative).",
-                                      registry=r)
-        self.grammar_cache_hits = Gauge(f"{p}guided_grammar_cache_hits",
-                                        "Structured-output requests served by the "
-                                        "compiled-grammar cache (cumulative).", registry=r)
-        self.kv_used_blocks = Gauge(f"{p}kv_cache_used_blocks",
-                                    "KV-cache blocks held by requests.", registry=r)
-        self.kv_total_blocks = Gauge(f"{p}kv_cache_total_blocks", "KV-cache blocks in all.",
-                                     registry=r)
-        self.prefix_queries = Counter(f"{p}prefix_cache_queries",
-                                      "Prompt tokens looked up in the prompt cache.", registry=r)
-        self.prefix_hits = Counter(f"{p}prefix_cache_hits",
-                                   "Prompt tokens found in the prompt cache.", registry=r)
-        self.prefix_hit_rate = Gauge(f"{p}prefix_cache_hit_rate",
-                                     "Prompt-cache hits / lookups (tokens) since start.",
-                                     registry=r)
-        self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens of requests.",
-                                     registry=r)
-        self.generation_tokens = Counter(f"{p}generation_tokens", "Generated tokens.",
-                                         registry=r)
-        self.preemptions = Counter(f"{p}num_preemptions", "Requests preempted (KV blocks ran "
-                                                         "out) since start.", registry=r)
+        self.model_name = model_name
+        self._names = names
+        self.ttft = self._metric(Histogram, "time_to_first_token_seconds", None,
+                                 "Time from arrival to the first generated token.",
+                                 buckets=_LATENCY_BUCKETS)
+        # vLLM publishes the same per-token observations under both names (the second is the
+        # older one, still used by its example dashboards).
+        self.tbt = self._metric(Histogram, "time_between_tokens_seconds",
+                                ("inter_token_latency_seconds", "time_per_output_token_seconds"),
+                                "Time between consecutive generated tokens of a request.",
+                                buckets=_TBT_BUCKETS)
+        self.e2e = self._metric(Histogram, "e2e_request_latency_seconds", None,
+                                "Time from arrival to the end of a request.",
+                                buckets=_LATENCY_BUCKETS)
+        self.queue_time = self._metric(Histogram, "request_queue_time_seconds", None,
+                                       "Time a request waited before it was first scheduled.",
+                                       buckets=_LATENCY_BUCKETS)
+        self.request_prompt_tokens = self._metric(
+            Histogram, "request_prompt_tokens", None, "Prompt length of finished requests.",
+            buckets=_TOKEN_BUCKETS)
+        self.request_generation_tokens = self._metric(
+            Histogram, "request_generation_tokens", None,
+            "Generated tokens of finished requests.", buckets=_TOKEN_BUCKETS)
+        self.running = self._metric(Gauge, "num_requests_running", None,
+                                    "Requests in the running batch.")
+        self.waiting = self._metric(Gauge, "num_requests_waiting", None,
+                                    "Requests waiting to be scheduled.")
+        self.kv_usage = self._metric(Gauge, "kv_cache_usage_ratio", ("kv_cache_usage_perc",),
+                                     "Fraction of KV-cache blocks held by requests (0..1).")
+        self.kv_used_blocks = self._metric(Gauge, "kv_cache_used_blocks", (),
+                                           "KV-cache blocks held by requests.")
+        self.kv_total_blocks = self._metric(Gauge, "kv_cache_total_blocks", (),
+                                            "KV-cache blocks in all.")
+        self.prefix_queries = self._metric(Counter, "prefix_cache_queries", None,
+                                           "Prompt tokens looked up in the prompt cache.")
+        self.prefix_hits = self._metric(Counter, "prefix_cache_hits", None,
+                                        "Prompt tokens found in the prompt cache.")
+        self.prefix_hit_rate = self._metric(Gauge, "prefix_cache_hit_rate", (),
+                                            "Prompt-cache hits / lookups (tokens) since start.")
+        self.prompt_tokens = self._metric(Counter, "prompt_tokens", None,
+                                          "Prompt tokens of requests.")
+        self.generation_tokens = self._metric(Counter, "generation_tokens", None,
+                                              "Generated tokens.")
+        self.preemptions = self._metric(Counter, "num_preemptions", None,
+                                        "Requests preempted (KV blocks ran out) since start.")
+        self.grammar_compiles = self._metric(
+            Gauge, "guided_grammar_compiles", (),
+            "Grammars compiled for structured output (cumulative).")
+        self.grammar_cache_hits = self._metric(
+            Gauge, "guided_grammar_cache_hits", (),
+            "Structured-output requests served by the compiled-grammar cache (cumulative).")
         # Speculative decoding (vLLM's names; docs/speculative.md).
-        self.spec_drafts = Counter(f"{p}spec_decode_num_drafts",
-                                   "Request-steps that verified proposed tokens.", registry=r)
-        self.spec_draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens",
-                                         "Proposed tokens verified.", registry=r)
-        self.spec_accepted_tokens = Counter(f"{p}spec_decode_num_accepted_tokens",
-                                            "Proposed tokens accepted.", registry=r)
-        self.finished = Counter(f"{p}request_success", "Finished requests by finish reason.",
-                                ["finished_reason"], registry=r)
+        self.spec_drafts = self._metric(Counter, "spec_decode_num_drafts", None,
+                                        "Request-steps that verified proposed tokens.")
+        self.spec_draft_tokens = self._metric(Counter, "spec_decode_num_draft_tokens", None,
+                                              "Proposed tokens verified.")
+        self.spec_accepted_tokens = self._metric(Counter, "spec_decode_num_accepted_tokens",
+                                                 None, "Proposed tokens accepted.")
+        self.finished = self._metric(Counter, "request_success", None,
+                                     "Finished requests by finish reason.",
+                                     labelnames=("finished_reason",))
         for reason in FINISH_REASONS:
             self.finished.labels(finished_reason=reason)
         self._last: SchedulerStats | None = None
+
+    def _metric(self, kind: type, name: str, vllm_names: tuple[str, ...] | None, doc: str,
+                labelnames: tuple[str, ...] = (), **kwargs: Any) -> _Fan:
+        """``name`` as ``bladellm_<name>``; ``vllm_names`` (None: the same name, (): none) as
+        ``vllm:<name>`` with a ``model_name`` label."""
+        parents: list[tuple[Any, dict[str, str]]] = []
+        if self._names in ("both", "bladellm"):
+            parents.append((kind(f"{_PREFIX}{name}", doc, list(labelnames),
+                                 registry=self.registry, **kwargs), {}))
+        if self._names in ("both", "vllm"):
+            for vname in (name,) if vllm_names is None else vllm_names:
+                parents.append((kind(f"{_VLLM}{vname}", doc, ["model_name", *labelnames],
+                                     registry=self.registry, **kwargs),
+                                {"model_name": self.model_name}))
+        return _Fan(parents)
 
     # StatLogger ------------------------------------------------------------------------------
 
@@ -144,6 +199,11 @@ class PrometheusStatLogger:
         self.kv_total_blocks.set(stats.num_total_blocks)
         self.grammar_compiles.set(stats.num_grammar_compiles)
         self.grammar_cache_hits.set(stats.num_grammar_cache_hits)
+
+    def zero_engine_gauges(self) -> None:
+        """A dead engine core runs nothing and holds no blocks: never show its last state."""
+        for gauge in (self.running, self.waiting, self.kv_usage, self.kv_used_blocks):
+            gauge.set(0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -116,6 +116,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused unless --trust_request_chat_template
     # Tool calling (entrypoints/openai/tool_calls.py).
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -155,6 +156,8 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM extra: stop string or token id
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM extra
 
 
 class CompletionResponse(_Response):
@@ -212,6 +215,7 @@ class ChatChoice(_Response):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM extra: stop string or token id
 
 
 class ChatCompletionResponse(_Response):
@@ -243,6 +247,7 @@ class ChatChunkChoice(_Response):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM extra: stop string or token id
 
 
 class ChatCompletionChunk(_Response):

@@ -1,8 +1,10 @@
 """The FastAPI app (``build_app``) and the process around it (``run_server``).
 
 ``run_server`` starts the engine, then uvicorn on a socket it binds itself (so ``--port 0``
-works and the ready line names the real port). SIGINT/SIGTERM stop accepting connections, give
-in-flight requests ``--shutdown_timeout`` seconds, abort the rest, then shut the engine down.
+works and the ready line names the real port). SIGINT/SIGTERM refuse new requests, give
+in-flight ones ``--shutdown_timeout`` seconds, finish the rest with an OpenAI error (see
+``lifecycle.py``), then shut the engine down. A dead engine core makes the process exit with
+status 1 after a short drain (unless ``--keep_serving_on_engine_death``).
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from typing import Any
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from bladellm.config import EngineConfig
 from bladellm.engine.errors import EngineDeadError
 from bladellm.entrypoints.openai.auth import api_key_check as _api_key_check
 from bladellm.entrypoints.openai.config import ServerConfig
 from bladellm.entrypoints.openai.errors import APIError, from_exception, install_handlers
+from bladellm.entrypoints.openai.lifecycle import Lifecycle, LifecycleMiddleware, watch_engine
 from bladellm.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatLogger
 from bladellm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, ModelCard, ModelList)
@@ -30,6 +34,9 @@ from bladellm.entrypoints.openai.serving_chat import create_chat_completion
 from bladellm.entrypoints.openai.serving_common import ClientDisconnected, ServingContext
 from bladellm.entrypoints.openai.serving_completion import create_completion
 from bladellm.entrypoints.openai.serving_lora import adapter_cards, add_lora_routes
+from bladellm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
+from bladellm.entrypoints.openai.serving_tokenize import (
+    DetokenizeRequest, TokenizeRequest, detokenize, tokenize)
 
 logger = logging.getLogger("bladellm.server")
 
@@ -106,12 +113,15 @@ def build_app(engine: Any, server_config: ServerConfig,
     app = FastAPI(title="BladeLLM", version=server_version(), root_path=server_config.root_path)
     app.state.retry_after = server_config.retry_after
     app.state.engine = engine
-    app.state.metrics = metrics = metrics or PrometheusStatLogger()
-    ctx = ServingContext.from_engine(engine)
+    app.state.metrics = metrics = metrics or PrometheusStatLogger(
+        model_name=engine.model_info.served_model_name, names=server_config.metrics_names)
+    app.state.lifecycle = lifecycle = Lifecycle(server_config.retry_after)
+    ctx = ServingContext.from_engine(engine, server_config)
     created = int(time.time())
     retry_after = server_config.retry_after
     install_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_body_bytes)
+    app.add_middleware(LifecycleMiddleware, lifecycle=lifecycle)
 
     v1 = APIRouter(dependencies=[Depends(_api_key_check(server_config.api_key))])
 
@@ -122,6 +132,9 @@ def build_app(engine: Any, server_config: ServerConfig,
             req = model_cls.model_validate_json(await request.body())
             return await handler(req, request, ctx)
         except ClientDisconnected:
+            return Response(status_code=499)
+        except ClientDisconnect:  # gone while uploading the body: nothing to answer, no error
+            logger.info("client disconnected before sending the whole request body")
             return Response(status_code=499)
         except RequestTooLarge:
             return too_large(server_config.max_body_bytes).response()
@@ -135,6 +148,19 @@ def build_app(engine: Any, server_config: ServerConfig,
     @v1.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serve(request, ChatCompletionRequest, create_chat_completion)
+
+    @v1.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await serve(request, EmbeddingRequest, create_embedding)
+
+    # vLLM's tokenizer endpoints (no /v1 prefix, as in vLLM; behind --api_key like /v1/*).
+    @v1.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await serve(request, TokenizeRequest, tokenize)
+
+    @v1.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await serve(request, DetokenizeRequest, detokenize)
 
     def model_card() -> ModelCard:
         return ModelCard(id=ctx.model_name, created=created, max_model_len=ctx.max_model_len)
@@ -175,9 +201,12 @@ def build_app(engine: Any, server_config: ServerConfig,
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        stats = engine.get_scheduler_stats()
-        if stats is not None:
-            metrics.update_gauges(stats)
+        if engine.is_dead:
+            metrics.zero_engine_gauges()  # a dead core runs nothing and holds no KV blocks
+        else:
+            stats = engine.get_scheduler_stats()
+            if stats is not None:
+                metrics.update_gauges(stats)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
@@ -187,11 +216,43 @@ def build_app(engine: Any, server_config: ServerConfig,
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, model_name: str) -> None:
+    """uvicorn, with SIGINT/SIGTERM starting ``Lifecycle.drain`` instead of an immediate exit
+    (a second signal forces it) and an exit status."""
+
+    def __init__(self, config: uvicorn.Config, model_name: str, engine: Any,
+                 lifecycle: Lifecycle, grace: float) -> None:
         super().__init__(config)
         self.model_name = model_name
+        self.engine = engine
+        self.lifecycle = lifecycle
+        self.grace = grace
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self._captured_signals.append(sig)  # re-raised after serve(): KeyboardInterrupt
+        if self.lifecycle.draining or self._loop is None or not self.started:
+            self.should_exit = self.force_exit = True  # second signal, or not serving yet
+            return
+        self.lifecycle.draining = True
+        self._loop.call_soon_threadsafe(self._spawn, self._drain_then_exit())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drain_then_exit(self) -> None:
+        await self.lifecycle.drain(self.engine, self.grace)
+        self.should_exit = True
+
+    def exit_now(self, code: int) -> None:
+        self.exit_code = code
+        self.should_exit = True
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started and sockets:
             host, port = sockets[0].getsockname()[:2]
@@ -222,22 +283,48 @@ def _configure_logging(server_config: ServerConfig) -> None:
     logging.getLogger("bladellm").setLevel(py_level)
 
 
+def _metrics_for(engine_config: EngineConfig, server_config: ServerConfig) -> PrometheusStatLogger:
+    """The model_name label is the served name, named here as the engine will name it (from
+    the --model text alone: no hub access, no file read)."""
+    from bladellm.model.checkpoint import default_served_name
+    from bladellm.model.demo import resolve_model_path
+
+    name = engine_config.model.served_model_name
+    if name is None:
+        name = default_served_name(engine_config.model.model,
+                                   resolve_model_path(engine_config.model.model))
+    return PrometheusStatLogger(model_name=name, names=server_config.metrics_names)
+
+
 async def _serve(engine_config: EngineConfig, server_config: ServerConfig,
-                 client: Any = None) -> None:
+                 client: Any = None) -> int:
     from bladellm.engine.async_llm import AsyncLLM
 
-    metrics = PrometheusStatLogger()
+    metrics = _metrics_for(engine_config, server_config)
     logger.info("starting the engine for model %s", engine_config.model.model)
     engine = AsyncLLM.from_engine_config(engine_config, stat_loggers=[metrics], client=client)
     sock = None
     try:
         sock = _bind(server_config.host, server_config.port)
         app = build_app(engine, server_config, metrics=metrics)
+        # Our own drain has finished every request before uvicorn's shutdown starts; its
+        # timeout only bounds connections that still will not close (e.g. a stalled reader).
         config = uvicorn.Config(
             app, log_level=server_config.log_level, access_log=not server_config.disable_access_log,
-            root_path=server_config.root_path,
-            timeout_graceful_shutdown=int(server_config.shutdown_timeout + 0.999))
-        await _Server(config, engine.model_info.served_model_name).serve(sockets=[sock])
+            root_path=server_config.root_path, timeout_graceful_shutdown=1)
+        server = _Server(config, engine.model_info.served_model_name, engine,
+                         app.state.lifecycle, server_config.shutdown_timeout)
+        watcher = None
+        if not server_config.keep_serving_on_engine_death:
+            watcher = asyncio.ensure_future(watch_engine(
+                engine, app.state.lifecycle, server_config.shutdown_timeout,
+                lambda: server.exit_now(1)))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        return server.exit_code
     finally:
         logger.info("shutting down the engine")
         engine.shutdown()
@@ -262,8 +349,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
                 client.close()
             return 1
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
     try:
-        asyncio.run(_serve(engine_config, server_config, client))
+        code = asyncio.run(_serve(engine_config, server_config, client))
     except KeyboardInterrupt:
         pass
     except (ValueError, RuntimeError, OSError) as exc:  # bad model dir, engine start-up failure
@@ -273,5 +361,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if code:
+        logger.error("server stopped: the engine core died (exit status %d)", code)
+        return code
     logger.info("server stopped")
     return 0

@@ -11,6 +11,8 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from bladellm.engine.prompt_limits import check_prompt_chars
+from bladellm.entrypoints.openai.chat_template import template_options
 from bladellm.entrypoints.openai.errors import bad_request, from_exception, unsupported
 from bladellm.entrypoints.openai.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -33,10 +35,13 @@ class _Choice:
     finish_reason: str | None = None
     tool_stream: AutoToolStream | None = None  # tool_choice "auto", streaming
     call_id: str | None = None  # named tool_choice, streaming: the call being streamed
+    stop_reason: int | str | None = None  # the stop string / stop token id that ended it
 
 
 def _check(req: ChatCompletionRequest) -> None:
     reject_unsupported(req)
+    if req.prompt_logprobs is not None:  # served on /v1/completions only
+        raise unsupported("prompt_logprobs", "prompt_logprobs on chat completions")
     for name in ("functions", "function_call", "audio", "prediction", "reasoning_effort",
                  "web_search_options"):
         if getattr(req, name) is not None:
@@ -51,9 +56,6 @@ def _check(req: ChatCompletionRequest) -> None:
         if not 0 <= req.top_logprobs <= _MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs: must be in [0, {_MAX_TOP_LOGPROBS}], "
                               f"got {req.top_logprobs}", "top_logprobs")
-    if req.continue_final_message and req.add_generation_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be "
-                          "true", "continue_final_message")
 
 
 def _template_tool_calls(i: int, calls: list[Any]) -> list[dict[str, Any]]:
@@ -104,13 +106,18 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 def _prompt_ids(req: ChatCompletionRequest, ctx: ServingContext,
                 tools: ToolChoice | None = None) -> list[int]:
-    kwargs = dict(req.chat_template_kwargs or {})
+    """Render and tokenize; CPU-heavy for long conversations, so it runs in ``ctx.offload``."""
+    options = template_options(req, ctx.trust_request_chat_template)
+    kwargs = dict(options.kwargs)
     if tools is not None:
         kwargs["tools"] = tools.tools  # transformers' `tools` argument of the chat template
-    if req.continue_final_message:
+    if "chat_template" not in kwargs and ctx.default_chat_template is not None:
+        kwargs["chat_template"] = ctx.default_chat_template
+    if options.continue_final_message:
         kwargs["continue_final_message"] = True
     text = ctx.engine.input_processor.apply_chat_template(
-        _messages(req), add_generation_prompt=req.add_generation_prompt, **kwargs)
+        _messages(req), add_generation_prompt=options.add_generation_prompt, **kwargs)
+    check_prompt_chars(text, ctx.max_prompt_chars, ctx.max_model_len, "messages")
     # The template already wrote the special tokens (BOS, role markers): add none.
     return list(ctx.tokenizer.encode(text, add_special_tokens=False))
 
@@ -120,7 +127,8 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
     lora = ctx.check_model(req.model)
     _check(req)
     tools = parse_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
-    prompt = _prompt_ids(req, ctx, tools)  # ValueError (bad messages, no template) -> 400
+    template_options(req, ctx.trust_request_chat_template)  # 400s before any CPU work
+    prompt = await ctx.offload.run(_prompt_ids, req, ctx, tools)  # bad messages -> 400
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -158,7 +166,8 @@ def _final_choice(k: int, c: _Choice, tools: ToolChoice | None) -> ChatChoice:
         finish = "tool_calls"
     message = ChatResponseMessage(content=content,
                                   tool_calls=[ToolCall(**call) for call in calls] or None)
-    return ChatChoice(index=k, message=message, logprobs=c.logprobs, finish_reason=finish)
+    return ChatChoice(index=k, message=message, logprobs=c.logprobs, finish_reason=finish,
+                      stop_reason=c.stop_reason)
 
 
 def _apply(req: ChatCompletionRequest, out: RequestOutput, choices: list[_Choice]):
@@ -175,6 +184,7 @@ def _apply(req: ChatCompletionRequest, out: RequestOutput, choices: list[_Choice
             choice.logprobs.content.extend(new_lp.content or [])  # type: ignore[union-attr]
         if comp.finish_reason is not None:
             choice.finish_reason = comp.finish_reason
+            choice.stop_reason = comp.stop_reason
         updates.append((comp.index, comp.text, new_lp, comp.finish_reason))
     return updates
 
@@ -237,7 +247,8 @@ async def _stream(req: ChatCompletionRequest, request_id: str, model: str, first
     def chunk(k: int, delta: DeltaMessage, lp=None, finish=None) -> str:
         c = ChatCompletionChunk(
             id=request_id, created=created, model=model,
-            choices=[ChatChunkChoice(index=k, delta=delta, logprobs=lp, finish_reason=finish)],
+            choices=[ChatChunkChoice(index=k, delta=delta, logprobs=lp, finish_reason=finish,
+                                     stop_reason=choices[k].stop_reason if finish else None)],
             usage=usage.usage() if continuous else None)
         return sse(c.model_dump_json(exclude=exclude))
 

@@ -10,7 +10,9 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from fastapi import Request
 
+from bladellm.engine.cpu_offload import CpuOffload
 from bladellm.engine.errors import RequestFailedError
+from bladellm.engine.prompt_limits import prompt_char_limit
 from bladellm.entrypoints.openai.errors import APIError, bad_request, unsupported
 from bladellm.entrypoints.openai.structured_output import guided_decoding_from_request
 from bladellm.entrypoints.openai.protocol import (
@@ -42,13 +44,26 @@ class ServingContext:
     vocab_size: int
     tokenizer: Any
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # Tokenization / templating / large decodes run here, off the event loop (shared with the
+    # engine's own tokenization when it has one: one thread touches the tokenizer).
+    offload: CpuOffload = field(default_factory=CpuOffload)
+    max_prompt_chars: int | None = None  # cheap pre-tokenization bound (prompt_limits.py)
+    trust_request_chat_template: bool = False
+    default_chat_template: str | None = None  # --chat_template: replaces the tokenizer's
 
     @classmethod
-    def from_engine(cls, engine: Any) -> "ServingContext":
+    def from_engine(cls, engine: Any, server_config: Any = None) -> "ServingContext":
         info = engine.model_info
+        offload = getattr(engine, "cpu_offload", None) or CpuOffload()
         return cls(engine=engine, model_name=info.served_model_name,
                    max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-                   tokenizer=info.tokenizer, sampling_defaults=dict(info.sampling_defaults))
+                   tokenizer=info.tokenizer, sampling_defaults=dict(info.sampling_defaults),
+                   offload=offload,
+                   max_prompt_chars=prompt_char_limit(info.tokenizer, info.max_model_len),
+                   trust_request_chat_template=bool(getattr(
+                       server_config, "trust_request_chat_template", False)),
+                   default_chat_template=server_config.load_chat_template()
+                   if server_config is not None else None)
 
     def check_model(self, name: str | None) -> Any:
         """None for the base model, the ``LoRARequest`` an adapter name or path resolves to
@@ -84,8 +99,6 @@ def reject_unsupported(req: SamplingRequest) -> None:
             raise bad_request(f"best_of ({req.best_of}) must be >= n ({req.n})", "best_of")
         if req.best_of > req.n:
             raise unsupported("best_of", "best_of > n")
-    if req.prompt_logprobs is not None:
-        raise unsupported("prompt_logprobs")
     if req.use_beam_search:
         raise unsupported("use_beam_search", "beam search")
     if req.stream_options is not None and not req.stream:

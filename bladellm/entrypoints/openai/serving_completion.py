@@ -11,6 +11,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from bladellm.entrypoints.openai import prompt_logprobs as prompt_lp
 from bladellm.entrypoints.openai.errors import bad_request, from_exception, unsupported
 from bladellm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse)
@@ -30,6 +31,9 @@ class _Choice:
     length: int = 0  # characters sent so far, echo included (for text_offset)
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string / stop token id that ended it
+    prompt_lp: CompletionLogprobs | None = None  # echo + logprobs: the prompt's part
+    prompt_logprobs: list | None = None  # vLLM's prompt_logprobs (sent once)
 
 
 def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[str | list[int]]:
@@ -54,14 +58,17 @@ def _check(req: CompletionRequest) -> None:
     reject_unsupported(req)
     if req.suffix is not None:
         raise unsupported("suffix")
-    if req.echo and req.logprobs is not None:
-        raise unsupported("logprobs", "logprobs with echo (prompt logprobs)")
+    prompt_lp.check(req.prompt_logprobs)
 
 
 async def create_completion(req: CompletionRequest, raw: Request,
                             ctx: ServingContext) -> Response:
     lora = ctx.check_model(req.model)
     _check(req)
+    wants_prompt_logprobs = (req.prompt_logprobs is not None
+                             or (req.echo and req.logprobs is not None))
+    if lora is not None and wants_prompt_logprobs:  # computed by the base model's extra forward
+        raise unsupported("prompt_logprobs", "prompt logprobs with a LoRA adapter")
     prompts = _prompts(req, ctx)
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     params = build_sampling_params(req, ctx, max_tokens=max_tokens, logprobs=req.logprobs)
@@ -72,9 +79,12 @@ async def create_completion(req: CompletionRequest, raw: Request,
     choices = [_Choice() for _ in range(len(prompts) * req.n)]
     if req.echo:
         for i, p in enumerate(prompts):
-            text = p if isinstance(p, str) else ctx.tokenizer.decode(p)
+            # Decoding a long token-id prompt is CPU work: off the event loop.
+            text = p if isinstance(p, str) else await ctx.offload.run(ctx.tokenizer.decode, p)
             for j in range(req.n):
                 choices[i * req.n + j].echo = text
+    if wants_prompt_logprobs:
+        await _add_prompt_logprobs(req, prompts, ctx, choices)
     model = lora.lora_name if lora is not None else ctx.model_name
     if req.stream:
         first = await until_disconnect(anext(merged), raw)
@@ -84,7 +94,8 @@ async def create_completion(req: CompletionRequest, raw: Request,
     response = CompletionResponse(
         id=request_id, model=model, usage=usage,
         choices=[CompletionChoice(index=k, text=c.echo + "".join(c.texts), logprobs=c.logprobs,
-                                  finish_reason=c.finish_reason)
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                  prompt_logprobs=c.prompt_logprobs)
                  for k, c in enumerate(choices)])
     return Response(response.model_dump_json(), media_type="application/json")
 
@@ -98,7 +109,8 @@ def _apply(req: CompletionRequest, stream_idx: int, out: RequestOutput,
         k = stream_idx * req.n + comp.index
         choice = choices[k]
         text = comp.text
-        if choice.length == 0 and choice.echo:
+        first_with_echo = choice.length == 0 and bool(choice.echo)
+        if first_with_echo:
             choice.length = len(choice.echo)
             text = choice.echo + text
             offset = len(choice.echo)
@@ -109,11 +121,42 @@ def _apply(req: CompletionRequest, stream_idx: int, out: RequestOutput,
         if req.logprobs is not None and comp.logprobs:
             new_lp = completion_logprobs(comp.logprobs, offset)
             choice.logprobs = completion_logprobs(comp.logprobs, offset, choice.logprobs)
+        if first_with_echo and choice.prompt_lp is not None:  # the prompt's logprobs lead
+            new_lp = completion_logprobs([], 0, choice.prompt_lp.model_copy(deep=True)) \
+                if new_lp is None else _concat(choice.prompt_lp, new_lp)
         choice.length = offset + len(comp.text)
         if comp.finish_reason is not None:
             choice.finish_reason = comp.finish_reason
+            choice.stop_reason = comp.stop_reason
         updates.append((k, text, new_lp, comp.finish_reason))
     return updates
+
+
+def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=a.tokens + b.tokens,
+                              token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs,
+                              text_offset=a.text_offset + b.text_offset)
+
+
+async def _add_prompt_logprobs(req: CompletionRequest, prompts: list, ctx: ServingContext,
+                               choices: list[_Choice]) -> None:
+    """One extra forward per prompt in the engine (see worker/pooling.py) before generating."""
+    echo_top = req.logprobs if (req.echo and req.logprobs is not None) else 0
+    num_top = max(req.prompt_logprobs or 0, echo_top)
+    for i, (ids, entries) in enumerate(await prompt_lp.fetch(prompts, ctx, num_top)):
+        vllm = None
+        if req.prompt_logprobs is not None:
+            vllm = prompt_lp.vllm_format([e[:1 + req.prompt_logprobs] for e in entries])
+        echo = None
+        if req.echo and req.logprobs is not None:
+            echo = prompt_lp.echo_logprobs(ids, entries, ctx, req.logprobs)
+        for j in range(req.n):
+            choice = choices[i * req.n + j]
+            choice.prompt_logprobs = vllm
+            if echo is not None:
+                choice.prompt_lp = echo
+                choice.logprobs = echo.model_copy(deep=True)
 
 
 async def _collect(req: CompletionRequest, merged: AsyncIterator, choices: list[_Choice]):
@@ -134,9 +177,14 @@ async def _stream(req: CompletionRequest, request_id: str, model: str, first, me
     usage = UsageCounter()
 
     def chunk(k: int, text: str, lp, finish) -> str:
+        # vLLM sends prompt_logprobs once, in a choice's first chunk.
+        plp, choices[k].prompt_logprobs = choices[k].prompt_logprobs, None
         c = CompletionChunk(id=request_id, created=created, model=model,
                             choices=[CompletionChoice(index=k, text=text, logprobs=lp,
-                                                      finish_reason=finish)],
+                                                      finish_reason=finish,
+                                                      stop_reason=choices[k].stop_reason
+                                                      if finish else None,
+                                                      prompt_logprobs=plp)],
                             usage=usage.usage() if continuous else None)
         return sse(c.model_dump_json(exclude=exclude))
 

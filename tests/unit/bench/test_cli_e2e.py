@@ -107,3 +107,23 @@ def test_bad_flag_names_the_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--request_rate", "0", "--model", "m", "--output_dir", str(tmp_path)])
     assert "--request_rate" in capsys.readouterr().err
+
+
+def test_help_documents_every_option_and_the_plot_subcommand(capsys):
+    """Issue 15 item 12: defaults shown, every option documented, `plot` listed."""
+    import pytest
+
+    from bladellm.entrypoints.cli.bench import build_plot_parser, build_run_parser, main
+
+    for parser in (build_run_parser(), build_plot_parser()):
+        for action in parser._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, action.option_strings
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "blade_llm_bench plot FILE.json" in out and "subcommands:" in out
+    assert "(default: 128,128)" in out and "(default: http://127.0.0.1:8081)" in out
+    with pytest.raises(SystemExit):
+        main(["plot", "--help"])
+    assert "(default: mean)" in capsys.readouterr().out

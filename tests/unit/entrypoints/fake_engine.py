@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from bladellm.engine.errors import EngineDeadError
+from bladellm.engine.errors import EngineDeadError, ServerShuttingDownError
 from bladellm.engine.messages import SchedulerStats
 from bladellm.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from bladellm.sampling_params import SamplingParams
@@ -70,6 +70,7 @@ class FakeAsyncLLM:
         self.completed: list[str] = []
         self.dead_reason: str | None = None
         self.started = asyncio.Event()  # set when a request produced its first token
+        self.fail_reason: str | None = None  # set by fail_all (server shutdown)
 
     @property
     def is_dead(self) -> bool:
@@ -85,6 +86,14 @@ class FakeAsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.active)
+
+    def fail_all(self, reason: str) -> int:
+        self.fail_reason = reason
+        return len(self.active)
 
     def shutdown(self) -> None:
         self.dead_reason = "shut down"
@@ -108,6 +117,8 @@ class FakeAsyncLLM:
             for step in range(max_tokens):
                 if self.step_delay:
                     await asyncio.sleep(self.step_delay)
+                if self.fail_reason is not None:
+                    raise ServerShuttingDownError(self.fail_reason)
                 outputs = []
                 for j in range(n):
                     if finished[j]:

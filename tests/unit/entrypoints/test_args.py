@@ -85,3 +85,60 @@ def test_size_flags():
     assert ServerConfig(max_request_body_bytes="1KiB").max_body_bytes == 1024
     _, server = parse_args(["--max_request_body_bytes", "2048"])
     assert server.max_body_bytes == 2048
+
+
+# ------------------------------------------------------------------- vLLM spellings (issue 15)
+
+
+def test_vllm_spellings_map_onto_our_config():
+    engine, server = parse_args([
+        "--max-model-len", "512", "--served-model-name", "m", "--tensor-parallel-size", "1",
+        "-tp", "1", "--no-enable-prefix-caching", "--kv-cache-dtype", "auto", "--api-key", "k",
+        "--uvicorn-log-level", "debug", "--disable-uvicorn-access-log", "--enforce-eager",
+        "--enable-chunked-prefill", "--chat-template", "{{ messages }}"])
+    assert engine.model.max_model_len == 512 and engine.model.served_model_name == "m"
+    assert engine.cache.disable_prompt_cache and engine.cache.kv_cache_quant == "no_quant"
+    assert server.api_key == "k" and server.log_level == "debug" and server.disable_access_log
+    assert server.load_chat_template() == "{{ messages }}"
+    engine, _ = parse_args(["--disable_prompt_cache", "--enable-prefix-caching"])
+    assert not engine.cache.disable_prompt_cache
+
+
+def test_vllm_gpu_flag_maps_and_is_validated(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--gpu-memory-utilization", "0.5"])
+    assert "--max_gpu_memory_utilization: applies to GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--swap-space", "4"], "--swap-space: this vLLM flag is not supported yet"),
+    (["--enable-lora"], "--enable-lora: this vLLM flag is not supported yet"),
+    (["--quantization=awq"], "--quantization: this vLLM flag is not supported yet"),
+    (["--no-enable-chunked-prefill"], "chunked prefill cannot be turned off"),
+    (["--kv-cache-dtype", "fp8"], "--kv_cache_quant: 'fp8' is not supported yet"),
+])
+def test_unsupported_vllm_flags_say_so(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err and "unrecognized" not in err
+
+
+def test_vllm_spellings_are_in_help(capsys):
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--gpu-memory-utilization", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching", "--max-model-len", "--served-model-name",
+                 "--chat-template", "--swap-space"):
+        assert flag in out, flag
+
+
+def test_chat_template_flag_reads_a_file(tmp_path, capsys):
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    _, server = parse_args(["--chat-template", str(path)])
+    assert server.load_chat_template() == path.read_text()
+    with pytest.raises(SystemExit):
+        parse_args(["--chat-template", str(tmp_path / "missing.jinja")])
+    assert "--chat_template: no such file" in capsys.readouterr().err

@@ -19,7 +19,7 @@ async def test_non_streaming_shape(client, engine):
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     assert body["choices"] == [{
         "index": 0, "message": {"role": "assistant", "content": "abc", "refusal": None},
-        "logprobs": None, "finish_reason": "length"}]
+        "logprobs": None, "finish_reason": "length", "stop_reason": None}]
     # The template's output is tokenized without extra special tokens (no BOS id 0 here).
     prompt = engine.calls[-1][0]
     assert prompt == [ord(c) for c in "<user>hi<assistant>"]
@@ -63,7 +63,8 @@ async def test_streaming_chunks(client):
     for c in chunks:
         assert set(c) == {"id", "object", "created", "model", "choices", "system_fingerprint"}
         assert c["object"] == "chat.completion.chunk"
-        assert set(c["choices"][0]) == {"index", "delta", "logprobs", "finish_reason"}
+        assert set(c["choices"][0]) == {"index", "delta", "logprobs", "finish_reason",
+                                        "stop_reason"}
     assert [c["choices"][0]["delta"] for c in chunks[:2]] == [
         {"role": "assistant", "content": ""}] * 2
     texts = {0: "", 1: ""}

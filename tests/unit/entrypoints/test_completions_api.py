@@ -15,7 +15,8 @@ async def test_non_streaming_shape_and_usage(client, engine):
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert body["model"] == "fake-model"
     assert body["choices"] == [{"index": 0, "text": "abcde", "logprobs": None,
-                                "finish_reason": "length"}]
+                                "finish_reason": "length", "stop_reason": None,
+                                "prompt_logprobs": None}]
     prompt_tokens = len(engine.model_info.tokenizer.encode("hello"))
     assert body["usage"]["prompt_tokens"] == prompt_tokens
     assert body["usage"]["completion_tokens"] == 5
@@ -65,7 +66,8 @@ async def test_streaming_chunks(client):
         assert set(c) == {"id", "object", "created", "model", "choices", "system_fingerprint"}
         assert c["object"] == "text_completion"
         assert len(c["choices"]) == 1
-        assert set(c["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
+        assert set(c["choices"][0]) == {"index", "text", "logprobs", "finish_reason",
+                                        "stop_reason", "prompt_logprobs"}
     assert len({c["id"] for c in chunks}) == 1
     by_index = {0: "", 1: ""}
     for c in chunks:
@@ -125,7 +127,8 @@ async def test_finish_reason_stop(client, engine):
     engine.eos_after_tokens = 2
     r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
     assert r.json()["choices"][0] == {"index": 0, "text": "ab", "logprobs": None,
-                                      "finish_reason": "stop"}
+                                      "finish_reason": "stop", "stop_reason": None,
+                                      "prompt_logprobs": None}
 
 
 async def test_official_client_parses_responses(engine, make_client):

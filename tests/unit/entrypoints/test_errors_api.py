@@ -113,7 +113,7 @@ async def test_bad_structured_output_is_400(client, engine, path, extra, param, 
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content"),
     (CMPL, {"suffix": "tail"}, "suffix"),
     (CMPL, {"best_of": 3, "n": 1}, "best_of"),
-    (CMPL, {"echo": True, "logprobs": 1}, "logprobs"),
+    (CHAT, {"prompt_logprobs": 1}, "prompt_logprobs"),
     (CMPL, {"use_beam_search": True}, "use_beam_search"),
 ])
 async def test_unsupported_fields_are_400_naming_them(client, engine, path, extra, param):

@@ -1,0 +1,61 @@
+"""Prompt logprobs on /v1/completions: vLLM's ``prompt_logprobs`` field and OpenAI's ``echo``
+with ``logprobs`` (the prompt's tokens lead the choice's logprobs, the first one with null)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bladellm.entrypoints.openai.errors import bad_request
+from bladellm.entrypoints.openai.protocol import CompletionLogprobs
+from bladellm.entrypoints.openai.serving_common import ServingContext
+from bladellm.outputs import TokenLogprob
+
+MAX_PROMPT_LOGPROBS = 20
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def check(value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_PROMPT_LOGPROBS:
+        raise bad_request(f"prompt_logprobs: must be in [0, {MAX_PROMPT_LOGPROBS}], got {value}",
+                          "prompt_logprobs")
+
+
+def _lp(value: float) -> float:
+    return max(value, _MIN_LOGPROB) if value == value else _MIN_LOGPROB
+
+
+async def fetch(prompts: list[str | list[int]], ctx: ServingContext,
+                num_top: int) -> list[tuple[list[int], list[list[TokenLogprob]]]]:
+    """(token ids, per-token logprobs from the second token on) for each prompt."""
+    def tokenize() -> list[list[int]]:
+        return [list(ctx.tokenizer.encode(p)) if isinstance(p, str) else p for p in prompts]
+
+    ids = await ctx.offload.run(tokenize)
+    entries = await ctx.engine.prompt_logprobs(ids, num_top)
+    return list(zip(ids, entries))
+
+
+def vllm_format(entries: list[list[TokenLogprob]]) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first token, then {token id: {logprob, rank,
+    decoded_token}} with the prompt token and the top-k."""
+    out: list[dict[str, Any] | None] = [None]
+    for entry in entries:
+        out.append({str(t.token_id): {"logprob": _lp(t.logprob), "rank": t.rank,
+                                      "decoded_token": t.decoded} for t in entry})
+    return out
+
+
+def echo_logprobs(ids: list[int], entries: list[list[TokenLogprob]],
+                  ctx: ServingContext, num_top: int) -> CompletionLogprobs:
+    first = ctx.tokenizer.decode([ids[0]], skip_special_tokens=False)
+    result = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None],
+                                text_offset=[0])
+    offset = len(first)
+    for entry in entries:
+        token, top = entry[0], entry[1:1 + num_top]
+        result.tokens.append(token.decoded)
+        result.token_logprobs.append(_lp(token.logprob))
+        result.top_logprobs.append({t.decoded: _lp(t.logprob) for t in top} or None)
+        result.text_offset.append(offset)
+        offset += len(token.decoded)
+    return result

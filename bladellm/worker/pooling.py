@@ -1,0 +1,61 @@
+"""Embeddings: one forward pass per prompt with no KV cache, pooled into one vector.
+
+Kept apart from the generation step on purpose (no scheduler, no KV blocks, no sampler): an
+embedding request reads its prompt once and keeps nothing, so it runs as a plain causal forward
+(``ForwardContext.no_cache``) between engine steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bladellm.model.forward_context import ForwardContext
+from bladellm.model.pooling_config import POOLING_TYPES
+
+
+@torch.inference_mode()
+def embed_prompts(model: nn.Module, prompts: list[list[int]], pooling: str,
+                  device: torch.device) -> list[list[float]]:
+    """Pooled final hidden states (float32, not normalized) of each prompt."""
+    if pooling not in POOLING_TYPES:
+        raise ValueError(f"pooling: must be one of {POOLING_TYPES}, got {pooling!r}")
+    result = []
+    for ids in prompts:
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        positions = torch.arange(len(ids), dtype=torch.long, device=device)
+        hidden = model(input_ids, positions, ForwardContext.no_cache())
+        pooled = hidden[-1] if pooling == "last" else hidden.float().mean(dim=0)
+        result.append(pooled.float().tolist())
+    return result
+
+
+_LOGITS_CHUNK = 256  # prompt positions per logits matmul: bounds the [chunk, vocab] buffer
+
+
+@torch.inference_mode()
+def prompt_logprobs(model: nn.Module, prompts: list[list[int]], num_top: int,
+                    device: torch.device) -> list[list[tuple[list[int], list[float], int]]]:
+    """For each prompt, for each token after the first: ([token, *top ids], [its logprob,
+    *top logprobs], its rank). A separate no-cache forward, like ``embed_prompts``: prompt
+    logprobs cost one extra prefill of the prompt but leave the generation step untouched."""
+    result = []
+    for ids in prompts:
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        positions = torch.arange(len(ids), dtype=torch.long, device=device)
+        hidden = model(input_ids, positions, ForwardContext.no_cache())
+        entries: list[tuple[list[int], list[float], int]] = []
+        for start in range(0, len(ids) - 1, _LOGITS_CHUNK):
+            end = min(start + _LOGITS_CHUNK, len(ids) - 1)
+            lp = torch.log_softmax(model.compute_logits(hidden[start:end]).float(), dim=-1)
+            target = input_ids[start + 1:end + 1]
+            chosen = lp.gather(1, target[:, None])[:, 0]
+            ranks = (lp > chosen[:, None]).sum(dim=1) + 1
+            if num_top:
+                top_v, top_i = lp.topk(num_top, dim=-1)
+            for j in range(end - start):
+                tok_ids = [int(target[j])] + (top_i[j].tolist() if num_top else [])
+                tok_lps = [float(chosen[j])] + (top_v[j].tolist() if num_top else [])
+                entries.append((tok_ids, tok_lps, int(ranks[j])))
+        result.append(entries)
+    return result

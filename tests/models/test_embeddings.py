@@ -1,0 +1,92 @@
+"""Embeddings (offline ``LLM.embed``) against transformers' hidden states; vLLM's prompt forms
+and chat options of the offline API (issue 15 items 7 and 10)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from bladellm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(model=tiny_llama, dtype="float32", num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    return transformers.AutoModel.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
+
+
+def _hf_hidden(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).last_hidden_state[0]
+
+
+def test_last_token_pooling_matches_transformers(llm, hf):
+    outs = llm.embed(["The quick brown fox", "Paris is the capital"])
+    for out in outs:
+        ref = torch.nn.functional.normalize(_hf_hidden(hf, out.prompt_token_ids)[-1], dim=0)
+        got = torch.tensor(out.embedding)
+        assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
+        assert abs(got.norm().item() - 1) < 1e-5
+    assert not torch.allclose(torch.tensor(outs[0].embedding), torch.tensor(outs[1].embedding))
+
+
+def test_mean_pooling_from_sentence_transformers_config(tiny_llama, hf, tmp_path):
+    model_dir = tmp_path / "st"
+    shutil.copytree(tiny_llama, model_dir)
+    (model_dir / "1_Pooling").mkdir()
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False}))
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=40)
+    (out,) = llm.embed({"prompt_token_ids": [5, 6, 7, 8]})
+    ref = torch.nn.functional.normalize(_hf_hidden(hf, [5, 6, 7, 8]).mean(0), dim=0)
+    assert torch.allclose(torch.tensor(out.embedding), ref, atol=1e-4)
+
+
+def test_embed_errors(llm):
+    with pytest.raises(ValueError, match="Matryoshka"):
+        llm.embed("x", dimensions=8)
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.embed([[5] * 600])
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.embed({"text": "x"})
+
+
+def test_vllm_prompt_forms_and_chat_options(llm):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    a, b, c = llm.generate(["Paris is", {"prompt": "Paris is"},
+                            {"prompt_token_ids": llm.get_tokenizer().encode("Paris is")}],
+                           params, use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+    msgs = [{"role": "user", "content": "hi"}]
+    (out,) = llm.chat(msgs, params, use_tqdm=False,
+                      chat_template="{% for m in messages %}<|im_start|>{{ m.content }}"
+                                    "{% endfor %}{{ suffix }}",
+                      chat_template_kwargs={"suffix": "!"})
+    tok = llm.get_tokenizer()
+    assert out.prompt_token_ids == tok.encode("<|im_start|>hi!", add_special_tokens=False)
+    (plain,) = llm.chat(msgs, params, use_tqdm=False)
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert plain.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+
+
+def test_prompt_logprobs_match_transformers(llm, tiny_llama):
+    """The engine's prompt-logprobs pass (behind prompt_logprobs / echo + logprobs)."""
+    lm = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_llama, torch_dtype=torch.float32).eval()
+    ids = llm.get_tokenizer().encode("The quick brown fox jumps over")
+    (entries,) = llm.engine.core.prompt_logprobs([ids], 3)
+    with torch.no_grad():
+        ref = torch.log_softmax(lm(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert len(entries) == len(ids) - 1
+    for pos, (tok_ids, lps, rank) in enumerate(entries):
+        row = ref[pos]
+        assert tok_ids[0] == ids[pos + 1]
+        assert lps[0] == pytest.approx(row[ids[pos + 1]].item(), abs=1e-4)
+        assert rank == int((row > row[ids[pos + 1]]).sum()) + 1
+        assert tok_ids[1:] == row.topk(3).indices.tolist()
