@@ -490,7 +490,8 @@ def test_failed_start_leaves_no_engine_behind(tiny_model_factory, tmp_path, case
             children.update(_children(srv.proc.pid))  # the engine core, while it lives
             time.sleep(0.05)
         assert srv.proc.wait(timeout=5) == 1
-        assert children, "the engine core was never started"
+        # A missing model path is not started early (it may be a hub id to fetch first).
+        assert children or case == "bad_model", "the engine core was never started"
     expected = "cannot listen" if case == "port_taken" else "no-such-model"
     assert expected in srv.log(), srv.log()
     assert "Traceback" not in srv.log()

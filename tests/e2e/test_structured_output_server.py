@@ -36,7 +36,7 @@ def server(tiny_model_factory):
         "--model", tiny_model_factory("llama"), "--served_model_name", "tiny",
         "--host", "127.0.0.1", "--port", "0", "--dtype", "float32", "--max_model_len", "512",
         "--num_kv_blocks", "512", "--disable_access_log", "--num_threads", "1",
-        "--enable_json_warmup"])
+        "--enable_json_warmup", "--trust_request_chat_template"])  # the tools test sends one
     srv.wait_ready(timeout=240)
     yield srv
     srv.proc.send_signal(signal.SIGTERM)

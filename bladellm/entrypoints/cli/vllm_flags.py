@@ -48,6 +48,8 @@ FIXED: dict[str, str] = {
     "--enable-chunked-prefill": "long prompts are always prefilled in chunks",
     "--enforce-eager": "the CPU engine always runs eagerly (no graph capture)",
     "--disable-log-requests": "request contents are never logged",
+    "--enable-auto-tool-choice": "tool calls are parsed whenever a request sends tools with "
+                                 "tool_choice auto (Hermes / Llama 3 formats, auto-detected)",
     "--no-disable-log-requests": "request contents are never logged",
 }
 OPPOSITE_OF_FIXED: dict[str, str] = {
@@ -62,9 +64,8 @@ NOT_SUPPORTED_YET: dict[str, bool] = {
     "--tokenizer-mode": True, "--tokenizer-revision": True, "--code-revision": True,
     "--distributed-executor-backend": True, "--data-parallel-size": True, "-dp": True,
     "--enable-expert-parallel": False, "--max-logprobs": True, "--max-seq-len-to-capture": True,
-    "--speculative-config": True, "--enable-lora": False, "--lora-modules": True,
-    "--max-loras": True, "--max-lora-rank": True, "--guided-decoding-backend": True,
-    "--tool-call-parser": True, "--enable-auto-tool-choice": False, "--reasoning-parser": True,
+    "--speculative-config": True,  # ours: --decode_algo, --draft.model, --gamma
+    "--tool-call-parser": True, "--reasoning-parser": True,
     "--ssl-keyfile": True, "--ssl-certfile": True, "--allowed-origins": True,
     "--middleware": True, "--response-role": True, "--scheduling-policy": True,
     "--num-scheduler-steps": True, "--limit-mm-per-prompt": True, "--task": True,

@@ -112,7 +112,7 @@ def test_vllm_gpu_flag_maps_and_is_validated(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--swap-space", "4"], "--swap-space: this vLLM flag is not supported yet"),
-    (["--enable-lora"], "--enable-lora: this vLLM flag is not supported yet"),
+    (["--speculative-config", "{}"], "--speculative-config: this vLLM flag is not supported yet"),
     (["--quantization=awq"], "--quantization: this vLLM flag is not supported yet"),
     (["--no-enable-chunked-prefill"], "chunked prefill cannot be turned off"),
     (["--kv-cache-dtype", "fp8"], "--kv_cache_quant: 'fp8' is not supported yet"),
@@ -142,3 +142,12 @@ def test_chat_template_flag_reads_a_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--chat-template", str(tmp_path / "missing.jinja")])
     assert "--chat_template: no such file" in capsys.readouterr().err
+
+
+def test_vllm_spellings_of_features_we_have():
+    engine, _ = parse_args(["--enable-lora", "--max-loras", "3", "--max-lora-rank", "8",
+                            "--guided-decoding-backend", "llguidance",
+                            "--enable-auto-tool-choice"])
+    assert engine.lora.enable_lora and engine.lora.max_loras == 3
+    assert engine.lora.max_lora_rank == 8
+    assert engine.guided.guided_decoding_backend == "llguidance"
