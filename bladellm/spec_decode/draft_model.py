@@ -21,6 +21,7 @@ import torch
 
 from bladellm.attention import get_attn_backend
 from bladellm.attention.backend import AttentionMetadata
+from bladellm.attention.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from bladellm.config import EngineConfig, ModelConfig
 from bladellm.model.forward_context import ForwardContext
 from bladellm.sample.rejection import target_probs
@@ -72,13 +73,13 @@ class DraftModelProposer:
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
+                                  self.head_dim, self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.num_layers)]
+        self.kv_caches = allocate_kv_caches(self.num_layers, num_blocks, self.block_size,
+                                            self.num_kv_heads, self.head_dim, self.dtype,
+                                            self.device)
 
     # ---- the proposer interface -----------------------------------------------------------------
     def draft_probs(self, req_id: str, k: int) -> torch.Tensor | None:

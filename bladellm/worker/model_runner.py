@@ -13,6 +13,7 @@ import time
 import torch
 
 from bladellm.attention import get_attn_backend
+from bladellm.attention.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from bladellm.model.checkpoint import ResolvedModel
@@ -103,17 +104,13 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
+                                  self.head_dim, self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        # Uninitialised on purpose: attention reads only positions < seq_len, which were written
-        # first, so no slot is read before it is stored. Zero-filling GiBs cost ~1.5 s per GiB
-        # of start-up (8.8 s for the demo model's auto-sized pool), and untouched pages stay
-        # uncommitted until a request reaches them.
-        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.num_layers)]
+        self.kv_caches = allocate_kv_caches(self.num_layers, num_blocks, self.block_size,
+                                            self.num_kv_heads, self.head_dim, self.dtype,
+                                            self.device)
         if self.spec_bytes_per_block:
             self.spec.proposer.initialize_kv_cache(num_blocks)
 
