@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from bladellm.config import EngineConfig
-from bladellm.engine.core_proc import DEAD_POLL_MS, Msg, run_engine_core_proc
+from bladellm.engine.core_proc import DEAD_POLL_MS, SHUTDOWN_WAIT_S, Msg, run_engine_core_proc
 from bladellm.engine.errors import EngineDeadError
 from bladellm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from bladellm.platforms.threads import engine_process_env, process_env
@@ -139,11 +139,8 @@ class AsyncMPClient:
                 sync_input.send_multipart((Msg.SHUTDOWN.value, b""), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            self.proc.join(timeout=10)
-            if self.proc.is_alive():
-                self.proc.terminate()
-                self.proc.join(timeout=5)
-            if self.proc.is_alive():
+            self.proc.join(timeout=SHUTDOWN_WAIT_S)
+            if self.proc.is_alive():  # still in a step (it ignores SIGTERM once ready)
                 self.proc.kill()
                 self.proc.join()
         if self.dead_reason is None:

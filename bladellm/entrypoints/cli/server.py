@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import gc
 import os
-import sys
 
 from bladellm.entrypoints.cli.args import parse_args
 
@@ -30,12 +28,19 @@ def main(argv: list[str] | None = None) -> int:
         if client is not None:
             client.close()
         raise
-    code = run_server(engine_config, server_config, client=client)
-    # Everything is shut down. Python's final garbage collection of the heap (tokenizer, torch)
-    # takes seconds on a busy machine; frozen objects are skipped, so exit is prompt.
-    gc.freeze()
-    return code
+    return run_server(engine_config, server_config, client=client)
+
+
+def cli() -> None:
+    """The ``blade_llm_server`` command. When the server has shut down (engine core joined,
+    sockets closed, logs written), the process ends without interpreter finalization: tearing
+    down torch, the tokenizer and the HTTP stack took 0.5 s of a loaded 2-core machine, inside
+    the shutdown budget (grace + 2 s) that orchestrators wait for."""
+    code = main()
+    from bladellm.engine.core_proc import exit_process_now
+
+    exit_process_now(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()
