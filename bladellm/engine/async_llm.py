@@ -184,15 +184,19 @@ class AsyncLLM:
             return ValueError(error[len(GRAMMAR_ERROR_PREFIX):])
         return RequestFailedError(error)
 
-    async def embed(self, prompts: list[str | list[int]],
-                    dimensions: int | None = None) -> list[embedding.EmbeddingOutput]:
-        """Embeddings of the prompts (pooled as the model's config says, normalized)."""
+    async def embed(self, prompts: list[str | list[int]], dimensions: int | None = None,
+                    truncate_prompt_tokens: int | None = None) -> list[embedding.EmbeddingOutput]:
+        """Embeddings of the prompts (pooled as the model's config says, normalized);
+        ``truncate_prompt_tokens`` as vLLM's (``embedding.truncate_prompt``)."""
         await self.check_health()
         embedding.check_dimensions(dimensions, self.pooling)
         info = self.model_info
+        embedding.truncate_prompt([], truncate_prompt_tokens, info.max_model_len)  # validate
 
         def tokenize() -> list[list[int]]:
-            ids = [self.input_processor.tokenize(p) for p in prompts]
+            ids = [embedding.truncate_prompt(self.input_processor.tokenize(p),
+                                             truncate_prompt_tokens, info.max_model_len)
+                   for p in prompts]
             for i, one in enumerate(ids):
                 embedding.check_prompt(one, info.max_model_len, info.vocab_size, i)
             return ids

@@ -15,6 +15,20 @@ class EmbeddingOutput:
     prompt_token_ids: list[int]
 
 
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: ``None`` keeps the prompt as it is, ``k`` keeps its last
+    ``k`` tokens, ``-1`` its last ``max_model_len`` tokens (what vLLM's benchmark client sends)."""
+    if keep is None:
+        return ids
+    if keep == 0 or keep < -1:
+        raise ValueError("truncate_prompt_tokens: must be -1 or a positive number of tokens")
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens: {keep} exceeds the model's maximum context "
+                         f"length of {max_model_len} tokens")
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:] if len(ids) > keep else ids
+
+
 def check_prompt(ids: list[int], max_model_len: int, vocab_size: int, index: int) -> None:
     if not ids:
         raise ValueError(f"input[{index}]: must not be empty")

@@ -160,16 +160,20 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def embed(self, prompts: PromptType | dict | Sequence[PromptType | dict],
-              dimensions: int | None = None) -> list[embedding.EmbeddingOutput]:
+              dimensions: int | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[embedding.EmbeddingOutput]:
         """Embeddings of the prompts: the final hidden states pooled as the model's config says
-        (last token by default, mean for sentence-transformers mean pooling), L2-normalized."""
+        (last token by default, mean for sentence-transformers mean pooling), L2-normalized.
+        ``truncate_prompt_tokens``: keep the last k tokens of each prompt (-1: max_model_len)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         texts = [_prompt_of(p) for p in prompts]  # type: ignore[union-attr]
         engine = self.engine
         embedding.check_dimensions(dimensions, engine.pooling)
         info = engine.model_info
-        ids = [engine.input_processor.tokenize(p) for p in texts]
+        ids = [embedding.truncate_prompt(engine.input_processor.tokenize(p),
+                                         truncate_prompt_tokens, info.max_model_len)
+               for p in texts]
         for i, one in enumerate(ids):
             embedding.check_prompt(one, info.max_model_len, info.vocab_size, i)
         vectors = engine.core.embed(ids, engine.pooling.pooling)  # in-process core

@@ -354,6 +354,20 @@ async def test_embeddings_with_the_official_client(server, client):
         await client.embeddings.create(model="tiny", input="x", dimensions=8)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         await client.embeddings.create(model="tiny", input=[[5] * (MAX_MODEL_LEN + 1)])
+    # vLLM's truncate_prompt_tokens (its benchmark client sends -1): keep the last k tokens.
+    long = [5 + i % 50 for i in range(MAX_MODEL_LEN + 7)]
+    cut = await client.embeddings.create(model="tiny", input=[long],
+                                         extra_body={"truncate_prompt_tokens": -1})
+    tail = await client.embeddings.create(model="tiny", input=[long[-MAX_MODEL_LEN:]])
+    assert cut.usage.prompt_tokens == MAX_MODEL_LEN
+    assert cut.data[0].embedding == pytest.approx(tail.data[0].embedding, abs=1e-6)
+    three = await client.embeddings.create(model="tiny", input=[[9, 8, 7, 6, 5]],
+                                           extra_body={"truncate_prompt_tokens": 3})
+    assert three.usage.prompt_tokens == 3
+    for bad in (0, -2, MAX_MODEL_LEN + 1):
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+            await client.embeddings.create(model="tiny", input="x",
+                                           extra_body={"truncate_prompt_tokens": bad})
 
 
 async def test_prompt_logprobs_and_echo_with_logprobs(server, client):

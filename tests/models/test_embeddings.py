@@ -55,6 +55,17 @@ def test_embed_errors(llm):
         llm.embed([[5] * 600])
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.embed({"text": "x"})
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.embed("x", truncate_prompt_tokens=0)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    long = [5 + i % 300 for i in range(600)]
+    (cut,) = llm.embed([long], truncate_prompt_tokens=-1)
+    (tail,) = llm.embed([long[-llm.engine.model_info.max_model_len:]])
+    assert cut.prompt_token_ids == tail.prompt_token_ids and cut.embedding == tail.embedding
+    (three,) = llm.embed([[9, 8, 7, 6, 5]], truncate_prompt_tokens=3)
+    assert three.prompt_token_ids == [7, 6, 5]
 
 
 def test_vllm_prompt_forms_and_chat_options(llm):

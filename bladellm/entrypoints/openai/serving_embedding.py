@@ -1,6 +1,7 @@
 """POST /v1/embeddings in OpenAI's shape: ``input`` as a string, a list of strings, a token-id
 list or a list of those; ``encoding_format`` float or base64 (little-endian float32, what the
-official client asks for by default); ``dimensions`` for Matryoshka models."""
+official client asks for by default); ``dimensions`` for Matryoshka models; vLLM's
+``truncate_prompt_tokens``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class EmbeddingRequest(BaseModel):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
+    # vLLM's extension: keep the last k tokens of each input (-1: the model's context length).
+    truncate_prompt_tokens: int | None = None
     user: str | None = None
 
 
@@ -68,7 +71,8 @@ async def create_embedding(req: EmbeddingRequest, raw: Request,
                            ctx: ServingContext) -> Response:
     ctx.check_model(req.model)
     inputs = _inputs(req)
-    outs = await until_disconnect(ctx.engine.embed(inputs, req.dimensions), raw)
+    outs = await until_disconnect(
+        ctx.engine.embed(inputs, req.dimensions, req.truncate_prompt_tokens), raw)
     tokens = sum(len(o.prompt_token_ids) for o in outs)
     response = EmbeddingResponse(
         model=ctx.model_name, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
