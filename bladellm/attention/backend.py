@@ -14,10 +14,12 @@ block_size``; ``slot_mapping`` gives that slot for each new token of the step.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from bladellm.attention.tree import tree_bias
 
 
 @dataclass
@@ -45,6 +47,14 @@ class TreeAttention:
     tensors, not the cache."""
 
     entries: list
+    # Additive masks (attention/tree.py), built on first use and shared by every layer.
+    _biases: dict = field(default_factory=dict, repr=False)
+
+    def bias(self, index: int, group: int) -> torch.Tensor:
+        if index not in self._biases:
+            _, _, _, ctx_len, mask = self.entries[index]
+            self._biases[index] = tree_bias(mask, ctx_len, group)
+        return self._biases[index]
 
 
 class AttentionBackend(ABC):

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from bladellm.attention import tree
 from bladellm.attention.backend import AttentionBackend, AttentionMetadata
-from bladellm.kernels import ref
 
 
 class PagedAttentionBackend(AttentionBackend):
@@ -35,10 +35,11 @@ class PagedAttentionBackend(AttentionBackend):
                                      metadata.seq_lens, scale)
         if metadata.tree is not None:
             # The compiled kernels take no custom mask: tree tokens (look_ahead) go through the
-            # PyTorch reference, overwriting the rows the causal kernel computed for them.
-            for req, start, size, ctx_len, mask in metadata.tree.entries:
-                out[start:start + size] = ref.tree_attention(
+            # PyTorch path (attention/tree.py), overwriting the rows the causal kernel computed.
+            group = query.shape[1] // k_cache.shape[2]
+            for idx, (req, start, size, ctx_len, mask) in enumerate(metadata.tree.entries):
+                out[start:start + size] = tree.tree_attention(
                     query[start:start + size], key[start:start + size],
                     value[start:start + size], k_cache, v_cache, metadata.block_tables[req],
-                    ctx_len, mask, scale).to(out.dtype)
+                    ctx_len, metadata.tree.bias(idx, group), scale).to(out.dtype)
         return out

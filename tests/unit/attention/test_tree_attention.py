@@ -3,8 +3,10 @@ token sees exactly the context plus the tree tokens its mask allows."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from bladellm.attention import tree
 from bladellm.kernels import ref
 
 
@@ -50,3 +52,27 @@ def test_tree_token_ignores_masked_siblings():
     out2 = ref.tree_attention(q, k2, v2, k_cache, v_cache, table, ctx, mask, 0.5)
     torch.testing.assert_close(out[1:], out2[1:])
     assert not torch.allclose(out[0], out2[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nh,kvh", [(4, 2), (6, 2), (3, 3)])
+def test_fast_path_matches_reference(dtype, nh, kvh):
+    """attention/tree.py against the reference, with the tree's K/V stored in the cache first
+    (as the backend does) and a random mask that always lets a token see itself."""
+    d, block_size = 8, 4
+    k_cache, v_cache = (c.to(dtype)[:, :, :kvh] for c in _cache(num_blocks=12, kvh=3, d=d))
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    table = torch.tensor([7, 2, 9, 4, 11, 0], dtype=torch.int32)
+    g = torch.Generator().manual_seed(nh * 10 + kvh)
+    for ctx, t in [(1, 1), (5, 7), (13, 9)]:
+        q = torch.randn(t, nh, d, generator=g).to(dtype)
+        k = torch.randn(t, kvh, d, generator=g).to(dtype)
+        v = torch.randn(t, kvh, d, generator=g).to(dtype)
+        mask = (torch.rand(t, t, generator=g) < 0.4) | torch.eye(t, dtype=torch.bool)
+        slots = torch.tensor([int(table[p // block_size]) * block_size + p % block_size
+                              for p in range(ctx, ctx + t)])
+        ref.reshape_and_cache(k, v, k_cache, v_cache, slots)
+        want = ref.tree_attention(q, k, v, k_cache, v_cache, table, ctx, mask, 0.4)
+        got = tree.tree_attention(q, k, v, k_cache, v_cache, table, ctx,
+                                  tree.tree_bias(mask, ctx, nh // kvh), 0.4)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
