@@ -40,6 +40,9 @@ SCRAPED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_ca
            "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count")
 
 
+PHASES = ("huge_prompt", "load64", "load256", "disconnect", "sigterm", "engine_kill")
+
+
 class Server:
     def __init__(self, args: list[str], log_path: Path, code: str) -> None:
         self.log_path = log_path
@@ -244,7 +247,12 @@ async def main() -> None:
     ap.add_argument("--server_args", default="", help="extra server flags")
     ap.add_argument("--code", default=str(Path(__file__).resolve().parents[1]),
                     help="checkout whose server is tested (e.g. a baseline worktree)")
+    ap.add_argument("--phases", default=",".join(PHASES),
+                    help="comma-separated subset of: " + ", ".join(PHASES))
     args = ap.parse_args()
+    phases = set(args.phases.split(","))
+    if not phases <= set(PHASES):
+        ap.error(f"--phases: unknown {sorted(phases - set(PHASES))}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = ["--model", args.model, "--host", "127.0.0.1", "--port", "0", "--disable_access_log",
@@ -257,31 +265,40 @@ async def main() -> None:
     url = srv.wait_ready()
     stop = asyncio.Event()
     scrape = asyncio.ensure_future(scraper(url, series, stop, phase))
-    phase[0] = "huge_prompt"
-    results["huge_prompt"] = await huge_prompt(url)
-    print("huge_prompt", results["huge_prompt"], flush=True)
+    if "huge_prompt" in phases:
+        phase[0] = "huge_prompt"
+        results["huge_prompt"] = await huge_prompt(url)
+        print("huge_prompt", results["huge_prompt"], flush=True)
     for name, n, c in (("load64", args.requests64, 64), ("load256", args.requests256, 256)):
+        if name not in phases:
+            continue
         phase[0] = name
         results[name] = await load(url, n, c, args.max_tokens)
         results[name]["kv_used_blocks_after"] = await kv_used(url)
         print(name, results[name], flush=True)
-    phase[0] = "disconnect"
-    results["disconnect"] = await load(url, 64, 64, 200, drop_after_first=True)
-    results["disconnect"]["kv_used_blocks_after"] = await kv_used(url)
-    print("disconnect", results["disconnect"], flush=True)
-    phase[0] = "sigterm"
-    results["sigterm"] = await under_signal(
-        srv, 64, 200, lambda: srv.proc.send_signal(signal.SIGTERM))
-    results["sigterm"]["grace_s"] = args.grace
-    print("sigterm", results["sigterm"], flush=True)
+    if "disconnect" in phases:
+        phase[0] = "disconnect"
+        results["disconnect"] = await load(url, 64, 64, 200, drop_after_first=True)
+        results["disconnect"]["kv_used_blocks_after"] = await kv_used(url)
+        print("disconnect", results["disconnect"], flush=True)
+    if "sigterm" in phases:
+        phase[0] = "sigterm"
+        results["sigterm"] = await under_signal(
+            srv, 64, 200, lambda: srv.proc.send_signal(signal.SIGTERM))
+        results["sigterm"]["grace_s"] = args.grace
+        print("sigterm", results["sigterm"], flush=True)
+    else:
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(EXIT_WAIT_S)
     stop.set()
     await scrape
-    srv2 = Server(base, out / "server_engine_kill.log", args.code)
-    srv2.wait_ready()
-    core = srv2.core_pid()
-    results["engine_kill"] = await under_signal(srv2, 64, 200,
-                                                lambda: os.kill(core, signal.SIGKILL))
-    print("engine_kill", results["engine_kill"], flush=True)
+    if "engine_kill" in phases:
+        srv2 = Server(base, out / "server_engine_kill.log", args.code)
+        srv2.wait_ready()
+        core = srv2.core_pid()
+        results["engine_kill"] = await under_signal(srv2, 64, 200,
+                                                    lambda: os.kill(core, signal.SIGKILL))
+        print("engine_kill", results["engine_kill"], flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "metrics_series.json").write_text(json.dumps(series))
 
