@@ -159,7 +159,12 @@ def main() -> int:
                    help="each config its own seed and shared_prefix dataset (runs 1-3)")
     p.add_argument("--sample_interval", type=float, default=0.25)
     p.add_argument("--router_args", default="",
-                   help="extra flags for the prefix_affinity router, e.g. '--balance_factor 1.5'")
+                   help="extra flags for the prefix_affinity router, e.g. "
+                        "'--affinity_balance_factor 1.5'")
+    p.add_argument("--also_affinity", default=None,
+                   help="flags of a second prefix_affinity router measured as "
+                        "'prefix_affinity_alt' in the same run, e.g. "
+                        "'--affinity_balance_factor 0' (the rule without bounded loads)")
     args = p.parse_args()
     slo_ttft_s = float(dict(x.split(":") for x in args.slo.split(","))["ttft"]) / 1000
     os.makedirs(args.out, exist_ok=True)
@@ -176,14 +181,18 @@ def main() -> int:
             procs.append(proc)
             urls.append(url)
         targets = {"single": (urls[0], [urls[0]])}
-        for j, policy in enumerate(("round_robin", "prefix_affinity")):
-            extra = args.router_args.split() if policy == "prefix_affinity" else []
+        routers = [("round_robin", "round_robin", []),
+                   ("prefix_affinity", "prefix_affinity", args.router_args.split())]
+        if args.also_affinity is not None:
+            routers.append(("prefix_affinity_alt", "prefix_affinity",
+                            args.also_affinity.split()))
+        for j, (name, policy, extra) in enumerate(routers):
             proc, url = start([py, "-m", "bladellm.entrypoints.cli.router", "--host",
                                "127.0.0.1", "--port", str(args.base_port + 10 + j), "--policy",
                                policy, "--instances", *urls, *extra],
-                              f"{args.out}/router_{policy}.log")
+                              f"{args.out}/router_{name}.log")
             procs.append(proc)
-            targets[policy] = (url, urls)
+            targets[name] = (url, urls)
         model = httpx.get(urls[0] + "/v1/models").json()["data"][0]["id"]
         rates = args.rates.split(",")
         entries: dict[str, list[dict]] = {name: [] for name in targets}
@@ -192,7 +201,7 @@ def main() -> int:
         names = list(targets)
         os.makedirs(f"{args.out}/data", exist_ok=True)
         for k, rate in enumerate(rates):
-            for name in names[k % 3:] + names[:k % 3]:
+            for name in names[k % len(names):] + names[:k % len(names)]:
                 base_url, inst = targets[name]
                 c0 = cache_counts(inst)
                 label = f"{name}_r{rate}"
@@ -270,8 +279,9 @@ def main() -> int:
         lines.append("max QPS at SLO (" + args.slo + f", {args.slo_target:.0%} of requests): "
                      + ", ".join(f"{n} {q:.2f}" for n, q in qps.items()))
         if qps["round_robin"] > 0:
-            lines.append(f"prefix_affinity / round_robin = "
-                         f"{qps['prefix_affinity'] / qps['round_robin']:.2f}x")
+            for n in names:
+                if n.startswith("prefix_affinity"):
+                    lines.append(f"{n} / round_robin = {qps[n] / qps['round_robin']:.2f}x")
         with open(f"{args.out}/summary.json", "w") as f:
             json.dump(summary, f, indent=2)
         with open(f"{args.out}/summary.md", "w") as f:
