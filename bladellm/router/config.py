@@ -46,12 +46,13 @@ class RouterConfig:
         metadata={"help": "prefix_affinity: the preferred instance is skipped when it has more "
                           "than this many requests in flight beyond the least busy instance."})
     affinity_balance_factor: float = field(
-        default=1.25,
+        default=0.0,
         metadata={"help": "prefix_affinity: bounded loads. An instance takes a request only "
                           "while it then has at most ceil(c * (m + 1) / n) requests in flight "
                           "(m in flight on all n instances); a prefix whose instance is full "
-                          "goes to the one with the next-longest match that has room. 0 turns "
-                          "the bound off (only --overload_margin applies)."})
+                          "goes to the one with the next-longest match that has room. 0 (default) "
+                          "turns the bound off (only --overload_margin applies); c = 1.25 "
+                          "lowered the hit rate on the RAG benchmark (docs/benchmarks.md)."})
     health_check_interval: float = field(
         default=2.0, metadata={"help": "Seconds between /health and /metrics polls."})
     health_check_timeout: float = field(

@@ -129,7 +129,7 @@ class PrefixAffinity:
         if self.balance_factor is None:
             return None
         total = sum(c.load_requests for c in candidates)
-        # The epsilon keeps float noise (1.25 * 4 / 2 = 2.5000000000000004) from adding one.
+        # The epsilon keeps float rounding (1.1 * 10 = 11.000000000000002) from adding one.
         return math.ceil(self.balance_factor * (total + 1) / len(candidates) - 1e-9)
 
     def choose(self, info: RequestInfo, candidates: Sequence[Candidate]) -> Candidate:

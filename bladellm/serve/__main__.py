@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ray_address", default=None,
                    help="an existing cluster ('auto' or ray://...); default: start a local one")
     p.add_argument("--overload_margin", type=int, default=4)
-    p.add_argument("--affinity_balance_factor", type=float, default=1.25,
-                   help="bounded loads (docs/router.md); 0 turns the bound off")
+    p.add_argument("--affinity_balance_factor", type=float, default=0.0,
+                   help="bounded loads (docs/router.md); 0 (default) turns the bound off")
     args = p.parse_args(own)
     if args.num_replicas < 1:
         p.error("--num_replicas must be >= 1")

@@ -111,7 +111,7 @@ class OpenAIIngress:
 
 
 def build_app(server_args: list[str], num_replicas: int, overload_margin: int = 4,
-              affinity_block_chars: int = 128, affinity_balance_factor: float = 1.25) -> Any:
+              affinity_block_chars: int = 128, affinity_balance_factor: float = 0.0) -> Any:
     """The Ray Serve application: ``num_replicas`` servers behind the affinity router."""
     router = RequestRouterConfig(
         request_router_class=PrefixAffinityRequestRouter,

@@ -204,8 +204,8 @@ def test_bounded_loads_send_new_prefixes_to_the_least_loaded():
 def test_router_config_balance_factor_reaches_the_policy():
     from bladellm.router.proxy import Router
 
-    assert Router(RouterConfig(instances=["http://a"])).policy.balance_factor == 1.25
-    off = Router(RouterConfig(instances=["http://a"], affinity_balance_factor=0))
-    assert off.policy.balance_factor is None
+    assert Router(RouterConfig(instances=["http://a"])).policy.balance_factor is None  # off
+    on = Router(RouterConfig(instances=["http://a"], affinity_balance_factor=1.25))
+    assert on.policy.balance_factor == 1.25
     with pytest.raises(ValueError, match="--affinity_balance_factor"):
         RouterConfig(instances=["http://a"], affinity_balance_factor=0.9)
