@@ -8,6 +8,7 @@ in flight through this router, plus any others the instance reports running or w
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
@@ -87,17 +88,30 @@ class PrefixAffinity:
     """Send a request where its longest prompt prefix was sent before (an approximate radix
     tree: per instance, the chained hashes of the prompt blocks routed to it, in LRU order).
 
-    Among the instances with the longest match (all of them when nothing matches) the least
-    loaded wins, unless it has more than ``overload_margin`` requests in flight beyond the least
-    busy instance overall: then the least busy instance takes it (and learns the prefix). An
-    instance that comes back from being unhealthy starts with an empty memory, as its restarted
-    engine starts with an empty cache."""
+    **Bounded loads** (``balance_factor`` c, consistent hashing with bounded loads, Mirrokni,
+    Thorup and Zadimoghaddam 2018): an instance may take the request only while it then has at
+    most ``ceil(c * (m + 1) / n)`` requests in flight, ``m`` being the requests in flight on all
+    ``n`` candidates. Among those that may, the longest match wins, so a known prefix sticks to
+    its instance until that instance is ``c`` times busier than the average, then goes to the
+    instance with the next-longest match that has room (usually the least loaded); a new prefix
+    (no match anywhere) goes to the least loaded. The ceiling is never below the least loaded
+    instance's count + 1, so some instance always has room. ``balance_factor=None`` turns the
+    bound off.
+
+    Among equal matches the least loaded in outstanding tokens wins, unless it has more than
+    ``overload_margin`` requests in flight beyond the least busy instance overall: then the least
+    busy instance takes it (and learns the prefix). An instance that comes back from being
+    unhealthy starts with an empty memory, as its restarted engine starts with an empty cache."""
 
     name = "prefix_affinity"
 
-    def __init__(self, overload_margin: int, cache_blocks: int) -> None:
+    def __init__(self, overload_margin: int, cache_blocks: int,
+                 balance_factor: float | None = None) -> None:
+        if balance_factor is not None and balance_factor < 1:
+            raise ValueError(f"balance_factor must be >= 1, got {balance_factor}")
         self.overload_margin = overload_margin
         self.cache_blocks = cache_blocks
+        self.balance_factor = balance_factor
         self._seen: dict[str, _BlockLRU] = {}
         self._last_chosen: dict[str, int] = {}
         self._counter = itertools.count()
@@ -110,10 +124,21 @@ class PrefixAffinity:
     def forget(self, url: str) -> None:
         self._lru(url).clear()
 
+    def capacity(self, candidates: Sequence[Candidate]) -> int | None:
+        """Most requests in flight an instance may have after taking one more (None: no bound)."""
+        if self.balance_factor is None:
+            return None
+        total = sum(c.load_requests for c in candidates)
+        # The epsilon keeps float rounding (1.1 * 10 = 11.000000000000002) from adding one.
+        return math.ceil(self.balance_factor * (total + 1) / len(candidates) - 1e-9)
+
     def choose(self, info: RequestInfo, candidates: Sequence[Candidate]) -> Candidate:
-        matches = [self._lru(c.url).matched(info.block_hashes) for c in candidates]
+        cap = self.capacity(candidates)
+        room = candidates if cap is None else [c for c in candidates if c.load_requests < cap]
+        room = room or candidates  # cannot be empty for c >= 1 (docstring); a guard only
+        matches = [self._lru(c.url).matched(info.block_hashes) for c in room]
         best = max(matches)
-        tied = [c for c, m in zip(candidates, matches) if m == best]
+        tied = [c for c, m in zip(room, matches) if m == best]
         # Equal loads (an idle system) go to the instance chosen least recently, so that new
         # prefixes spread over the instances instead of all going to the first one.
         preferred = min(tied, key=lambda c: (c.load_tokens, c.load_requests,
@@ -127,11 +152,12 @@ class PrefixAffinity:
         return chosen
 
 
-def make_policy(name: str, overload_margin: int = 4, cache_blocks: int = 65536) -> Policy:
+def make_policy(name: str, overload_margin: int = 4, cache_blocks: int = 65536,
+                balance_factor: float | None = None) -> Policy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_tokens":
         return LeastOutstandingTokens()
     if name == "prefix_affinity":
-        return PrefixAffinity(overload_margin, cache_blocks)
+        return PrefixAffinity(overload_margin, cache_blocks, balance_factor)
     raise ValueError(f"--policy: unknown policy {name!r}")

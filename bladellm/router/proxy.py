@@ -99,7 +99,8 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.policy = make_policy(config.policy, config.overload_margin,
-                                  config.affinity_cache_blocks)
+                                  config.affinity_cache_blocks,
+                                  config.affinity_balance_factor or None)
         on_back = self.policy.forget if isinstance(self.policy, PrefixAffinity) else None
         self.pool = InstancePool(config.instances, config.health_check_failures, on_back)
         self.metrics = RouterMetrics()

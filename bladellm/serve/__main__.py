@@ -25,9 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ray_address", default=None,
                    help="an existing cluster ('auto' or ray://...); default: start a local one")
     p.add_argument("--overload_margin", type=int, default=4)
+    p.add_argument("--affinity_balance_factor", type=float, default=0.0,
+                   help="bounded loads (docs/router.md); 0 (default) turns the bound off")
     args = p.parse_args(own)
     if args.num_replicas < 1:
         p.error("--num_replicas must be >= 1")
+    if args.affinity_balance_factor != 0 and args.affinity_balance_factor < 1:
+        p.error("--affinity_balance_factor must be 0 (off) or >= 1")
     import ray
     from ray import serve
 
@@ -35,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ray.init(address=args.ray_address)
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(server_args, args.num_replicas, args.overload_margin), name="bladellm",
-              route_prefix="/")
+    serve.run(build_app(server_args, args.num_replicas, args.overload_margin,
+                        affinity_balance_factor=args.affinity_balance_factor),
+              name="bladellm", route_prefix="/")
     print(f"BladeLLM on Ray Serve ready at http://{args.host}:{args.port} "
           f"({args.num_replicas} replicas)", flush=True)
     stop = threading.Event()

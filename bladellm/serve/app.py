@@ -111,12 +111,13 @@ class OpenAIIngress:
 
 
 def build_app(server_args: list[str], num_replicas: int, overload_margin: int = 4,
-              affinity_block_chars: int = 128) -> Any:
+              affinity_block_chars: int = 128, affinity_balance_factor: float = 0.0) -> Any:
     """The Ray Serve application: ``num_replicas`` servers behind the affinity router."""
     router = RequestRouterConfig(
         request_router_class=PrefixAffinityRequestRouter,
         request_router_kwargs={"overload_margin": overload_margin,
-                               "affinity_block_chars": affinity_block_chars})
+                               "affinity_block_chars": affinity_block_chars,
+                               "affinity_balance_factor": affinity_balance_factor})
     replica = BladeLLMReplica.options(num_replicas=num_replicas,
                                       request_router_config=router).bind(server_args)
     return OpenAIIngress.bind(replica)

@@ -37,8 +37,10 @@ def request_body(pending: PendingRequest | None) -> dict[str, Any] | None:
 class PrefixAffinityRequestRouter(RequestRouter):
     def initialize_state(self, overload_margin: int = 4, affinity_block_chars: int = 128,
                          affinity_max_blocks: int = 256,
-                         affinity_cache_blocks: int = 65536) -> None:
-        self._policy = PrefixAffinity(overload_margin, affinity_cache_blocks)
+                         affinity_cache_blocks: int = 65536,
+                         affinity_balance_factor: float = 0.0) -> None:
+        self._policy = PrefixAffinity(overload_margin, affinity_cache_blocks,
+                                      affinity_balance_factor or None)
         self._block_chars = affinity_block_chars
         self._max_blocks = affinity_max_blocks
 

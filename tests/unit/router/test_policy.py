@@ -142,3 +142,70 @@ def test_affinity_spreads_new_prefixes_over_idle_instances():
     firsts = [pol.choose(info(ch * 100), c).url for ch in "DEFG"]
     assert firsts[:3] == ["a", "b", "c"]
     assert [pol.choose(info(ch * 100 + "?"), c).url for ch in "DEFG"] == firsts
+
+
+def test_bounded_loads_capacity_is_ceil_c_times_average_after_placement():
+    pol = PrefixAffinity(overload_margin=100, cache_blocks=1000, balance_factor=1.25)
+    # m = 3 in flight (external ones count too), n = 2: ceil(1.25 * 4 / 2) = 3
+    assert pol.capacity([Fake("a", 2), Fake("b", 1)]) == 3
+    assert pol.capacity([Fake("a", 0), Fake("b", 0)]) == 1  # idle: one each before spilling
+    assert pol.capacity([Fake("a", 3), Fake("b", 1)]) == 4  # 1.25 * 5 / 2 = 3.125
+    assert PrefixAffinity(100, 1000, balance_factor=1.0).capacity(
+        [Fake("a", 1), Fake("b", 1), Fake("c", 1)]) == 2
+    assert PrefixAffinity(100, 1000).capacity([Fake("a", 9)]) is None  # bound off
+    with pytest.raises(ValueError, match="balance_factor"):
+        PrefixAffinity(4, 1000, balance_factor=0.5)
+
+
+def test_bounded_loads_keep_a_known_prefix_until_its_instance_is_full():
+    pol = PrefixAffinity(overload_margin=100, cache_blocks=1000, balance_factor=1.25)
+    a, b = Fake("a"), Fake("b", load_tokens=10)
+    doc = "D" * 200
+    assert pol.choose(info(doc + "q0"), [a, b]).url == "a"
+    a.load_requests, a.load_tokens = 1, 60  # (1, 0): a may go to 2 <= ceil(1.25 * 2 / 2) = 2
+    assert pol.choose(info(doc + "q1"), [a, b]).url == "a"
+    a.load_requests = 2  # (2, 0): 3 > ceil(1.25 * 3 / 2) = 2: full, the idle b takes it
+    assert pol.choose(info(doc + "q2"), [a, b]).url == "b"
+    b.load_requests = 1  # (2, 1): 3 <= ceil(1.25 * 4 / 2) = 3; both now know doc, a matches
+    a.load_tokens, b.load_tokens = 10, 500  # a is the less loaded of the two matches
+    assert pol.choose(info(doc + "q3"), [a, b]).url == "a"
+
+
+def test_without_the_bound_the_same_picture_stays_on_the_preferred_instance():
+    pol = PrefixAffinity(overload_margin=100, cache_blocks=1000)
+    a, b = Fake("a"), Fake("b", load_tokens=10)
+    doc = "D" * 200
+    assert pol.choose(info(doc + "q0"), [a, b]).url == "a"
+    a.load_requests, a.load_tokens = 2, 120
+    assert pol.choose(info(doc + "q2"), [a, b]).url == "a"  # only the margin (100) applies
+
+
+def test_bounded_loads_spill_to_the_next_longest_match_with_room():
+    pol = PrefixAffinity(overload_margin=100, cache_blocks=1000, balance_factor=1.0)
+    a, b, c = Fake("a"), Fake("b", load_tokens=1), Fake("c", load_tokens=2)
+    base = "B" * 64
+    assert pol.choose(info(base + "x" * 64), [a, b, c]).url == "a"  # a knows base + x
+    assert pol.choose(info("N" * 64), [Fake("a", 0, 5), b, Fake("c", 0, 5)]).url == "b"
+    # c learns base (4 blocks) but not the x part: the longest match after a's
+    assert pol.choose(info(base), [Fake("a", 5, 5), Fake("b", 5, 5), c]).url == "c"
+    # a is full (m = 2, n = 3, c = 1: capacity 1): c has room and the next-longest match,
+    # b has room, the least tokens and no match
+    a.load_requests, a.load_tokens = 2, 100
+    b.load_tokens, c.load_tokens = 0, 50
+    assert pol.choose(info(base + "x" * 64 + "?"), [a, b, c]).url == "c"
+
+
+def test_bounded_loads_send_new_prefixes_to_the_least_loaded():
+    pol = PrefixAffinity(overload_margin=100, cache_blocks=1000, balance_factor=1.25)
+    c = [Fake("a", 1, 300), Fake("b", 1, 40), Fake("c", 2, 900)]
+    assert pol.choose(info("Q" * 100), c).url == "b"
+
+
+def test_router_config_balance_factor_reaches_the_policy():
+    from bladellm.router.proxy import Router
+
+    assert Router(RouterConfig(instances=["http://a"])).policy.balance_factor is None  # off
+    on = Router(RouterConfig(instances=["http://a"], affinity_balance_factor=1.25))
+    assert on.policy.balance_factor == 1.25
+    with pytest.raises(ValueError, match="--affinity_balance_factor"):
+        RouterConfig(instances=["http://a"], affinity_balance_factor=0.9)
