@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from bladellm.kernels import Kernels
+
 
 @dataclass
 class LoRAMapping:
@@ -34,6 +36,9 @@ class LoRAMapping:
     max_seg: int
     padded: bool  # some segment is shorter than max_seg (valid selects the real rows)
     identity: bool  # one adapter for every token of the step: no gather or scatter needed
+    # The same grouping unpadded, for the compiled kernel: segment g is the tokens
+    # dest[seg_start[g]:seg_start[g + 1]], all of slot slots[g].
+    seg_start: torch.Tensor  # [k + 1]
 
     @classmethod
     def build(cls, token_slots: np.ndarray, num_slots: int) -> "LoRAMapping | None":
@@ -61,7 +66,22 @@ class LoRAMapping:
             gather=torch.from_numpy(gather), valid=torch.from_numpy(valid.astype(np.int64)),
             dest=torch.from_numpy(dest.astype(np.int64)), max_seg=max_seg,
             padded=len(active) * max_seg != len(tokens),
-            identity=len(active) == 1 and len(tokens) == len(token_slots))
+            identity=len(active) == 1 and len(tokens) == len(token_slots),
+            seg_start=torch.from_numpy(np.append(starts, len(tokens)).astype(np.int64)))
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+               mapping: LoRAMapping, kernels: Kernels, rank: int,
+               slice_offsets: torch.Tensor) -> None:
+    """``out[t] += x[t] @ a[s] @ b[s]`` for every token t with slot s: the compiled kernel (one
+    call per layer, block-diagonal zeros skipped, no gather/scatter/padding) when there is one,
+    else ``sgmv_shrink_expand``. ``slice_offsets``: int64 column offsets of the n output slices
+    and their end (b's slice j lives in rows ``j*rank:(j+1)*rank``, columns o_j:o_{j+1})."""
+    if kernels.name == "compiled":
+        kernels.lora_sgmv(out, x, a, b, mapping.dest, mapping.seg_start, mapping.slots, rank,
+                          slice_offsets)
+    else:
+        sgmv_shrink_expand(x, a, b, out, mapping)
 
 
 def sgmv_shrink_expand(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
