@@ -1,16 +1,24 @@
 """The batched LoRA delta: every token adds ``x @ A[slot] @ B[slot]`` of its own adapter slot.
 
 Punica's kernels take a per-token adapter index: BGMV gathers one adapter per token (decode),
-SGMV multiplies contiguous segments of tokens that share an adapter (prefill). The plain-PyTorch
-version here is the CPU path and the oracle for a device kernel (the seam: ``LoRALinear`` calls
-``sgmv_shrink_expand``; a Triton kernel would replace it on GPU). It is segmented and padded:
+SGMV multiplies contiguous segments of tokens that share an adapter (prefill). Once per step,
+``LoRAMapping.build`` groups the tokens by slot with numpy (a stable argsort); every layer then
+reuses that grouping. ``LoRALinear`` calls ``lora_delta``, which runs one of:
 
-- once per step, ``LoRAMapping.build`` groups the tokens by slot with numpy (a stable argsort):
-  ``k`` active slots, each a padded row of ``max_seg`` token indices;
-- per layer: one ``index_select`` gathers the tokens into ``[k, max_seg, in]``, one ``bmm`` with the
-  active slots' A (shrink), one with their B (expand), one ``index_add_`` puts the deltas back on
-  their tokens. No Python loop over adapters or requests; base-model tokens
-  (slot -1) are simply not gathered, and a step without adapter tokens has no mapping at all.
+- the compiled CPU kernel (``Kernels.lora_sgmv``, ``bladellm/kernels/cpu/lora.cpp``; its
+  plain-PyTorch twin ``kernels/ref.py:lora_sgmv`` is the oracle): one call per layer fuses
+  shrink and expand over the unpadded segments, reads only each fused slice's diagonal block of
+  B, and adds into the base output in place; no gather, scatter or padding. On the demo model at
+  32 decode tokens over 8 adapters it costs ~6 ms per step (one thread) against ~26 ms for the
+  path below, and ~15x less on a step mixing decodes with a prefill chunk (no padding).
+- ``sgmv_shrink_expand`` (where no kernel was compiled): segmented and padded, ``k`` active
+  slots each a padded row of ``max_seg`` tokens; one ``index_select`` gathers the tokens into
+  ``[k, max_seg, in]``, one ``bmm`` with the active slots' A (shrink), one with their
+  block-diagonal B (expand), one ``index_add_`` puts the deltas back on their tokens.
+
+No Python loop over adapters or requests either way; base-model tokens (slot -1) are not
+touched, and a step without adapter tokens has no mapping at all. ``bgmv_reference`` is the
+per-token definition, the tests' oracle; a GPU kernel (Triton) would take ``lora_delta``'s seam.
 """
 
 from __future__ import annotations
