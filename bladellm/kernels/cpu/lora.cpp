@@ -1,5 +1,5 @@
 // Batched multi-LoRA delta (Punica's SGMV shrink + expand, fused, in place):
-//   out[t, off_j : off_j + size_j] += (x[t] @ a[s][:, j*r : (j+1)*r]) @ b[s][j*r : (j+1)*r, off_j : ...]
+//   out[t, o[j] : o[j+1]] += (x[t] @ a[s][:, j*r : (j+1)*r]) @ b[s][j*r : (j+1)*r, o[j] : o[j+1]]
 // for every token t of every segment (tokens sharing adapter slot s), for each output slice j
 // of a fused layer (q/k/v, gate/up: n slices, slice j reads only its r rank columns of A and
 // its diagonal block of B, so the block-diagonal zeros of the stacks are never multiplied).
@@ -145,11 +145,12 @@ static void lora(T* out, int64_t os, const T* x, int64_t xs, const W* A, const W
       const int64_t s = items[3 * i + 2];
       const W* As = A + s * K * Wd;
       const W* Bs = B + s * Wd * N;
+      float* hb = h.data();
       switch (mm) {
-        case 4: item<T, W, 4>(out, os, x, xs, As, Bs, tok, K, Wd, N, r, slice_off, n, h.data()); break;
-        case 3: item<T, W, 3>(out, os, x, xs, As, Bs, tok, K, Wd, N, r, slice_off, n, h.data()); break;
-        case 2: item<T, W, 2>(out, os, x, xs, As, Bs, tok, K, Wd, N, r, slice_off, n, h.data()); break;
-        default: item<T, W, 1>(out, os, x, xs, As, Bs, tok, K, Wd, N, r, slice_off, n, h.data());
+        case 4: item<T, W, 4>(out, os, x, xs, As, Bs, tok, K, Wd, N, r, slice_off, n, hb); break;
+        case 3: item<T, W, 3>(out, os, x, xs, As, Bs, tok, K, Wd, N, r, slice_off, n, hb); break;
+        case 2: item<T, W, 2>(out, os, x, xs, As, Bs, tok, K, Wd, N, r, slice_off, n, hb); break;
+        default: item<T, W, 1>(out, os, x, xs, As, Bs, tok, K, Wd, N, r, slice_off, n, hb);
       }
     }
   }
