@@ -30,6 +30,8 @@ import torch
 
 from bladellm.kernels import Kernels
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
 
 @dataclass
 class LoRAMapping:
@@ -85,7 +87,10 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Ten
     call per layer, block-diagonal zeros skipped, no gather/scatter/padding) when there is one,
     else ``sgmv_shrink_expand``. ``slice_offsets``: int64 column offsets of the n output slices
     and their end (b's slice j lives in rows ``j*rank:(j+1)*rank``, columns o_j:o_{j+1})."""
-    if kernels.name == "compiled":
+    # The kernel takes activations and stacks of one dtype (fp32 or bf16); anything else (e.g.
+    # --lora_dtype float32 on a bf16 model) would reach its per-segment reference twin, so the
+    # batched PyTorch path runs it instead.
+    if kernels.name == "compiled" and x.dtype == a.dtype and x.dtype in _KERNEL_DTYPES:
         kernels.lora_sgmv(out, x, a, b, mapping.dest, mapping.seg_start, mapping.slots, rank,
                           slice_offsets)
     else:

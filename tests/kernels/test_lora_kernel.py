@@ -93,3 +93,15 @@ def test_unsupported_dtype_mix_runs_the_reference(compiled):
                         tuple(offs.tolist()))
     compiled.lora_sgmv(y, x, a, b, mapping.dest, mapping.seg_start, mapping.slots, 5, offs)
     assert torch.equal(y, want)
+
+
+def test_mixed_dtypes_take_the_batched_pytorch_path(compiled, monkeypatch):
+    # bf16 activations with fp32 stacks (--lora_dtype float32 on a bf16 model): not the kernel.
+    x, a, b, y, offs = make(40, (24, 8), 5, SLOTS[0], torch.bfloat16)
+    a, b = a.float(), b.float()
+    mapping = LoRAMapping.build(np.array(SLOTS[0]), 4)
+    monkeypatch.setattr(compiled, "lora_sgmv", lambda *args: pytest.fail("kernel called"))
+    exact = y.double() + bgmv_reference(x, a, b, torch.tensor(SLOTS[0]))
+    lora_delta(x, a, b, y, mapping, compiled, 5, offs)
+    scale = float(exact.abs().max())
+    torch.testing.assert_close(y.double(), exact, rtol=2 ** -7, atol=1e-2 * scale)
