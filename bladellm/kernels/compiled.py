@@ -127,6 +127,8 @@ class CompiledKernels(Kernels):
                                                   c_int64, c_int64, c_int64, c_int64, c_int64,
                                                   c_int32, c_int32])
         self.linear_dpbf16 = bool(lib.bl_linear_dpbf16())
+        self._lora = self._bind(lib.bl_lora_sgmv, [c_void_p] * 7 + [c_int64] * 5 + [
+            c_void_p, c_int32, c_int64, c_int64, c_int32, c_int32, c_int32])
         # Largest M the GEMV kernel takes (without / with a packed weight); above it F.linear or
         # the prepacked oneDNN GEMM.
         self.linear_max_rows = dict(LINEAR_MAX_ROWS)
@@ -259,6 +261,26 @@ class CompiledKernels(Kernels):
         self._silu(out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], d, self.silu_chunk,
                    code, torch.get_num_threads())
         return out
+
+    def lora_sgmv(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  order: torch.Tensor, seg_start: torch.Tensor, seg_slot: torch.Tensor,
+                  rank: int, slice_offsets: tuple[int, ...] | torch.Tensor) -> None:
+        """``slice_offsets`` may be given as an int64 tensor (made once per layer)."""
+        code, w_code = _DTYPES.get(x.dtype), _DTYPES.get(a.dtype)
+        offs = slice_offsets
+        if not isinstance(offs, torch.Tensor):
+            offs = torch.tensor(offs, dtype=torch.int64)
+        if (code is None or code != w_code or out.dtype != x.dtype or b.dtype != a.dtype
+                or not x.is_cpu or x.stride(-1) != 1 or out.stride(-1) != 1 or x.dim() != 2
+                or out.dim() != 2 or not (a.is_contiguous() and b.is_contiguous())
+                or order.dtype != torch.int64 or seg_start.dtype != torch.int64
+                or seg_slot.dtype != torch.int64 or offs.dtype != torch.int64):
+            return super().lora_sgmv(out, x, a, b, order, seg_start, seg_slot, rank,
+                                     tuple(int(o) for o in offs))
+        self._lora(out.data_ptr(), x.data_ptr(), a.data_ptr(), b.data_ptr(), order.data_ptr(),
+                   seg_start.data_ptr(), seg_slot.data_ptr(), seg_slot.shape[0], a.shape[1],
+                   a.shape[2], b.shape[2], rank, offs.data_ptr(), offs.shape[0] - 1,
+                   x.stride(0), out.stride(0), code, w_code, torch.get_num_threads())
 
     def pack_linear_weight(self, weight: torch.Tensor) -> object | None:
         """The weight reordered for oneDNN (a second copy: the small-M kernel reads the

@@ -53,6 +53,12 @@ class Kernels:
         (made once at load time); the reference ignores it."""
         return ref.linear(x, weight, bias)
 
+    def lora_sgmv(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  order: torch.Tensor, seg_start: torch.Tensor, seg_slot: torch.Tensor,
+                  rank: int, slice_offsets: tuple[int, ...]) -> None:
+        """Every token's LoRA delta added to ``out`` in place (see ``ref.lora_sgmv``)."""
+        ref.lora_sgmv(out, x, a, b, order, seg_start, seg_slot, rank, slice_offsets)
+
     def pack_linear_weight(self, weight: torch.Tensor) -> object | None:
         """A load-time form of ``weight`` that makes ``linear`` faster, or None (none needed)."""
         return None

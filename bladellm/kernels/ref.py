@@ -126,3 +126,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ) -> torch.Tensor:
     """``x @ weight.T + bias`` (F.linear): x [..., K], weight [N, K], bias [N] -> [..., N]."""
     return F.linear(x, weight, bias)
+
+
+def lora_sgmv(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              order: torch.Tensor, seg_start: torch.Tensor, seg_slot: torch.Tensor, rank: int,
+              slice_offsets: tuple[int, ...]) -> None:
+    """Multi-LoRA delta in place: ``out[t, o_j:o_{j+1}] += (x[t] @ a[s][:, j*rank:(j+1)*rank])
+    @ b[s][j*rank:(j+1)*rank, o_j:o_{j+1}]`` for each output slice j (``slice_offsets`` = o_0..o_n)
+    and every token t of segment g, i.e. ``t in order[seg_start[g]:seg_start[g+1]]``, whose
+    adapter slot is ``s = seg_slot[g]``. ``a``: [slots, in, n*rank], ``b``: [slots, n*rank, out]
+    (the LoRA dtype; the delta is computed in fp32 and added to ``out`` in its dtype). The
+    plain definition (one segment at a time): the compiled kernel's oracle and fallback."""
+    starts = seg_start.tolist()
+    for g, s in enumerate(seg_slot.tolist()):
+        tok = order[starts[g]:starts[g + 1]]
+        h = x.index_select(0, tok).float() @ a[s].float()
+        for j in range(len(slice_offsets) - 1):
+            lo, hi, q = slice_offsets[j], slice_offsets[j + 1], j * rank
+            d = h[:, q:q + rank] @ b[s, q:q + rank, lo:hi].float()
+            out[tok, lo:hi] = (out[tok, lo:hi].float() + d).to(out.dtype)

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from bladellm.lora.adapter import TARGETS
-from bladellm.lora.ops import sgmv_shrink_expand
+from bladellm.kernels import get_kernels
+from bladellm.lora.ops import lora_delta
 
 # Our layer name -> the PEFT module names of its output slices, in order.
 SLICES: dict[str, tuple[str, ...]] = {}
@@ -42,6 +43,9 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(num_slots, width, sum(sizes), dtype=dtype),
                              persistent=False)
         self.sizes = sizes
+        self.kernels = get_kernels()
+        self.register_buffer("slice_offsets", torch.tensor([*self.offsets, sum(sizes)],
+                                                           dtype=torch.int64), persistent=False)
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one adapter's tensors (per PEFT name: A [r, in], scaled B [out, r]) into a slot;
@@ -61,7 +65,8 @@ class LoRALinear(nn.Module):
         y = self.base(x, ctx)
         mapping = getattr(ctx, "lora", None)
         if mapping is not None:
-            sgmv_shrink_expand(x, self.lora_a, self.lora_b, y, mapping)
+            lora_delta(x, self.lora_a, self.lora_b, y, mapping, self.kernels, self.rank,
+                       self.slice_offsets)
         return y
 
 

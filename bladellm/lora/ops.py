@@ -1,16 +1,24 @@
 """The batched LoRA delta: every token adds ``x @ A[slot] @ B[slot]`` of its own adapter slot.
 
 Punica's kernels take a per-token adapter index: BGMV gathers one adapter per token (decode),
-SGMV multiplies contiguous segments of tokens that share an adapter (prefill). The plain-PyTorch
-version here is the CPU path and the oracle for a device kernel (the seam: ``LoRALinear`` calls
-``sgmv_shrink_expand``; a Triton kernel would replace it on GPU). It is segmented and padded:
+SGMV multiplies contiguous segments of tokens that share an adapter (prefill). Once per step,
+``LoRAMapping.build`` groups the tokens by slot with numpy (a stable argsort); every layer then
+reuses that grouping. ``LoRALinear`` calls ``lora_delta``, which runs one of:
 
-- once per step, ``LoRAMapping.build`` groups the tokens by slot with numpy (a stable argsort):
-  ``k`` active slots, each a padded row of ``max_seg`` token indices;
-- per layer: one ``index_select`` gathers the tokens into ``[k, max_seg, in]``, one ``bmm`` with the
-  active slots' A (shrink), one with their B (expand), one ``index_add_`` puts the deltas back on
-  their tokens. No Python loop over adapters or requests; base-model tokens
-  (slot -1) are simply not gathered, and a step without adapter tokens has no mapping at all.
+- the compiled CPU kernel (``Kernels.lora_sgmv``, ``bladellm/kernels/cpu/lora.cpp``; its
+  plain-PyTorch twin ``kernels/ref.py:lora_sgmv`` is the oracle): one call per layer fuses
+  shrink and expand over the unpadded segments, reads only each fused slice's diagonal block of
+  B, and adds into the base output in place; no gather, scatter or padding. On the demo model at
+  32 decode tokens over 8 adapters it costs ~6 ms per step (one thread) against ~26 ms for the
+  path below, and ~15x less on a step mixing decodes with a prefill chunk (no padding).
+- ``sgmv_shrink_expand`` (where no kernel was compiled): segmented and padded, ``k`` active
+  slots each a padded row of ``max_seg`` tokens; one ``index_select`` gathers the tokens into
+  ``[k, max_seg, in]``, one ``bmm`` with the active slots' A (shrink), one with their
+  block-diagonal B (expand), one ``index_add_`` puts the deltas back on their tokens.
+
+No Python loop over adapters or requests either way; base-model tokens (slot -1) are not
+touched, and a step without adapter tokens has no mapping at all. ``bgmv_reference`` is the
+per-token definition, the tests' oracle; a GPU kernel (Triton) would take ``lora_delta``'s seam.
 """
 
 from __future__ import annotations
@@ -19,6 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from bladellm.kernels import Kernels
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -34,6 +46,9 @@ class LoRAMapping:
     max_seg: int
     padded: bool  # some segment is shorter than max_seg (valid selects the real rows)
     identity: bool  # one adapter for every token of the step: no gather or scatter needed
+    # The same grouping unpadded, for the compiled kernel: segment g is the tokens
+    # dest[seg_start[g]:seg_start[g + 1]], all of slot slots[g].
+    seg_start: torch.Tensor  # [k + 1]
 
     @classmethod
     def build(cls, token_slots: np.ndarray, num_slots: int) -> "LoRAMapping | None":
@@ -61,7 +76,25 @@ class LoRAMapping:
             gather=torch.from_numpy(gather), valid=torch.from_numpy(valid.astype(np.int64)),
             dest=torch.from_numpy(dest.astype(np.int64)), max_seg=max_seg,
             padded=len(active) * max_seg != len(tokens),
-            identity=len(active) == 1 and len(tokens) == len(token_slots))
+            identity=len(active) == 1 and len(tokens) == len(token_slots),
+            seg_start=torch.from_numpy(np.append(starts, len(tokens)).astype(np.int64)))
+
+
+def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+               mapping: LoRAMapping, kernels: Kernels, rank: int,
+               slice_offsets: torch.Tensor) -> None:
+    """``out[t] += x[t] @ a[s] @ b[s]`` for every token t with slot s: the compiled kernel (one
+    call per layer, block-diagonal zeros skipped, no gather/scatter/padding) when there is one,
+    else ``sgmv_shrink_expand``. ``slice_offsets``: int64 column offsets of the n output slices
+    and their end (b's slice j lives in rows ``j*rank:(j+1)*rank``, columns o_j:o_{j+1})."""
+    # The kernel takes activations and stacks of one dtype (fp32 or bf16); anything else (e.g.
+    # --lora_dtype float32 on a bf16 model) would reach its per-segment reference twin, so the
+    # batched PyTorch path runs it instead.
+    if kernels.name == "compiled" and x.dtype == a.dtype and x.dtype in _KERNEL_DTYPES:
+        kernels.lora_sgmv(out, x, a, b, mapping.dest, mapping.seg_start, mapping.slots, rank,
+                          slice_offsets)
+    else:
+        sgmv_shrink_expand(x, a, b, out, mapping)
 
 
 def sgmv_shrink_expand(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
