@@ -116,3 +116,72 @@ def test_report_format_and_exit_code():
     with pytest.raises(ValueError):
         CheckResult("two words", PASS, "x")
     assert spread([100.0, 90.0]) == pytest.approx(0.1) and spread([5.0]) == 0.0
+
+
+class _Props:
+    def __init__(self, gib: int) -> None:
+        self.total_memory = gib << 30
+
+
+def _fake_gpus(monkeypatch, perf, triton="3.4.0"):
+    """Two faked CUDA devices: the check's logic without a GPU (the measurement itself is
+    covered by the gpu-marked test below)."""
+    import torch
+
+    from bladellm.check import gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(perf))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"Fake H{i}")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _Props(80))
+    monkeypatch.setattr(gpu, "_driver_version", lambda: "570.1")
+    monkeypatch.setattr(gpu, "_triton_version", lambda: triton)
+
+    def measure(i):
+        if isinstance(perf[i], Exception):
+            raise perf[i]
+        return perf[i]
+
+    monkeypatch.setattr(gpu, "measure_device", measure)
+    return gpu
+
+
+def test_gpu_checks_on_faked_devices(monkeypatch):
+    gpu = _fake_gpus(monkeypatch, [(900e12, 3.0e12), (880e12, 2.9e12)])
+    rows = {r.name: r for r in gpu.check_gpus("auto")}
+    assert rows["gpu_devices"].status == PASS and "cuda:1 Fake H1 80 GiB" in rows["gpu_devices"].detail
+    assert rows["gpu_software"].status == PASS and "driver 570.1" in rows["gpu_software"].detail
+    assert rows["gpu0_perf"].detail.startswith("900.0 TFLOP/s") and "3000 GB/s" in rows["gpu0_perf"].detail
+    assert rows["gpu_consistency"].status == PASS
+
+    gpu = _fake_gpus(monkeypatch, [(900e12, 3.0e12), (600e12, 3.0e12)], triton=None)
+    rows = {r.name: r for r in gpu.check_gpus("cuda")}
+    assert rows["gpu_consistency"].status == WARNING and "33.3%" in rows["gpu_consistency"].detail
+    assert rows["gpu_software"].status == WARNING and "need Triton" in rows["gpu_software"].detail
+
+    gpu = _fake_gpus(monkeypatch, [(900e12, 3.0e12), RuntimeError("CUDA out of memory")])
+    rows = {r.name: r for r in gpu.check_gpus("cuda")}
+    assert rows["gpu1_perf"].status == FAILED and "out of memory" in rows["gpu1_perf"].detail
+    assert "gpu_consistency" not in rows  # one measured device: nothing to compare
+
+
+def test_no_gpu_fails_only_when_cuda_is_asked_for(monkeypatch):
+    import torch
+
+    from bladellm.check import gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert [r.status for r in gpu.check_gpus("auto")] == [PASS]
+    assert [r.status for r in gpu.check_gpus("cuda")] == [FAILED]
+
+
+@pytest.mark.gpu
+def test_measure_device_on_a_real_gpu():
+    import torch
+
+    from bladellm.check import gpu
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    flops, bandwidth = gpu.measure_device(0, size=2048, iters=3)
+    assert flops > 1e12 and bandwidth > 1e11
