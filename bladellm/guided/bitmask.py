@@ -1,4 +1,5 @@
-"""Applying llguidance token bitmasks to logits (plain torch/numpy; no llguidance import).
+"""Applying llguidance token bitmasks to logits (no llguidance import; the packed words go to
+the kernel set, ``bladellm.kernels``, as they are).
 
 A bitmask row is ``ceil(V / 32)`` int32 words; bit ``t % 32`` of word ``t // 32`` set means
 token ``t`` is allowed.
@@ -16,7 +17,7 @@ def bitmask_width(vocab_size: int) -> int:
 
 def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
     """[R, W] int32 words -> [R, vocab_size] bool (True = allowed); a view, no copy beyond the
-    unpacking itself."""
+    unpacking itself. For tests and inspection: the sampler never unpacks."""
     bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1,
                          bitorder="little")
     if bits.shape[1] < vocab_size:  # logits wider than the tokenizer's vocabulary: ban the rest
@@ -24,20 +25,19 @@ def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
     return bits[:, :vocab_size].view(np.bool_)
 
 
-# bit -> additive bias. A branch-free lookup and add: masked_fill_ with a bool mask branches per
-# element, which a JSON mask (~half the vocabulary allowed inside strings) makes unpredictable
-# (measured 10.6 vs 2.5 ms for 32 x 49152 logits on one thread).
-_BIAS = np.array([-np.inf, 0.0], np.float32)
-
-
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
                         bitmask: np.ndarray) -> torch.Tensor:
     """Set ``logits[rows[i], t]`` to -inf for every token ``t`` row ``i`` of ``bitmask`` bans.
 
-    ``logits`` (float) is modified in place and returned; rows not listed are untouched.
+    ``logits`` (float) is modified in place and returned; rows not listed are untouched, and
+    so are the allowed tokens. The packed words are applied as they are (the kernel set's
+    ``apply_token_bitmask``: compiled, one thread, writing only banned tokens): unpacking to a
+    [rows, vocab] mask and adding a -inf/0 bias took 3 full-vocabulary passes, two of them
+    torch ops that wait for a second OpenMP thread, which on a loaded 2-vCPU machine cost
+    ~20 ms a step at 32 rows (docs/benchmarks.md, Issue 10).
     """
-    bits = unpack_bitmask(bitmask, logits.shape[1]).view(np.uint8)
-    bias = torch.from_numpy(_BIAS.take(bits)).to(device=logits.device, dtype=logits.dtype)
-    if len(rows) == logits.shape[0] and bool((rows == torch.arange(len(rows))).all()):
-        return logits.add_(bias)  # every row constrained, in order
-    return logits.index_add_(0, rows.to(logits.device), bias)
+    from bladellm.kernels import get_kernels
+
+    get_kernels().apply_token_bitmask(logits, rows,
+                                      torch.from_numpy(np.ascontiguousarray(bitmask, np.int32)))
+    return logits

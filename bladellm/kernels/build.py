@@ -36,6 +36,7 @@ SOURCES = {
     "elementwise.cpp": ["-ffp-contract=off"],
     "linear.cpp": ["-ffp-contract=fast"],
     "lora.cpp": ["-ffp-contract=fast"],
+    "sampling.cpp": ["-ffp-contract=off"],
 }
 # -Wno-psabi: norm.cpp passes 16-lane vectors between inlined helpers in AVX2 builds too.
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wall",

@@ -126,6 +126,8 @@ class CompiledKernels(Kernels):
         self._linear = self._bind(lib.bl_linear, [c_void_p, c_void_p, c_void_p, c_void_p,
                                                   c_int64, c_int64, c_int64, c_int64, c_int64,
                                                   c_int32, c_int32])
+        self._token_bitmask = self._bind(lib.bl_apply_token_bitmask, [
+            c_void_p, c_int64, c_int64, c_int64, c_void_p, c_int64, c_void_p, c_int64])
         self.linear_dpbf16 = bool(lib.bl_linear_dpbf16())
         self._lora = self._bind(lib.bl_lora_sgmv, [c_void_p] * 7 + [c_int64] * 5 + [
             c_void_p, c_int32, c_int64, c_int64, c_int32, c_int32, c_int32])
@@ -281,6 +283,22 @@ class CompiledKernels(Kernels):
                    seg_start.data_ptr(), seg_slot.data_ptr(), seg_slot.shape[0], a.shape[1],
                    a.shape[2], b.shape[2], rank, offs.data_ptr(), offs.shape[0] - 1,
                    x.stride(0), out.stride(0), code, w_code, torch.get_num_threads())
+
+    def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor,
+                            bitmask: torch.Tensor) -> None:
+        """One thread, touching only the banned tokens of the constrained rows (the sampler's
+        logits are fp32; anything else goes to the reference)."""
+        if (logits.dtype != torch.float32 or not logits.is_cpu or logits.dim() != 2
+                or logits.stride(1) != 1 or bitmask.dtype != torch.int32 or bitmask.dim() != 2
+                or not bitmask.is_cpu or not bitmask.is_contiguous()
+                or bitmask.shape[0] != len(rows)):
+            return super().apply_token_bitmask(logits, rows, bitmask)
+        rows = rows if rows.dtype == torch.int64 and rows.is_contiguous() else \
+            rows.to(torch.int64).contiguous()
+        if self._token_bitmask(logits.data_ptr(), logits.stride(0), logits.shape[0],
+                               logits.shape[1], rows.data_ptr(), len(rows), bitmask.data_ptr(),
+                               bitmask.shape[1]) != 0:
+            raise IndexError(f"apply_token_bitmask: a row is outside [0, {logits.shape[0]})")
 
     def pack_linear_weight(self, weight: torch.Tensor) -> object | None:
         """The weight reordered for oneDNN (a second copy: the small-M kernel reads the

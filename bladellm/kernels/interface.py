@@ -63,6 +63,11 @@ class Kernels:
         """A load-time form of ``weight`` that makes ``linear`` faster, or None (none needed)."""
         return None
 
+    def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor,
+                            bitmask: torch.Tensor) -> None:
+        """Ban, in place, the tokens a packed grammar bitmask bans (structured output)."""
+        ref.apply_token_bitmask(logits, rows, bitmask)
+
     def describe(self) -> str:
         return "reference (plain PyTorch)"
 

@@ -145,3 +145,23 @@ def lora_sgmv(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
             lo, hi, q = slice_offsets[j], slice_offsets[j + 1], j * rank
             d = h[:, q:q + rank] @ b[s, q:q + rank, lo:hi].float()
             out[tok, lo:hi] = (out[tok, lo:hi].float() + d).to(out.dtype)
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Structured output: ``logits[rows[i], t] = -inf`` for every token ``t`` that row ``i`` of
+    the packed ``bitmask`` ([G, W] int32; bit ``t % 32`` of word ``t // 32`` set = allowed)
+    bans, in place. Tokens at or past ``32 * W`` are banned; bits past the logits' width are
+    ignored; allowed logits are left as they are (not even -0.0 changes)."""
+    vocab = logits.shape[1]
+    if len(rows) == 0:
+        return
+    allowed = ((bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = F.pad(allowed, (0, vocab - allowed.shape[1]))  # pads with False: banned
+    rows = rows.to(device=logits.device, dtype=torch.int64)
+    if bool((rows < 0).any()) or bool((rows >= logits.shape[0]).any()):
+        raise IndexError(f"apply_token_bitmask: a row is outside [0, {logits.shape[0]})")
+    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))

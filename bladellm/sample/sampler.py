@@ -32,17 +32,21 @@ class SamplerOutput:
 class Sampler(nn.Module):
     """Stateless; all per-request state arrives in ``SamplingMetadata``.
 
-    ``logits`` is never modified: processing works on a copy, made only when some row needs it.
+    ``logits`` is not modified: processing works on a copy, made only when some row needs it,
+    unless the caller passes ``inplace=True`` (it does not use ``logits`` afterwards). The model
+    runner does: the copy is a full [rows, vocab] pass that a structured-output step would pay
+    on top of an unconstrained one.
     """
 
-    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata, *,
+                inplace: bool = False) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
 
         if not md.no_logits_processing:
-            logits = self._process_logits(logits.clone(), md)
+            logits = self._process_logits(logits if inplace else logits.clone(), md)
 
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)

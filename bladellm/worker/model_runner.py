@@ -147,7 +147,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if sched.grammar_bitmask is not None:
                 attach_grammar_bitmask(inputs, sched.grammar_bitmask)
-            out = self.sampler(logits, inputs.sampling)
+            out = self.sampler(logits, inputs.sampling, inplace=True)  # logits unused below
             for i, token in zip(inputs.sample_indices.tolist(), out.sampled_token_ids.tolist()):
                 sampled[i] = [token]
             if out.logprobs is not None:

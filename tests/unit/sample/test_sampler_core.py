@@ -122,3 +122,26 @@ def test_zero_logprobs_returns_only_the_sampled_token():
     assert out.logprobs.shape == (3, 1)
     assert torch.equal(out.sampled_ranks, torch.ones(3, dtype=torch.int64))
     torch.testing.assert_close(out.logprobs[:, 0], logits.log_softmax(-1).max(-1).values)
+
+
+def test_grammar_bitmask_copy_or_in_place_gives_the_same_tokens():
+    """A packed grammar bitmask on some rows: without ``inplace`` the caller's logits stay as
+    they were; with it (the model runner) they are masked in place; the tokens are the same."""
+    import numpy as np
+
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(7))
+    before = logits.clone()
+    words = (V + 31) // 32
+    bitmask = np.zeros((2, words), np.int32)
+    bitmask[0, 3] = 0b1010  # row 2 may only sample tokens 97 and 99
+    bitmask[1, :] = -1  # row 0: everything allowed
+    md = build_md([SamplingParams(temperature=0.0)] * 4)
+    md.grammar_rows, md.grammar_bitmask = torch.tensor([2, 0]), bitmask
+    copied = Sampler()(logits, md)
+    assert torch.equal(logits, before)
+    in_place = Sampler()(logits, md, inplace=True)
+    assert torch.equal(copied.sampled_token_ids, in_place.sampled_token_ids)
+    assert int(in_place.sampled_token_ids[2]) == (97 if before[2, 97] > before[2, 99] else 99)
+    assert torch.equal(in_place.sampled_token_ids[[0, 1, 3]], before[[0, 1, 3]].argmax(-1))
+    assert torch.isfinite(logits[2]).sum() == 2 and torch.equal(logits[[0, 1, 3]],
+                                                                  before[[0, 1, 3]])
