@@ -133,9 +133,12 @@ def make_parser(prog: str = "blade_llm_server") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="BladeLLM OpenAI-compatible HTTP server.",
         allow_abbrev=False)
-    from bladellm.entrypoints.openai.server import server_version
+    # bladellm's own version, not the HTTP server module's helper: importing that module pulls
+    # in FastAPI and the serving stack (3.6 s on 2 cores) before blade_llm_server has started
+    # the engine core, which is what the early start is there to overlap.
+    import bladellm
 
-    parser.add_argument("--version", action="version", version=f"%(prog)s {server_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {bladellm.__version__}")
     seen: dict[str, str] = {}
     for _, title, specs in _all_groups():
         group = parser.add_argument_group(title)

@@ -1,6 +1,8 @@
 """The CLI is generated from the config dataclasses."""
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
@@ -151,3 +153,16 @@ def test_vllm_spellings_of_features_we_have():
     assert engine.lora.enable_lora and engine.lora.max_loras == 3
     assert engine.lora.max_lora_rank == 8
     assert engine.guided.guided_decoding_backend == "llguidance"
+
+
+def test_parsing_flags_imports_no_http_stack_or_torch(tmp_path):
+    """blade_llm_server starts the engine core right after parsing its flags so that the core's
+    model load overlaps the API process's own imports; parsing must not pull those in first
+    (``--version`` once imported the whole FastAPI server module: 3.6 s before the core began)."""
+    code = ("import sys\n"
+            "from bladellm.entrypoints.cli.args import parse_args\n"
+            f"parse_args(['--model', {str(tmp_path)!r}, '--port', '0'])\n"
+            "print(sorted(m for m in ('fastapi', 'uvicorn', 'torch', 'transformers',\n"
+            "      'bladellm.entrypoints.openai.server') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
