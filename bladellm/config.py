@@ -171,9 +171,17 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = field(
-        default=1, metadata={"help": "Tensor-parallel degree (only 1 so far)."})
+        default=1, metadata={"help": "Tensor-parallel degree: that many worker processes, "
+                                     "each holding a shard of every layer (any degree: shards "
+                                     "may be uneven, see docs/parallel.md); torch.distributed "
+                                     "with gloo on CPU."})
     pipeline_parallel_size: int = field(
-        default=1, metadata={"help": "Pipeline-parallel degree (only 1 so far)."})
+        default=1, metadata={"help": "Pipeline-parallel degree (only 1 so far: the stages "
+                                     "are not built yet)."})
+    distributed_init_method: str | None = field(
+        default=None,
+        metadata={"help": "torch.distributed rendezvous of the worker ranks (e.g. "
+                          "tcp://HOST:PORT); default a free local port. World size > 1 only."})
     num_threads: int | None = field(
         default=None,
         metadata={"help": "CPU: torch threads for the engine core; default OMP_NUM_THREADS "
@@ -186,10 +194,20 @@ class ParallelConfig:
                           "Python (see docs/cpu.md)."})
 
     def __post_init__(self) -> None:
-        _check(self.tensor_parallel_size == 1, "tensor_parallel_size",
-               "tensor parallelism is not supported yet; use 1")
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size",
+               f"must be >= 1, got {self.tensor_parallel_size}")
+        _check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size",
+               f"must be >= 1, got {self.pipeline_parallel_size}")
         _check(self.pipeline_parallel_size == 1, "pipeline_parallel_size",
-               "pipeline parallelism is not supported yet; use 1")
+               "pipeline parallelism is not supported yet; use 1 (tensor parallelism is: "
+               "--tensor_parallel_size)")
+        _check(self.distributed_init_method is None or (
+            self.distributed_init_method.startswith(("tcp://", "env://", "file://"))),
+            "distributed_init_method",
+            f"must be a torch.distributed URL (tcp://, env://, file://), got "
+            f"{self.distributed_init_method!r}")
+        _check(self.distributed_init_method is None or self.world_size > 1,
+               "distributed_init_method", "only used with --tensor_parallel_size > 1")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
                f"must be >= 1, got {self.num_threads}")
 
@@ -403,6 +421,13 @@ class EngineConfig:
             # A draft flag that nothing would use must not be silently ignored.
             _check(self.draft.model is None, "draft.model",
                    f"only used with --decode_algo sps (got --decode_algo {spec.decode_algo})")
+        if self.parallel.world_size > 1:
+            # Not built on the tensor-parallel path yet (docs/parallel.md): refused, not ignored.
+            _check(not spec.enabled, "decode_algo",
+                   f"--decode_algo {spec.decode_algo} is not supported with "
+                   "--tensor_parallel_size > 1 yet")
+            _check(not self.lora.enable_lora, "enable_lora",
+                   "LoRA is not supported with --tensor_parallel_size > 1 yet")
         # The verification step and the sps draft have no LoRA path yet (docs/lora.md).
         _check(not (self.lora.enable_lora and spec.enabled), "enable_lora",
                f"cannot be combined with --decode_algo {spec.decode_algo} yet")

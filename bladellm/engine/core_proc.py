@@ -82,6 +82,7 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
         out.send(msgspec.msgpack.encode(EngineCoreOutputs(engine_dead=reason, timestamp=time.time())))
         raise
     finally:
+        core.shutdown()  # worker processes (world size > 1) end with us, never orphaned
         inp.close(linger=0)
         out.close()
         ctx.term()

@@ -13,7 +13,7 @@ import traceback
 from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.core.scheduler import Scheduler
-from bladellm.executor import get_executor_class
+from bladellm.executor import WorkerDiedError, get_executor_class
 from bladellm.engine.guided import GuidedRequests
 from bladellm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from bladellm.model.checkpoint import ResolvedModel
@@ -37,14 +37,22 @@ class EngineCore:
         if config.speculative.decode_algo == "sps":
             _check_draft(config, resolved)  # before any weights load
         self.executor = get_executor_class(config)(config, resolved)
-        num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_kv_cache(num_blocks)
+        try:
+            num_blocks = self.executor.determine_num_blocks()
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()  # no worker process outlives a failed start
+            raise
         self.lora_enabled = config.lora.enable_lora
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len,
                                    speculative=config.speculative,
                                    max_loras=config.lora.max_loras if self.lora_enabled else None)
         self.num_blocks = num_blocks
         self.guided = GuidedRequests(config, resolved, self.scheduler)
+
+    def shutdown(self) -> None:
+        """Stop the workers (world size > 1: their processes)."""
+        self.executor.shutdown()
 
     def add_request(self, req: EngineCoreRequest) -> None:
         request = Request(
@@ -109,6 +117,8 @@ class EngineCore:
         """Run the batch; if it fails, fail the requests in it rather than the engine."""
         try:
             return self.executor.execute_model(sched)
+        except WorkerDiedError:
+            raise  # no worker to fail requests on: the engine is dead
         except Exception as exc:  # noqa: BLE001 - one bad batch must not kill the server
             logger.error("step failed; failing its %d requests:\n%s",
                          len(sched.num_scheduled_tokens), traceback.format_exc())

@@ -95,6 +95,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.model_info.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes now (tensor parallelism); they also end with
+        this process."""
+        self.engine.core.shutdown()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,

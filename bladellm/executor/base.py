@@ -10,6 +10,11 @@ from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.model.checkpoint import ResolvedModel
 
 
+class WorkerDiedError(RuntimeError):
+    """A worker process is gone or stopped answering: the engine cannot go on (unlike a step
+    that failed on live workers, which fails only its requests)."""
+
+
 class Executor(ABC):
     def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
         self.config = config
@@ -46,6 +51,6 @@ def get_executor_class(config: EngineConfig) -> type[Executor]:
         from bladellm.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor
-    raise ValueError("--tensor_parallel_size/--pipeline_parallel_size: world size "
-                     f"{config.parallel.world_size} needs a multi-process executor, which does "
-                     "not exist yet")
+    from bladellm.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor

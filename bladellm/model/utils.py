@@ -9,32 +9,26 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from bladellm.distributed.parallel_state import get_tp_group
+
 logger = logging.getLogger(__name__)
 
 
 def get_tp_rank_and_size() -> tuple[int, int]:
-    """(rank, size) of the tensor-parallel group.
-
-    World size 1 for now; ``bladellm.distributed.parallel_state`` will answer here once TP lands,
-    so every layer keeps allocating only its own shard without changes.
-    """
-    return 0, 1
+    """(rank, size) of this process's tensor-parallel group; (0, 1) without one."""
+    tp = get_tp_group()
+    return tp.rank_in_group, tp.world_size
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over the TP group (identity at world size 1)."""
-    _, size = get_tp_rank_and_size()
-    if size == 1:
-        return x
-    raise NotImplementedError("tensor-parallel all-reduce arrives with bladellm.distributed")
+    return get_tp_group().all_reduce(x)
 
 
-def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenate shards over the TP group along ``dim`` (identity at world size 1)."""
-    _, size = get_tp_rank_and_size()
-    if size == 1:
-        return x
-    raise NotImplementedError("tensor-parallel all-gather arrives with bladellm.distributed")
+def tp_all_gather(x: torch.Tensor, dim: int = -1, sizes: list[int] | None = None) -> torch.Tensor:
+    """Concatenate shards over the TP group along ``dim`` (identity at world size 1);
+    ``sizes``: each rank's extent along ``dim`` when the shards are uneven."""
+    return get_tp_group().all_gather(x, dim, sizes)
 
 
 def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:

@@ -28,9 +28,13 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel,
-                 device: torch.device) -> None:
+                 device: torch.device, is_driver: bool = True) -> None:
         self.config = config
         self.device = device
+        # Under tensor parallelism only the driver (rank 0) samples; the others run the same
+        # forward and logits (their collectives need every rank) and learn the sampled tokens
+        # from the next step's scheduler diffs, like the driver does.
+        self.is_driver = is_driver
         self.block_size = config.cache.block_size
         self.max_model_len = resolved.max_model_len
         self.dtype = resolved.dtype
@@ -145,6 +149,8 @@ class ModelRunner:
         logprobs: dict[str, SampleLogprobs] = {}
         if inputs.sampling is not None:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            if not self.is_driver:
+                return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled)
             if sched.grammar_bitmask is not None:
                 attach_grammar_bitmask(inputs, sched.grammar_bitmask)
             out = self.sampler(logits, inputs.sampling, inplace=True)  # logits unused below

@@ -21,13 +21,18 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, resolved: ResolvedModel, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, rank: int = 0,
+                 num_threads: int | None = None, local_world_size: int = 1) -> None:
+        """``num_threads``: this rank's torch threads (default ``--num_threads``);
+        ``local_world_size``: ranks on this machine, which share its memory for KV caches."""
         self.config = config
         self.rank = rank
+        self.local_world_size = local_world_size
         self.device = torch.device(config.device)
-        configure_engine_threads(config.parallel.num_threads)  # logs the choice
+        configure_engine_threads(num_threads or config.parallel.num_threads)  # logs the choice
         logger.info("worker %d on %s (%s)", rank, self.device, detect_cpu().describe())
-        self.model_runner = ModelRunner(config, resolved, self.device)
+        # Rank 0 samples and answers; the other ranks run the same forward for its collectives.
+        self.model_runner = ModelRunner(config, resolved, self.device, is_driver=rank == 0)
 
     def determine_num_blocks(self) -> int:
         """KV blocks this rank can hold: ``--num_kv_blocks``, ``--kv_cache_memory SIZE``, or
@@ -43,9 +48,11 @@ class Worker:
                         runner.bytes_per_block, runner.spec_bytes_per_block)
             weights += model_weight_bytes(runner.spec.proposer.model)
         kv_bytes = None if cache.kv_cache_memory == "auto" else parse_size(cache.kv_cache_memory)
+        # Ranks on one machine share its memory: each sizes its pool from its share.
         return kv_cache_num_blocks(cache.num_kv_blocks, kv_bytes, per_block,
                                    self.config.scheduler.max_num_seqs, runner.max_model_len,
-                                   runner.block_size, weights, total_memory_bytes())
+                                   runner.block_size, weights,
+                                   total_memory_bytes() // self.local_world_size)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         runner = self.model_runner

@@ -73,7 +73,7 @@ def test_qkv_shards(monkeypatch, num_kv_heads):
 
 
 def test_vocab_parallel_embedding_masks_foreign_ids(monkeypatch):
-    table = torch.randn(7, 3)  # 7 rows over 2 ranks: 4 + 3 (+1 zero padding)
+    table = torch.randn(7, 3)  # 7 rows over 2 ranks: 4 + 3 (uneven shards, no padding)
     layers = on_ranks(monkeypatch, 2, lambda: VocabParallelEmbedding(7, 3, params_dtype=F32))
     for layer in layers:
         layer.weight_loader(layer.weight, table)

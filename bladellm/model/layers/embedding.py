@@ -1,7 +1,8 @@
 """Vocab-parallel token embedding and LM head.
 
-Each rank holds ``ceil(vocab / tp)`` rows (the last shard zero-padded); ids outside the shard are
-masked to row 0 and zeroed, and the all-reduce assembles the full embedding.
+Each rank holds its ``split_evenly(vocab, tp)`` rows (uneven shards, no padding): ids outside the
+shard are masked to row 0 and zeroed, and the all-reduce assembles the full embedding. The LM head
+computes its shard's logit columns and all-gathers them with the same uneven sizes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bladellm.distributed.partition import even_shard, split_evenly
 from bladellm.model.utils import (copy_checked, get_tp_rank_and_size, set_weight_attrs,
                                   tp_all_gather, tp_all_reduce)
 
@@ -23,9 +25,10 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank_and_size()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
-        self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
-        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
+        self.vocab_start, self.num_embeddings_per_partition = even_shard(
+            num_embeddings, self.tp_size, self.tp_rank, "vocab_size")
+        self.vocab_end = self.vocab_start + self.num_embeddings_per_partition
+        self.shard_sizes = split_evenly(num_embeddings, self.tp_size)
         self.weight = nn.Parameter(
             torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype),
             requires_grad=False)
@@ -37,9 +40,7 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"shape mismatch: checkpoint tensor has shape "
                              f"{tuple(loaded_weight.shape)}, expected "
                              f"{(self.num_embeddings, self.embedding_dim)}")
-        rows = self.vocab_end - self.vocab_start
-        param.data[rows:].zero_()
-        copy_checked(param.data[:rows], loaded_weight[self.vocab_start:self.vocab_end])
+        copy_checked(param.data, loaded_weight[self.vocab_start:self.vocab_end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -59,8 +60,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.num_embeddings_per_partition,
                                                  dtype=params_dtype), requires_grad=False)
+            set_weight_attrs(self.bias, {"output_dim": 0, "weight_loader": self.bias_loader})
         else:
             self.register_parameter("bias", None)
+
+    def bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                    shard_id: Any = None) -> None:
+        if tuple(loaded_weight.shape) != (self.num_embeddings,):
+            raise ValueError(f"shape mismatch: checkpoint tensor has shape "
+                             f"{tuple(loaded_weight.shape)}, expected {(self.num_embeddings,)}")
+        copy_checked(param.data, loaded_weight[self.vocab_start:self.vocab_end])
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -74,5 +83,5 @@ class ParallelLMHead(VocabParallelEmbedding):
 
         logits = get_kernels().linear(hidden, self.weight, self.bias)
         if self.tp_size > 1:
-            logits = tp_all_gather(logits)
+            logits = tp_all_gather(logits, -1, self.shard_sizes)
         return logits[..., :self.num_embeddings].float()

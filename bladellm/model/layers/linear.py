@@ -2,7 +2,9 @@
 
 Each layer allocates only its own shard and gives every parameter a
 ``weight_loader(param, loaded_weight, shard_id=None)`` that narrows the full checkpoint tensor to
-that shard, so the loader never needs to know about TP.
+that shard, so the loader never needs to know about TP. Shards may be uneven (any
+tensor_parallel_size; ``bladellm.distributed.partition``): column-parallel layers know each output's
+``(start, size)`` (``output_shards``), row-parallel ones their input ``(start, size)``.
 
 The matmul goes through ``layer.quant_method.apply(layer, x, bias)``: quantization swaps the
 method (its ``create_weights`` registers e.g. qweight/scales instead of ``weight``).
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bladellm.distributed.partition import attention_partition, even_shard, split_evenly
 from bladellm.model.utils import (copy_checked, get_tp_rank_and_size, set_weight_attrs,
                                   tp_all_gather, tp_all_reduce)
 
@@ -124,35 +127,63 @@ class ReplicatedLinear(LinearBase):
 
 
 class ColumnParallelLinear(LinearBase):
-    """Output features split across ranks; ``gather_output`` concatenates them again."""
+    """Output features split across ranks; ``gather_output`` concatenates them again.
+
+    Each logical output (``output_sizes``, default ``[output_size]``) is split on its own:
+    ``output_shards`` gives this rank's ``(start, size)`` in each (default ``split_evenly`` over
+    the ranks; QKVParallelLinear passes its head ranges, where KV rows may be replicated).
+    """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, *,
                  gather_output: bool = False, params_dtype: torch.dtype,
                  quant_config: Any = None, prefix: str = "",
-                 output_sizes: list[int] | None = None) -> None:
+                 output_sizes: list[int] | None = None,
+                 output_shards: list[tuple[int, int]] | None = None) -> None:
         super().__init__(input_size, output_size, params_dtype=params_dtype,
                          quant_config=quant_config, prefix=prefix)
         self.gather_output = gather_output
         sizes = output_sizes if output_sizes is not None else [output_size]
-        for size in sizes:
-            if size % self.tp_size:
-                raise ValueError(f"{prefix}: output size {size} is not divisible by "
-                                 f"tensor_parallel_size {self.tp_size}")
-        self._create(input_size, [s // self.tp_size for s in sizes], bias, self.weight_loader)
+        if output_shards is None:
+            output_shards = [even_shard(size, self.tp_size, self.tp_rank,
+                                        f"{prefix or 'column-parallel'} output size")
+                             for size in sizes]
+        if len(output_shards) != len(sizes):
+            raise ValueError(f"{prefix}: {len(output_shards)} output shards for "
+                             f"{len(sizes)} outputs")
+        if gather_output and len(sizes) > 1 and self.tp_size > 1:
+            raise ValueError(f"{prefix}: gather_output needs a single output")
+        self.output_full_sizes = list(sizes)
+        self.output_shards = [tuple(s) for s in output_shards]
+        self._create(input_size, [size for _, size in self.output_shards], bias,
+                     self.weight_loader)
+
+    def _load_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor, index: int) -> None:
+        """Narrow the full checkpoint tensor of output ``index`` into its place in ``param``."""
+        dim = param.output_dim
+        offset = sum(size for _, size in self.output_shards[:index])
+        start, size = self.output_shards[index]
+        full = self.output_full_sizes[index]
+        if loaded_weight.dim() <= dim or loaded_weight.size(dim) != full:
+            raise ValueError(f"shape mismatch: checkpoint tensor has shape "
+                             f"{tuple(loaded_weight.shape)}, expected size {full} in dim {dim}")
+        copy_checked(param.data.narrow(dim, offset, size), loaded_weight.narrow(dim, start, size))
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Any = None) -> None:
-        shard = param.data.size(param.output_dim)
-        copy_checked(param.data, _shard(loaded_weight, param.output_dim, self.tp_rank, shard,
-                                        self.tp_size))
+        if len(self.output_shards) != 1:
+            raise ValueError(f"{self.prefix}: a fused checkpoint tensor needs a shard id")
+        self._load_shard(param, loaded_weight, 0)
 
     def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)
-        return tp_all_gather(y) if self.gather_output else y
+        if self.gather_output and self.tp_size > 1:
+            y = tp_all_gather(y, -1, split_evenly(self.output_size, self.tp_size))
+        return y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs fused in one matmul (gate_up_proj); shard_id = index."""
+    """Several column-parallel outputs fused in one matmul (gate_up_proj); shard_id = index.
+    Each output is split on its own (``split_evenly``), so gate and up get the same columns."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = True, *,
                  params_dtype: torch.dtype, quant_config: Any = None, prefix: str = "") -> None:
@@ -161,83 +192,87 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Any = None) -> None:
-        if shard_id is None:  # an already-fused checkpoint tensor
-            return super().weight_loader(param, loaded_weight)
-        sizes = self.output_partition_sizes
-        offset, size = sum(sizes[:shard_id]), sizes[shard_id]
-        dim = param.output_dim
-        copy_checked(param.data.narrow(dim, offset, size),
-                     _shard(loaded_weight, dim, self.tp_rank, size, self.tp_size))
+        if shard_id is None:  # an already-fused checkpoint tensor: split it into its outputs
+            dim = param.output_dim
+            if loaded_weight.dim() <= dim or \
+                    loaded_weight.size(dim) != sum(self.output_full_sizes):
+                raise ValueError(f"shape mismatch: checkpoint tensor has shape "
+                                 f"{tuple(loaded_weight.shape)}, expected size "
+                                 f"{sum(self.output_full_sizes)} in dim {dim}")
+            for i, part in enumerate(loaded_weight.split(self.output_full_sizes, dim=dim)):
+                self._load_shard(param, part, i)
+            return
+        self._load_shard(param, loaded_weight, shard_id)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection; shard_id in {"q", "k", "v"}.
 
-    With more ranks than KV heads, each KV head is replicated on ``tp_size // total_kv`` ranks.
+    Heads are split by ``attention_partition`` (any tensor_parallel_size up to the number of
+    query heads): ``num_heads`` / ``num_kv_heads`` are this rank's, starting at the full model's
+    ``q_head_start`` / ``kv_head_start``; with more ranks than KV heads each rank holds one KV
+    head, replicated on the ranks sharing it.
     """
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False, *, params_dtype: torch.dtype,
                  quant_config: Any = None, prefix: str = "") -> None:
-        _, tp_size = get_tp_rank_and_size()
-        if total_num_heads % tp_size:
-            raise ValueError(f"num_attention_heads {total_num_heads} is not divisible by "
-                             f"tensor_parallel_size {tp_size}")
-        if tp_size >= total_num_kv_heads:
-            if tp_size % total_num_kv_heads:
-                raise ValueError(f"tensor_parallel_size {tp_size} is not a multiple of "
-                                 f"num_key_value_heads {total_num_kv_heads}")
-            self.num_kv_heads, self.num_kv_head_replicas = 1, tp_size // total_num_kv_heads
-        else:
-            if total_num_kv_heads % tp_size:
-                raise ValueError(f"num_key_value_heads {total_num_kv_heads} is not divisible "
-                                 f"by tensor_parallel_size {tp_size}")
-            self.num_kv_heads, self.num_kv_head_replicas = total_num_kv_heads // tp_size, 1
+        tp_rank, tp_size = get_tp_rank_and_size()
+        part = attention_partition(total_num_heads, total_num_kv_heads, tp_size, tp_rank)
         self.head_size = head_size
-        self.num_heads = total_num_heads // tp_size
-        q_size = total_num_heads * head_size
-        # Sizes as if unsharded, so ColumnParallelLinear's division yields the per-rank sizes.
-        kv_size = self.num_kv_heads * head_size * tp_size
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
+        self.q_head_start, self.num_heads = part.q_head_start, part.num_q_heads
+        self.kv_head_start, self.num_kv_heads = part.kv_head_start, part.num_kv_heads
+        q_size, kv_size = total_num_heads * head_size, total_num_kv_heads * head_size
+        q_shard = (part.q_head_start * head_size, part.num_q_heads * head_size)
+        kv_shard = (part.kv_head_start * head_size, part.num_kv_heads * head_size)
         super().__init__(hidden_size, q_size + 2 * kv_size, bias, params_dtype=params_dtype,
                          quant_config=quant_config, prefix=prefix,
-                         output_sizes=[q_size, kv_size, kv_size])
+                         output_sizes=[q_size, kv_size, kv_size],
+                         output_shards=[q_shard, kv_shard, kv_shard])
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Any = None) -> None:
         if shard_id is None:
             raise ValueError("fused qkv checkpoint tensors are not supported; expected separate "
                              "q_proj/k_proj/v_proj")
-        q, kv, _ = self.output_partition_sizes
-        kv_rank = self.tp_rank // self.num_kv_head_replicas
-        kv_shards = self.tp_size // self.num_kv_head_replicas
-        offset, size, rank, num_shards = {
-            "q": (0, q, self.tp_rank, self.tp_size),
-            "k": (q, kv, kv_rank, kv_shards),
-            "v": (q + kv, kv, kv_rank, kv_shards)}[shard_id]
-        dim = param.output_dim
-        copy_checked(param.data.narrow(dim, offset, size),
-                     _shard(loaded_weight, dim, rank, size, num_shards))
+        self._load_shard(param, loaded_weight, {"q": 0, "k": 1, "v": 2}[shard_id])
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial sums are all-reduced, bias added once."""
+    """Input features split across ranks; partial sums are all-reduced, bias added once.
+
+    ``input_partition`` is this rank's ``(start, size)`` of the input features: the layer after
+    a column-parallel one must take exactly that one's shard (o_proj: the rank's query heads,
+    down_proj: its intermediate columns). Default: ``split_evenly`` over the ranks.
+    """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, *,
                  reduce_results: bool = True, params_dtype: torch.dtype,
-                 quant_config: Any = None, prefix: str = "") -> None:
+                 quant_config: Any = None, prefix: str = "",
+                 input_partition: tuple[int, int] | None = None) -> None:
         super().__init__(input_size, output_size, params_dtype=params_dtype,
                          quant_config=quant_config, prefix=prefix)
-        if input_size % self.tp_size:
-            raise ValueError(f"{prefix}: input size {input_size} is not divisible by "
-                             f"tensor_parallel_size {self.tp_size}")
+        if input_partition is None:
+            input_partition = even_shard(input_size, self.tp_size, self.tp_rank,
+                                         f"{prefix or 'row-parallel'} input size")
+        start, size = input_partition
+        if start < 0 or size < 0 or start + size > input_size:
+            raise ValueError(f"{prefix}: input partition {input_partition} outside "
+                             f"input size {input_size}")
+        self.input_start = start
         self.reduce_results = reduce_results
-        self._create(input_size // self.tp_size, [output_size], bias, _full_loader)
+        self._create(size, [output_size], bias, _full_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: Any = None) -> None:
-        shard = param.data.size(param.input_dim)
-        copy_checked(param.data, _shard(loaded_weight, param.input_dim, self.tp_rank, shard,
-                                        self.tp_size))
+        dim = param.input_dim
+        if loaded_weight.dim() <= dim or loaded_weight.size(dim) != self.input_size:
+            raise ValueError(f"shape mismatch: checkpoint tensor has shape "
+                             f"{tuple(loaded_weight.shape)}, expected size {self.input_size} "
+                             f"in dim {dim}")
+        copy_checked(param.data, loaded_weight.narrow(dim, self.input_start,
+                                                      self.input_size_per_partition))
 
     def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         # Bias only on rank 0 so the all-reduce adds it exactly once.
@@ -248,11 +283,3 @@ class RowParallelLinear(LinearBase):
 
 def _full_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
     copy_checked(param.data, loaded_weight)
-
-
-def _shard(t: torch.Tensor, dim: int, rank: int, size: int, num_shards: int) -> torch.Tensor:
-    """Rank's slice of a full checkpoint tensor; a wrong full size is a shape mismatch."""
-    if t.dim() <= dim or t.size(dim) != size * num_shards:
-        raise ValueError(f"shape mismatch: checkpoint tensor has shape {tuple(t.shape)}, "
-                         f"expected size {size * num_shards} in dim {dim}")
-    return t.narrow(dim, rank * size, size)

@@ -30,9 +30,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, bias=bias, params_dtype=dtype,
             quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        # down_proj takes exactly the intermediate columns this rank's gate/up produce.
         self.down_proj = RowParallelLinear(
             intermediate_size, hidden_size, bias=bias, params_dtype=dtype,
-            quant_config=quant_config, prefix=f"{prefix}.down_proj")
+            quant_config=quant_config, prefix=f"{prefix}.down_proj",
+            input_partition=self.gate_up_proj.output_shards[0])
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -52,9 +54,12 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        # o_proj takes this rank's query heads (the attention output), which TP may split
+        # unevenly (bladellm.distributed.partition.attention_partition).
         self.o_proj = RowParallelLinear(
             hf_config.num_attention_heads * self.head_dim, hf_config.hidden_size, bias=o_bias,
-            params_dtype=dtype, quant_config=quant_config, prefix=f"{prefix}.o_proj")
+            params_dtype=dtype, quant_config=quant_config, prefix=f"{prefix}.o_proj",
+            input_partition=self.qkv_proj.output_shards[0])
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, layer_idx, attn_backend)
@@ -146,6 +151,8 @@ class LlamaForCausalLM(nn.Module):
                               self.dtype, self.quant_config, prefix, qkv_bias, o_bias)
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
+        """Per TP rank: ``num_kv_heads`` is this rank's (it may differ between ranks when the
+        tensor-parallel size does not divide the KV heads)."""
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -1,0 +1,1 @@
+"""Process groups for tensor and pipeline parallelism (``parallel_state``)."""

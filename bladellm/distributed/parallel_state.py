@@ -1,0 +1,158 @@
+"""Tensor- and pipeline-parallel groups of this process, on ``torch.distributed``.
+
+Rank layout: ``rank = pp_rank * tp_size + tp_rank`` (a pipeline stage is ``tp_size`` consecutive
+ranks). Every rank is its own process (the multi-process executor starts them), so the groups are
+per-process state set once by ``init_model_parallel`` and read by the layers at construction time;
+a process that never called it (world size 1: the engine core, tests, the offline ``LLM``) gets
+``WORLD_1`` and every collective is the identity. ``reset_model_parallel`` exists for the worker's
+shutdown, not for tests: tests that need ranks spawn processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class GroupCoordinator:
+    """One process group as seen from this rank: its position, its size, and the collectives the
+    layers need. ``group`` is None at size 1 (no process group exists then)."""
+
+    rank_in_group: int
+    world_size: int
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the group (in place when the group has several ranks)."""
+        if self.world_size == 1:
+            return x
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1,
+                   sizes: list[int] | None = None) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along ``dim``. ``sizes`` (each rank's extent along
+        ``dim``) allows uneven shards: they are padded to the largest for the collective, which
+        needs equal shapes, and trimmed after."""
+        if self.world_size == 1:
+            return x
+        dim = dim % x.dim()
+        if sizes is None:
+            sizes = [x.size(dim)] * self.world_size
+        if len(sizes) != self.world_size or x.size(dim) != sizes[self.rank_in_group]:
+            raise ValueError(f"all_gather: sizes {sizes} do not match this rank's extent "
+                             f"{x.size(dim)} in a group of {self.world_size}")
+        largest = max(sizes)
+        if x.size(dim) < largest:
+            pad_shape = list(x.shape)
+            pad_shape[dim] = largest - x.size(dim)
+            x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``x`` of group rank ``src`` on every rank (in place)."""
+        if self.world_size > 1:
+            dist.broadcast(x, src=self.ranks[src], group=self.group)
+        return x
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Point-to-point to group rank ``dst`` (pipeline stages)."""
+        dist.send(x.contiguous(), dst=self.ranks[dst], group=self.group)
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Fill ``x`` (its shape and dtype must be known) from group rank ``src``."""
+        dist.recv(x, src=self.ranks[src], group=self.group)
+        return x
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+
+WORLD_1 = GroupCoordinator(rank_in_group=0, world_size=1, ranks=(0,))
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    tp: GroupCoordinator
+    pp: GroupCoordinator
+
+    @property
+    def rank(self) -> int:
+        return self.pp.rank_in_group * self.tp.world_size + self.tp.rank_in_group
+
+    @property
+    def world_size(self) -> int:
+        return self.tp.world_size * self.pp.world_size
+
+
+_GROUPS = ParallelGroups(tp=WORLD_1, pp=WORLD_1)
+
+
+def init_model_parallel(rank: int, tp_size: int, pp_size: int, init_method: str,
+                        backend: str = "gloo", timeout_s: float = 600.0) -> ParallelGroups:
+    """Join the default group of ``tp_size * pp_size`` ranks and build the TP and PP groups.
+
+    Every rank must call this with the same sizes (``new_group`` is collective). ``init_method``
+    is a torch.distributed URL (``tcp://host:port``, ``env://`` under torchrun).
+    """
+    global _GROUPS
+    world = tp_size * pp_size
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside a world of {world}")
+    if world == 1:
+        _GROUPS = ParallelGroups(tp=WORLD_1, pp=WORLD_1)
+        return _GROUPS
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    tp_rank, pp_rank = rank % tp_size, rank // tp_size
+    tp = pp = None
+    # new_group must be called by every rank for every group, in the same order.
+    for stage in range(pp_size):
+        ranks = tuple(range(stage * tp_size, (stage + 1) * tp_size))
+        group = dist.new_group(list(ranks)) if tp_size > 1 else None
+        if stage == pp_rank:
+            tp = GroupCoordinator(tp_rank, tp_size, ranks, group)
+    for column in range(tp_size):
+        ranks = tuple(range(column, world, tp_size))
+        group = dist.new_group(list(ranks)) if pp_size > 1 else None
+        if column == tp_rank:
+            pp = GroupCoordinator(pp_rank, pp_size, ranks, group)
+    assert tp is not None and pp is not None
+    _GROUPS = ParallelGroups(tp=tp, pp=pp)
+    return _GROUPS
+
+
+def reset_model_parallel() -> None:
+    """Leave the groups (worker shutdown)."""
+    global _GROUPS
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _GROUPS = ParallelGroups(tp=WORLD_1, pp=WORLD_1)
+
+
+def get_groups() -> ParallelGroups:
+    return _GROUPS
+
+
+def get_tp_group() -> GroupCoordinator:
+    return _GROUPS.tp
+
+
+def get_pp_group() -> GroupCoordinator:
+    return _GROUPS.pp

@@ -1,0 +1,319 @@
+"""World size > 1: one worker process per rank, driven from the engine-core process.
+
+Transport (pyzmq over IPC sockets in a private temporary directory):
+
+- one PUB socket: every call (``execute_model`` with its ``SchedulerOutput``, or a
+  ``collective_rpc``) is pickled once and published once; every rank's SUB socket receives it;
+- one PULL socket: every rank answers every call on its PUSH socket, ``(call_id, rank, ok,
+  value)``; rank 0 (the rank that samples) sends the result, the others ``None``. Answers from
+  every rank are what lets a failure on any rank surface as an error instead of a hang.
+
+Tensors never cross this channel: the model's collectives (all-reduce, all-gather) run between
+the workers on ``torch.distributed`` (gloo on CPU), rendezvous at ``--distributed_init_method``
+or a free local TCP port.
+
+Lifetime: workers are spawned (not forked: the engine core may hold threads and OpenMP state),
+ask the kernel to SIGKILL them when the engine-core process dies (``PR_SET_PDEATHSIG``), and also
+exit if their parent changes. The executor notices a dead rank while it waits for answers (it
+polls the processes' liveness between short socket waits) and raises ``WorkerDiedError``, which
+the engine core treats as fatal: the engine reports dead, clients get errors, nothing hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from bladellm.config import EngineConfig
+from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
+from bladellm.executor.base import Executor, WorkerDiedError
+from bladellm.model.checkpoint import ResolvedModel
+from bladellm.platforms.threads import engine_process_env, process_env
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100  # how often a waiting executor checks that every worker still lives
+_READY_TIMEOUT_S = 600.0  # model load of the slowest rank
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class ReadyBitmask:
+    """A structured-output bitmask already computed (``guided.manager.StepBitmask``'s
+    interface): the engine core resolves the background future before publishing the step,
+    since a future cannot cross processes."""
+
+    req_ids: list[str]
+    bitmask: np.ndarray
+
+    def result(self) -> np.ndarray:
+        return self.bitmask
+
+
+def _free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (even by SIGKILL); elsewhere the
+    parent-pid check in the loop is the fallback."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+@contextlib.contextmanager
+def _children_allowed() -> Iterator[None]:
+    """Let a daemonic process (the server's engine core is one, so that it never outlives the
+    API process) start the workers: multiprocessing refuses because a daemon's children could
+    be orphaned when it is terminated. Ours cannot: they die with their parent
+    (``_die_with_parent``) and check it in their loop."""
+    config = multiprocessing.current_process()._config  # noqa: SLF001 - see above
+    was = config.get("daemon", False)
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = was
+
+
+def _rank_threads(config: EngineConfig, local_world_size: int) -> int:
+    """Torch threads per rank: ``--num_threads`` is the engine's total on this machine, shared
+    by its ranks (default: one per usable CPU), so ranks never oversubscribe the cores."""
+    from bladellm import envs
+    from bladellm.platforms.cpu import detect_cpu
+
+    total = (config.parallel.num_threads or envs.omp_num_threads()
+             or detect_cpu().num_cpus)
+    return max(1, total // local_world_size)
+
+
+def worker_main(config: EngineConfig, resolved: ResolvedModel, rank: int, init_method: str,
+                bcast_addr: str, result_addr: str, log_level: int) -> None:
+    """Entry point of a worker process (rank ``rank``)."""
+    _die_with_parent()
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when we stop
+    parent = os.getppid()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(bcast_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(result_addr)
+    try:
+        from bladellm.distributed.parallel_state import init_model_parallel
+        from bladellm.worker.worker import Worker
+
+        par = config.parallel
+        init_model_parallel(rank, par.tensor_parallel_size, par.pipeline_parallel_size,
+                            init_method, backend="gloo")
+        worker = Worker(config, resolved, rank=rank,
+                        num_threads=_rank_threads(config, par.world_size),
+                        local_world_size=par.world_size)
+    except BaseException as exc:  # noqa: BLE001 - report any start-up failure
+        push.send(pickle.dumps((-1, rank, False, f"{type(exc).__name__}: {exc}\n"
+                                                 f"{traceback.format_exc()}")))
+        return
+    push.send(pickle.dumps((-1, rank, True, None)))
+    seen_ping = -1
+    while True:
+        if not sub.poll(1000):
+            if os.getppid() != parent:
+                return  # orphaned (no PDEATHSIG on this platform)
+            continue
+        call_id, method, args = pickle.loads(sub.recv())
+        if method == "_ping":  # start-up handshake: answered once per rank
+            if seen_ping < 0:
+                seen_ping = call_id
+                push.send(pickle.dumps((call_id, rank, True, None)))
+            continue
+        if method == "_shutdown":
+            break
+        try:
+            value = getattr(worker, method)(*args)
+            ok = True
+        except Exception as exc:  # noqa: BLE001 - reported to the engine core
+            value, ok = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", False
+        if method == "execute_model" and rank != 0:
+            value = None  # rank 0 samples; the others only confirm they ran
+        push.send(pickle.dumps((call_id, rank, ok, value), protocol=pickle.HIGHEST_PROTOCOL))
+    from bladellm.distributed.parallel_state import reset_model_parallel
+
+    reset_model_parallel()
+    sub.close(linger=0)
+    push.close()
+    ctx.term()
+
+
+def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
+    """Refuse a degree the model cannot be split into (a rank would hold no query head, no
+    intermediate column or no vocabulary row) before any worker process starts."""
+    from bladellm.distributed.partition import attention_partitions, even_shard
+
+    heads = hf_config.num_attention_heads
+    try:
+        attention_partitions(heads, getattr(hf_config, "num_key_value_heads", None) or heads,
+                             tp_size)
+        for what in ("intermediate_size", "vocab_size"):
+            if getattr(hf_config, what, None):
+                even_shard(getattr(hf_config, what), tp_size, 0, what)
+    except ValueError as exc:
+        raise ValueError(f"--tensor_parallel_size {tp_size}: {exc}") from None
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
+        super().__init__(config, resolved)
+        par = config.parallel
+        check_tensor_parallel(resolved.hf_config, par.tensor_parallel_size)
+        self.world_size = par.world_size
+        self._ipc_dir = tempfile.mkdtemp(prefix="bladellm-workers-")
+        bcast_addr = f"ipc://{self._ipc_dir}/bcast"
+        result_addr = f"ipc://{self._ipc_dir}/result"
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, 0)  # never drop a step
+        self._pub.bind(bcast_addr)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(result_addr)
+        self._next_call = 0
+        self._dead: str | None = None
+        init_method = par.distributed_init_method or f"tcp://127.0.0.1:{_free_tcp_port()}"
+        mp = multiprocessing.get_context("spawn")
+        log_level = logging.getLogger().level or logging.INFO
+        self.procs = []
+        with process_env(engine_process_env()), _children_allowed():
+            for rank in range(self.world_size):
+                proc = mp.Process(target=worker_main, name=f"bladellm-worker-{rank}",
+                                  daemon=True,
+                                  args=(config, resolved, rank, init_method, bcast_addr,
+                                        result_addr, log_level))
+                proc.start()
+                self.procs.append(proc)
+        try:
+            self._wait_started()
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("%d worker processes ready (tensor parallel %d, rendezvous %s)",
+                    self.world_size, par.tensor_parallel_size, init_method)
+
+    # ---- start-up -------------------------------------------------------------------------------
+    def _wait_started(self) -> None:
+        answers = self._gather(-1, timeout_s=_READY_TIMEOUT_S, what="start-up")
+        del answers
+        # A SUB socket receives only what is published after its subscription reached us: ping
+        # until every rank has answered one, so that no step can be lost to a slow joiner.
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + 60
+        while pending:
+            call_id = self._publish("_ping", ())
+            if self._pull.poll(50):
+                got_id, rank, _, _ = pickle.loads(self._pull.recv())
+                if got_id >= 0:
+                    pending.discard(rank)
+            self._check_alive("start-up")
+            if time.monotonic() > deadline:
+                raise WorkerDiedError(f"worker ranks {sorted(pending)} did not answer")
+            del call_id
+
+    # ---- calls ----------------------------------------------------------------------------------
+    def _publish(self, method: str, args: tuple[Any, ...]) -> int:
+        call_id = self._next_call
+        self._next_call += 1
+        self._pub.send(pickle.dumps((call_id, method, args), protocol=pickle.HIGHEST_PROTOCOL))
+        return call_id
+
+    def _check_alive(self, what: str) -> None:
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                self._dead = (f"worker rank {rank} (pid {proc.pid}) died during {what} "
+                              f"(exit code {proc.exitcode})")
+                raise WorkerDiedError(self._dead)
+
+    def _gather(self, call_id: int, timeout_s: float | None = None,
+                what: str = "a step") -> list[Any]:
+        """Every rank's answer to ``call_id`` in rank order; raises on a failed or dead rank."""
+        values: list[Any] = [None] * self.world_size
+        errors: dict[int, str] = {}
+        pending = set(range(self.world_size))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            if self._pull.poll(_POLL_MS):
+                got_id, rank, ok, value = pickle.loads(self._pull.recv())
+                if got_id != call_id:
+                    continue  # a late answer to a start-up ping
+                pending.discard(rank)
+                if ok:
+                    values[rank] = value
+                else:
+                    errors[rank] = value
+                continue
+            self._check_alive(what)
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerDiedError(f"worker ranks {sorted(pending)} did not answer within "
+                                      f"{timeout_s:.0f} s during {what}")
+        if errors:
+            rank = min(errors)
+            if call_id < 0:
+                raise RuntimeError(f"worker rank {rank} failed to start: {errors[rank]}")
+            raise RuntimeError(f"worker rank {rank}: {errors[rank]}")
+        return values
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+        return self._gather(self._publish(method, args), what=method)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        bitmask = sched.grammar_bitmask
+        if bitmask is not None and not isinstance(bitmask, ReadyBitmask):
+            sched.grammar_bitmask = ReadyBitmask(list(bitmask.req_ids), bitmask.result())
+        return self.collective_rpc("execute_model", (sched,))[0]
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+        self._check_alive("a health check")
+
+    def shutdown(self) -> None:
+        """Ask the workers to leave, then make sure they are gone (no orphans)."""
+        if not getattr(self, "procs", None):
+            return
+        try:
+            self._publish("_shutdown", ())
+        except zmq.ZMQError:
+            pass
+        deadline = time.monotonic() + 5
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self.procs = []
+        self._ctx.destroy(linger=0)
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
