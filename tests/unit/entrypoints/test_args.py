@@ -1,6 +1,8 @@
 """The CLI is generated from the config dataclasses."""
 
 import dataclasses
+import json
+import logging
 import subprocess
 import sys
 
@@ -114,7 +116,8 @@ def test_vllm_gpu_flag_maps_and_is_validated(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--swap-space", "4"], "--swap-space: this vLLM flag is not supported yet"),
-    (["--speculative-config", "{}"], "--speculative-config: this vLLM flag is not supported yet"),
+    (["--reasoning-parser", "deepseek_r1"],
+     "--reasoning-parser: this vLLM flag is not supported yet"),
     (["--quantization=awq"], "--quantization: this vLLM flag is not supported yet"),
     (["--no-enable-chunked-prefill"], "chunked prefill cannot be turned off"),
     (["--kv-cache-dtype", "fp8"], "--kv_cache_quant: 'fp8' is not supported yet"),
@@ -153,6 +156,130 @@ def test_vllm_spellings_of_features_we_have():
     assert engine.lora.enable_lora and engine.lora.max_loras == 3
     assert engine.lora.max_lora_rank == 8
     assert engine.guided.guided_decoding_backend == "llguidance"
+
+
+# ---- --tool-call-parser: the names of the formats the server parses; anything else refused
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "llama4_json"])
+def test_vllm_tool_call_parser_names_we_parse_are_accepted_and_say_they_change_nothing(
+        name, caplog):
+    caplog.set_level(logging.WARNING, logger="bladellm.entrypoints.cli.vllm_flags")
+    engine, server = parse_args(["--enable-auto-tool-choice", "--tool-call-parser", name])
+    assert (engine, server) == parse_args([])  # nothing in the config changes...
+    notice = [r.getMessage() for r in caplog.records if "--tool-call-parser" in r.getMessage()]
+    assert len(notice) == 1 and f"--tool-call-parser {name}" in notice[0]  # ...and a log says so
+    assert "changes nothing" in notice[0]
+
+
+@pytest.mark.parametrize("name", ["mistral", "pythonic", "llama4_pythonic", "Hermes", ""])
+def test_vllm_tool_call_parser_other_names_are_refused(name, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--enable-auto-tool-choice", "--tool-call-parser", name])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert f"--tool-call-parser: parser {name!r} is not supported" in err
+    assert "hermes, llama3_json, llama4_json" in err and "not supported yet" not in err
+
+
+_TOOL_CALL_SAMPLES = {  # one output per accepted parser name, in the format vLLM's parser reads
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "llama4_json": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+}
+
+
+def test_every_accepted_tool_call_parser_is_a_format_the_server_parses():
+    from bladellm.entrypoints.cli.vllm_flags import TOOL_CALL_PARSERS
+    from bladellm.entrypoints.openai.tool_calls import parse_auto
+
+    assert set(TOOL_CALL_PARSERS) == set(_TOOL_CALL_SAMPLES)
+    for name, text in _TOOL_CALL_SAMPLES.items():
+        content, calls = parse_auto(text, ["get_weather"])
+        assert content is None and len(calls) == 1, name
+        assert calls[0]["function"]["name"] == "get_weather", name
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}, name
+
+
+# ---- --speculative-config: draft models map onto --decode_algo sps; the rest is refused
+
+
+@pytest.mark.parametrize("spec", [
+    {"model": "demo", "num_speculative_tokens": 3},
+    {"method": "draft_model", "model": "demo", "num_speculative_tokens": 3},
+    {"method": "draft_model", "model": "demo", "num_speculative_tokens": 3,
+     "draft_tensor_parallel_size": 1},
+])
+def test_vllm_speculative_config_draft_model_is_sps(spec):
+    engine, server = parse_args(["--speculative-config", json.dumps(spec)])
+    ours = parse_args(["--decode_algo", "sps", "--draft.model", "demo", "--gamma", "3"])
+    assert (engine, server) == ours
+    assert engine.speculative.decode_algo == "sps" and engine.speculative.gamma == 3
+    assert engine.draft.model == "demo"
+    # The draft's other settings still come from our flags.
+    engine, _ = parse_args(["--speculative-config", json.dumps(spec), "--draft.dtype", "float32"])
+    assert engine.draft.dtype == "float32" and engine.speculative.gamma == 3
+
+
+@pytest.mark.parametrize("spec,message", [
+    ('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}',
+     "method 'ngram' is not supported"),
+    ('{"method": "suffix"}', "method 'suffix' is not supported"),
+    ('{"method": "eagle", "model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", '
+     '"num_speculative_tokens": 3}', "method 'eagle' is not supported; supported: draft_model"),
+    ('{"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "num_speculative_tokens": 3}',
+     "model 'yuhuili/EAGLE-LLaMA3-Instruct-8B' looks like an EAGLE"),
+    ('{"method": "mtp", "num_speculative_tokens": 1}', "method 'mtp' is not supported"),
+    ('{"model": "demo", "num_speculative_tokens": 3, "quantization": "awq"}',
+     "key(s) 'quantization' not supported; supported: method, model, num_speculative_tokens"),
+    ('{"model": "demo", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}',
+     "draft_tensor_parallel_size 2: only 1 is supported"),
+    ('{"model": "demo"}', "num_speculative_tokens is required"),
+    ('{"model": "demo", "num_speculative_tokens": 0}', "num_speculative_tokens (--gamma: must be"),
+    ('{"model": "demo", "num_speculative_tokens": 17}', "num_speculative_tokens (--gamma: must be"),
+    ('{"model": "demo", "num_speculative_tokens": "3"}',
+     "num_speculative_tokens: expected an integer"),
+    ('{"method": "draft_model", "num_speculative_tokens": 3}', "method draft_model needs 'model'"),
+    ('{}', "needs 'method' or 'model'"),
+    ("not json", "expected a JSON object"),
+    ('["demo", 3]', "expected a JSON object"),
+])
+def test_vllm_speculative_config_without_an_equivalent_is_refused(spec, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--speculative-config", spec])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--speculative-config: {message}" in err
+    assert "not supported yet" not in err
+
+
+def test_vllm_speculative_config_ngram_points_to_look_ahead(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    assert "--decode_algo look_ahead" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ours", [["--gamma", "5"], ["--decode_algo", "sps"],
+                                  ["--draft.model", "demo"], ["--decode-algo", "look_ahead"]])
+@pytest.mark.parametrize("ours_first", [True, False])
+def test_vllm_speculative_config_does_not_mix_with_our_flags(ours, ours_first, capsys):
+    """Either order: the later flag would silently override the other's value."""
+    spec = ["--speculative-config", '{"model": "demo", "num_speculative_tokens": 3}']
+    with pytest.raises(SystemExit) as exc:
+        parse_args(ours + spec if ours_first else spec + ours)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "cannot be combined with --speculative-config" in err
+
+
+def test_vllm_tool_and_speculative_flags_are_in_help(capsys):
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--tool-call-parser NAME one of hermes, llama3_json, llama4_json" in out
+    assert "changes nothing" in out
+    assert "--speculative-config JSON" in out and "--decode_algo sps" in out
+    assert "--decode_algo look_ahead" in out
+    unsupported = out.split("vLLM flags not supported yet", 1)[1]
+    assert "--tool-call-parser" not in unsupported and "--speculative-config" not in unsupported
 
 
 def test_parsing_flags_imports_no_http_stack_or_torch(tmp_path):
