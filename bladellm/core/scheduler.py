@@ -149,11 +149,11 @@ class Scheduler:
                 i += 1
                 continue
             spec = spec_decode.NO_GRANT
-            # Constrained requests decode one token per step: the grammar mask covers only the
-            # position a request samples at, not verification positions.
-            if num_new == req.num_tokens - req.num_computed_tokens and req.grammar is None:
+            if num_new == req.num_tokens - req.num_computed_tokens:
                 spec = spec_decode.grant(req, budget - num_new, self.max_model_len, min_gain,
                                          self.tree_guess_len)
+                if req.grammar is not None and spec.num_tokens:
+                    spec = spec_decode.grammar_cut(req, spec)
             new_blocks = self._allocate_or_preempt(
                 req, num_new + spec.num_tokens + self._lookahead(req, num_new + spec.num_tokens),
                 out.preempted_req_ids)
@@ -303,6 +303,10 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput,
                            out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        if sched.grammar_bitmask is not None:
+            # The mask fill consumes and rolls back speculative tokens in the matchers: let it
+            # finish before the grammars advance below (the runner has normally waited already).
+            sched.grammar_bitmask.result()
         if self._step_start is not None and sched.total_num_scheduled_tokens:
             self.step_cost.observe(sched.total_num_scheduled_tokens,
                                    self.clock() - self._step_start)

@@ -108,6 +108,30 @@ def grant(req: Request, budget: int, max_model_len: int, min_gain: float = 0.0,
     return SpecGrant(req.spec_token_ids[:k], 0)
 
 
+def grammar_cut(req: Request, spec: SpecGrant) -> SpecGrant:
+    """A constrained request's proposal, cut where its grammar rejects a token.
+
+    The verification masks every position with the grammar after the proposals before it
+    (``guided.manager``), so the target's choice is always valid and a proposal past a rejected
+    token could never be reached. A greedy request drops the rejected token itself (the masked
+    argmax never equals it). A sampled request keeps it: a draft model drew it from q, and the
+    modified rejection sampling is exact only if the test runs on the token drawn (p = 0 there,
+    so it is rejected for sure and the residual (p - q)+ is drawn); dropping it would sample
+    from p instead, which biases the output toward the tokens the draft under-proposes.
+    look_ahead trees are never verified under a grammar (the proposer gives constrained
+    requests a chain), so a tree is not granted.
+    """
+    if spec.tree or not spec.tokens:
+        return NO_GRANT
+    grammar = req.grammar
+    num_valid = grammar.accept_tokens(list(spec.tokens))
+    grammar.rollback(num_valid)
+    keep = num_valid
+    if num_valid < len(spec.tokens) and not req.sampling_params.greedy:
+        keep += 1
+    return SpecGrant(list(spec.tokens[:keep]), 0) if keep else NO_GRANT
+
+
 def record(req: Request, num_proposed: int, num_accepted: int) -> None:
     """Update the request's counters and acceptance estimate after a verification."""
     if num_proposed <= 0:

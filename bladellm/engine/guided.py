@@ -98,7 +98,9 @@ class GuidedRequests:
                 GuidedDecodingManager.wait_any(states, _IDLE_WAIT_S)
 
     def start_bitmask(self, sched: SchedulerOutput) -> StepBitmask | None:
-        """Start filling the bitmask of the constrained requests that sample this step."""
+        """Start filling the bitmask of the constrained requests that sample this step: one row
+        each, or 1 + k rows for a request verifying k speculative tokens (row j: the mask after
+        its first j proposed tokens)."""
         if self._manager is None:
             return None
         requests = self.scheduler.requests
@@ -106,7 +108,8 @@ class GuidedRequests:
         for req_id, num in sched.num_scheduled_tokens.items():
             req = requests[req_id]
             if req.grammar is not None and req.num_computed_tokens + num >= req.num_tokens:
-                entries.append((req_id, req.grammar))
+                entries.append((req_id, req.grammar,
+                                list(sched.scheduled_spec_tokens.get(req_id, ()))))
         return self._manager.start_bitmask(entries) if entries else None
 
     def fill_stats(self, stats) -> None:

@@ -5,10 +5,14 @@
   is ready the scheduler leaves the request waiting and admits others.
 - ``start_bitmask`` fills, in llguidance's thread pool and in the background, the token bitmask
   of every constrained request that samples this step; the model runner collects it
-  (``StepBitmask.result``) after the forward pass, so the two overlap.
+  (``StepBitmask.result``) after the forward pass, so the two overlap. A request verifying k
+  speculative tokens gets k + 1 rows: row j is the mask after the grammar consumed the first j
+  proposed tokens (llguidance consumes the proposal, fills the masks and rolls back, in the same
+  background task; the scheduler already cut the proposal where the grammar rejects it).
 - A ``GrammarState`` advances with ``accept_tokens(list)`` (several at once for speculative
   decoding) and can ``rollback(n)``. Preemption by recompute keeps a request's output tokens,
-  so its state stays valid and needs no rollback.
+  so its state stays valid and needs no rollback; speculative tokens are consumed only inside a
+  mask fill, which rolls them back before ``StepBitmask.result`` returns.
 """
 
 from __future__ import annotations
@@ -87,7 +91,10 @@ class GrammarState:
 
 
 class StepBitmask:
-    """This step's bitmask rows, one per constrained request that samples (``req_ids`` order)."""
+    """This step's bitmask rows, in ``req_ids`` order: one per constrained request that samples,
+    k + 1 consecutive rows (its id repeated) for one verifying k speculative tokens, row j the
+    mask after its first j proposed tokens. The repeated-id form needs nothing beyond
+    ``req_ids`` and ``result()``, so it crosses processes as it is (``ReadyBitmask``)."""
 
     def __init__(self, req_ids: list[str], future: Future) -> None:
         self.req_ids = req_ids
@@ -150,18 +157,44 @@ class GuidedDecodingManager:
                 raise ValueError(f"--json_warmup_schemas: {exc}")
         return time.perf_counter() - start
 
-    def start_bitmask(self, entries: list[tuple[str, GrammarState]]) -> StepBitmask:
-        """Fill the bitmask rows of ``entries`` (ready states) in the background."""
-        req_ids = [req_id for req_id, _ in entries]
-        matchers = [(state.matcher, i) for i, (_, state) in enumerate(entries)]
+    def start_bitmask(self, entries: list[tuple]) -> StepBitmask:
+        """Fill the bitmask rows of ``entries`` in the background: ``(req_id, state)`` for a
+        request that samples one position, ``(req_id, state, draft)`` for one that verifies the
+        speculative tokens ``draft`` (every one of them but the last accepted by the grammar:
+        the scheduler cut the proposal there) and gets ``1 + len(draft)`` rows."""
+        req_ids: list[str] = []
+        jobs: list[tuple[Any, int, list[int]]] = []
+        for entry in entries:
+            req_id, state = entry[0], entry[1]
+            draft = list(entry[2]) if len(entry) > 2 and entry[2] else []
+            jobs.append((state.matcher, len(req_ids), draft))
+            req_ids.extend([req_id] * (1 + len(draft)))
         self.num_mask_steps += 1
-        return StepBitmask(req_ids, self._mask_pool.submit(self._fill, matchers))
+        return StepBitmask(req_ids, self._mask_pool.submit(self._fill, jobs, len(req_ids)))
 
-    def _fill(self, matchers: list[tuple[Any, int]]) -> np.ndarray:
-        rows = self._bitmask[:len(matchers)]
-        # One mask is written per matcher; rows are contiguous in the C-ordered buffer.
-        self.backend.executor.unsafe_compute_mask_ptr(
-            matchers, rows.ctypes.data, rows.shape[1] * 4, len(matchers))
+    def _fill(self, jobs: list[tuple[Any, int, list[int]]], num_rows: int) -> np.ndarray:
+        if num_rows > self._bitmask.shape[0]:  # speculative rows: grow (kept for later steps)
+            self._bitmask = np.full((num_rows, self._bitmask.shape[1]), -1, np.int32)
+        rows = self._bitmask[:num_rows]
+        stride = rows.shape[1] * 4
+        executor = self.backend.executor
+        single = [(m, k) for m, k, draft in jobs if not draft]
+        drafts = [job for job in jobs if job[2]]
+        if single:
+            # One mask per matcher; rows are contiguous in the C-ordered buffer.
+            executor.unsafe_compute_mask_ptr(single, rows.ctypes.data, stride, num_rows)
+        if not drafts:
+            return rows
+        for _, k, draft in drafts:
+            # Rows past the draft's first rejected (or post-termination) token are not written:
+            # allow every token there. They are never used — the target cannot accept a token
+            # its mask bans, and tokens after the grammar's end are dropped — but an all-banned
+            # row would give NaN probabilities.
+            rows[k + 1:k + 1 + len(draft)] = -1
+        # llguidance consumes each draft, writes row k + j after its first j tokens (while they
+        # are valid), and rolls the matcher back: its state is unchanged afterwards.
+        executor.unsafe_compute_mask_ptr_with_draft_token(drafts, rows.ctypes.data, stride,
+                                                          num_rows)
         return rows
 
     def stats(self) -> dict[str, Any]:

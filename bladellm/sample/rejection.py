@@ -76,7 +76,9 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft: Sequence[int],
     u = torch.rand(k + 1, generator=generator, dtype=torch.float64)
     for j, d in enumerate(draft):
         pd, qd = float(p[j, d]), float(q[j, d])
-        if qd > 0 and u[j] * qd <= pd:  # u < p/q, written without dividing
+        # u <= p/q written without dividing; p > 0 so that a token the target cannot emit (a
+        # grammar-banned proposal) is never accepted, even when u draws exactly 0.
+        if qd > 0 and pd > 0 and u[j] * qd <= pd:
             continue
         residual = (p[j].double() - q[j].double()).clamp_(min=0)
         if float(residual.sum()) <= 0:  # p == q up to rounding: any draw from p is exact

@@ -19,6 +19,11 @@ The tree's KV is never kept: its tokens write to the request's slots past its kn
 backend; guessed tokens the target accepts are emitted and their
 KV is computed as ordinary tokens in the next step. Verification is ``rejection.walk``: the
 guesses are point-mass drafts.
+
+A constrained request (structured output) proposes its first guess (prompt lookup, else the
+pool's newest n-gram under the root) as a plain chain instead of a tree: the scheduler cuts it
+where the grammar rejects it and every verified position is masked by the grammar after the
+proposals before it. Its Jacobi window does not run.
 """
 
 from __future__ import annotations
@@ -151,6 +156,7 @@ class LookaheadProposer:
                 extra_logits: dict[str, torch.Tensor]
                 ) -> tuple[dict[str, list[int]], dict[str, int]]:
         sizes: dict[str, int] = {}
+        chains: dict[str, list[int]] = {}
         for req_id, toks in emitted.items():
             if not toks:
                 continue
@@ -165,10 +171,17 @@ class LookaheadProposer:
                 self._update_window(st, extra_logits[req_id].argmax(-1).tolist())
             st.root = int(seq[-1])
             st.guesses = self._pick_guesses(st, seq)
+            if ib.sampling.params[row].guided_decoding is not None:
+                # Constrained: its first guess as a chain (the grammar masks chain positions;
+                # a tree's branches would each need their own grammar states). No window runs.
+                st.guesses = st.guesses[:1]
+                if st.guesses:
+                    chains[req_id] = list(st.guesses[0])
+                continue
             sizes[req_id] = self.tree_size(st)
         for st in self.states.values():
             st.ran_window = False  # window rows are this step's flat indices only
-        return {}, sizes
+        return chains, sizes
 
     def _new_state(self, prompt: np.ndarray) -> _State:
         W, N = self.W, self.N

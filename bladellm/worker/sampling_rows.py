@@ -132,16 +132,30 @@ def attach_grammar_bitmask(inputs, step_bitmask) -> None:
     attach_grammar_bitmask_rows(inputs.sampling, step_bitmask, sampling_row)
 
 
-def attach_grammar_bitmask_rows(md, step_bitmask, sampling_row: dict[str, int]) -> None:
+def attach_grammar_bitmask_rows(md, step_bitmask, sampling_row: dict) -> None:
     """``attach_grammar_bitmask`` for sampling metadata ``md`` whose row of each request is
-    ``sampling_row[req_id]`` (the speculative verification step samples at its own rows)."""
-    rows = [sampling_row.get(req_id, -1) for req_id in step_bitmask.req_ids]
+    ``sampling_row[req_id]``: an int, or, for a request verifying speculative tokens, the list
+    of its rows by position (the verification step samples it at the last known token and after
+    each proposal). A request's id appears in ``step_bitmask.req_ids`` once per position; its
+    j-th bitmask row goes to its j-th sampling row."""
     bitmask = step_bitmask.result()
-    keep = [k for k, row in enumerate(rows) if row >= 0]
+    rows: list[int] = []
+    keep: list[int] = []
+    seen: dict[str, int] = {}
+    for k, req_id in enumerate(step_bitmask.req_ids):
+        j = seen.get(req_id, 0)
+        seen[req_id] = j + 1
+        target = sampling_row.get(req_id, -1)
+        if not isinstance(target, int):
+            target = target[j] if j < len(target) else -1
+        elif j:
+            target = -1  # one sampling row: the first bitmask row (the current position)
+        if target >= 0:
+            keep.append(k)
+            rows.append(target)
     if not keep:
         return
-    if len(keep) < len(rows):
+    if len(keep) < len(step_bitmask.req_ids):
         bitmask = bitmask[keep]
-        rows = [rows[k] for k in keep]
     md.grammar_rows = torch.tensor(rows, dtype=torch.int64)
     md.grammar_bitmask = bitmask

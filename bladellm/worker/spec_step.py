@@ -8,7 +8,8 @@ Per step (docs/speculative.md):
 2. The model runs once over the flat batch.
 3. ``verify``: logits at every verified position (the last known token and each proposal), the
    normal sampler's processing and draw per position (penalties, min_tokens and seeds see the
-   proposals before it as emitted), then ``sample.rejection``: ``walk`` for proposals without
+   proposals before it as emitted; a constrained request's grammar mask at position j is the
+   grammar after its first j proposals), then ``sample.rejection``: ``walk`` for proposals without
    probabilities and greedy requests, ``rejection_sample`` for a draft model's random proposals.
 4. The proposer proposes for the next step from the emitted tokens.
 """
@@ -131,9 +132,15 @@ class SpecDecoder:
                         md.output_token_ids[r] = (
                             ib.token_ids[b, ib.num_prompt_tokens[b]:ib.num_tokens[b]].tolist()
                             + list(prefix))
-            if sched.grammar_bitmask is not None:  # constrained requests verify no proposals
+            if sched.grammar_bitmask is not None:
+                # A constrained request's mask row j applies at its j-th verified position:
+                # the last known token, then after each chain proposal (constrained requests
+                # never run look_ahead trees: the proposer gives them chains).
+                chains = sched.scheduled_spec_tokens
                 attach_grammar_bitmask_rows(md, sched.grammar_bitmask, {
-                    inputs.req_ids[i]: root for i, root, _, _ in plan.requests})
+                    inputs.req_ids[i]: [root] + (guess_rows[0] if inputs.req_ids[i] in chains
+                                                 and guess_rows else [])
+                    for i, root, _, guess_rows in plan.requests})
             out = self.sampler(logits, md)
             row_tokens = out.sampled_token_ids.tolist()
             raw_lp = logits.float().log_softmax(-1) if md.max_num_logprobs is not None else None

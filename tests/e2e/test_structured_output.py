@@ -184,23 +184,91 @@ def test_grammar_failing_in_the_engine_fails_only_its_request(llm):
     core.scheduler.check_invariants()
 
 
-@pytest.mark.parametrize("decode_algo", ["look_ahead", "sps"])
-def test_constrained_requests_beside_speculation(tiny_llama, decode_algo):
-    """With speculative / lookahead decoding on, constrained requests take no proposals (the
-    grammar mask covers the sampled position only) and stay valid; free requests in the same
-    batch still speculate and match plain greedy decoding."""
-    extra = {"draft_model": tiny_llama} if decode_algo == "sps" else {}
-    spec = LLM(model=tiny_llama, dtype="float32", max_model_len=512, num_kv_blocks=512,
-               max_num_seqs=32, num_threads=1, decode_algo=decode_algo, **extra)
-    names = list(SCHEMAS)[:6]
-    params = [_params(GuidedDecodingParams(json=SCHEMAS[n]), t, seed=i)
-              for i, n in enumerate(names) for t in (0.0, 1.0)]
+# Speculation with constraints: a KV pool small enough to preempt (recompute) mid-generation,
+# block accounting checked every step. The free-text regex is where a self-draft's unconstrained
+# proposals are valid, so sps gets accepted tokens there.
+SPEC_CONFIG = dict(dtype="float32", max_model_len=250, num_kv_blocks=64, block_size=4,
+                   max_num_seqs=8, num_threads=1, debug_block_accounting=True)
+SPEC_CASES = ([("json", n) for n in ("recipe", "order_line", "many_props", "event")]
+              + [("regex", n) for n in ("ipv4", "email", "word_list")]
+              + [("regex", "free_text")])
+SPEC_REGEXES = {**REGEXES, "free_text": r'[^"]{0,60}'}
+SPEC_ALGOS = {"sps": {"decode_algo": "sps", "gamma": 3}, "look_ahead": {
+    "decode_algo": "look_ahead", "look_ahead_window_size": 3, "look_ahead_gram_size": 3,
+    "guess_set_size": 3}}
+
+
+def _spec_guided(kind: str, name: str) -> GuidedDecodingParams:
+    return (GuidedDecodingParams(json=SCHEMAS[name]) if kind == "json"
+            else GuidedDecodingParams(regex=SPEC_REGEXES[name]))
+
+
+def _check_spec_case(kind: str, name: str, comp) -> None:
+    assert comp.finish_reason == "stop", (name, comp.text)
+    if kind == "json":
+        _check_json(comp.text, SCHEMAS[name])
+    else:
+        assert re.fullmatch(SPEC_REGEXES[name], comp.text, re.ASCII), (name, comp.text)
+
+
+def _spec_generate(model: str, temperature: float, extra=(), **kwargs):
+    llm = LLM(model=model, **SPEC_CONFIG, **kwargs)
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=200,
+                             guided_decoding=_spec_guided(kind, name))
+              for i, (kind, name) in enumerate(SPEC_CASES)]
+    extra_prompts = [p for p, _ in extra]
+    outs = llm.generate(["Answer in JSON:"] * len(params) + extra_prompts,
+                        params + [sp for _, sp in extra], use_tqdm=False)
+    core = llm.engine.core
+    assert core.scheduler.kv_cache_manager.pool.num_used_blocks == 0
+    return outs, core.scheduler.get_stats()
+
+
+@pytest.fixture(scope="module")
+def normal_constrained(tiny_llama):
+    """Plain decoding's constrained outputs at temperature 0 and (seeded) 1."""
+    result = {}
+    for temperature in (0.0, 1.0):
+        outs, stats = _spec_generate(tiny_llama, temperature)
+        result[temperature] = [o.outputs[0].token_ids for o in outs]
+        if temperature == 0.0:
+            assert stats.num_preemptions > 0  # the configuration recomputes mid-generation
+    return result
+
+
+@pytest.mark.parametrize("algo", list(SPEC_ALGOS))
+def test_constrained_greedy_is_token_identical_under_speculation(tiny_llama,
+                                                                  normal_constrained, algo):
+    """Constrained requests take part in sps / look_ahead: every verified position is masked by
+    the grammar after the proposals before it, so greedy output is token-identical to plain
+    decoding under the same constraint (through preemption and recompute), always valid, and
+    proposals were accepted (the batch holds constrained requests only)."""
+    kwargs = dict(SPEC_ALGOS[algo])
+    if algo == "sps":
+        kwargs["draft_model"] = tiny_llama  # self-draft
+    outs, stats = _spec_generate(tiny_llama, 0.0, **kwargs)
+    for (kind, name), out, expected in zip(SPEC_CASES, outs, normal_constrained[0.0]):
+        _check_spec_case(kind, name, out.outputs[0])
+        assert out.outputs[0].token_ids == expected, (name, out.outputs[0].text)
+    assert stats.num_spec_draft_tokens > 0
+    assert stats.num_spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("algo", list(SPEC_ALGOS))
+def test_constrained_sampling_beside_free_requests_under_speculation(tiny_llama,
+                                                                     normal_constrained, algo):
+    """Sampled constrained requests stay valid under speculation (sps: rejection sampling on the
+    masked target distribution; look_ahead's point-mass guesses: the very seeded tokens of plain
+    decoding); a free request in the same batch still matches plain greedy decoding."""
+    kwargs = dict(SPEC_ALGOS[algo])
+    if algo == "sps":
+        kwargs["draft_model"] = tiny_llama
     free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    outs = spec.generate(["Answer in JSON:"] * len(params) + ["the the the"], params + [free],
-                         use_tqdm=False)
-    for (name, out) in zip([n for n in names for _ in (0, 1)], outs):
-        assert out.outputs[0].finish_reason == "stop", (name, out.outputs[0].text)
-        _check_json(out.outputs[0].text, SCHEMAS[name])
+    outs, _ = _spec_generate(tiny_llama, 1.0, extra=[("the the the", free)], **kwargs)
+    for (kind, name), out in zip(SPEC_CASES, outs):
+        _check_spec_case(kind, name, out.outputs[0])
+    if algo == "look_ahead":
+        assert [o.outputs[0].token_ids for o in outs[:-1]] == normal_constrained[1.0]
     plain = LLM(model=tiny_llama, dtype="float32", max_model_len=512, num_kv_blocks=512,
                 num_threads=1)
     [ref] = plain.generate(["the the the"], free, use_tqdm=False)

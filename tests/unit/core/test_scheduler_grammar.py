@@ -95,3 +95,61 @@ def test_rejected_token_fails_only_that_request():
     assert by_id["free"].finish_reason is None
     assert "g" not in sched.requests
     sched.check_invariants()
+
+
+def _spec_scheduler():
+    from bladellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+    from bladellm.core.scheduler import Scheduler
+
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=64), CacheConfig(block_size=4),
+                     num_blocks=64, max_model_len=128,
+                     speculative=SpeculativeConfig(decode_algo="sps", gamma=4))
+
+
+def test_constrained_proposals_are_cut_where_the_grammar_rejects_and_advance_it():
+    """A constrained request speculates: its proposal is cut at the first token the grammar
+    rejects (a greedy request drops it; a sampled one keeps it so that rejection sampling stays
+    exact), the cut leaves the grammar untouched, and the accepted tokens advance it."""
+    from bladellm.core.interface import ModelRunnerOutput
+
+    sched = _spec_scheduler()
+    greedy = FakeGrammar(allowed={31, 32, 33, 100, 200})
+    sampled = FakeGrammar(allowed={31, 32, 33, 100, 200})
+    for req_id, grammar, temperature, prompt in (("g", greedy, 0.0, [10, 11, 12, 13, 14]),
+                                                 ("s", sampled, 1.0, [20, 21, 22, 23, 24])):
+        req = make_request(req_id, prompt, max_tokens=20, temperature=temperature)
+        req.grammar = grammar
+        sched.add_request(req)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"g": 5, "s": 5}
+    sched.update_from_output(out, ModelRunnerOutput(
+        ["g", "s"], [[100], [100]], spec_token_ids={"g": [31, 32, 39, 33], "s": [31, 32, 39, 33]}))
+    out = sched.schedule()
+    assert out.scheduled_spec_tokens == {"g": [31, 32], "s": [31, 32, 39]}
+    assert out.num_scheduled_tokens == {"g": 3, "s": 4}
+    assert greedy.accepted == [100] and sampled.accepted == [100]  # cut rolled back
+    # g: both proposals accepted, then the target's token; s: one accepted.
+    sched.update_from_output(out, ModelRunnerOutput(
+        ["g", "s"], [[31, 32, 200], [31, 33]], spec_token_ids={"g": [39], "s": [33, 33]}))
+    assert greedy.accepted == [100, 31, 32, 200] and sampled.accepted == [100, 31, 33]
+    assert sched.requests["g"].num_computed_tokens == 5 + 3  # rejected KV rolled back
+    assert sched.requests["s"].num_computed_tokens == 5 + 2
+    sched.check_invariants()
+    out = sched.schedule()
+    # g's whole proposal is rejected: nothing to verify; s keeps both valid tokens.
+    assert "g" not in out.scheduled_spec_tokens and out.num_scheduled_tokens["g"] == 1
+    assert out.scheduled_spec_tokens["s"] == [33, 33]
+    stats = sched.get_stats()
+    assert (stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens) == (5, 3)
+
+
+def test_constrained_request_is_never_granted_a_tree():
+    from bladellm.core.interface import ModelRunnerOutput
+
+    sched = _spec_scheduler()
+    sched.add_request(_with_grammar("g", FakeGrammar(), max_tokens=20))
+    out = sched.schedule()
+    sched.update_from_output(out, ModelRunnerOutput(["g"], [[100]],
+                                                    spec_tree_sizes={"g": 6}))
+    out = sched.schedule()
+    assert not out.scheduled_spec_tree and out.num_scheduled_tokens == {"g": 1}

@@ -153,3 +153,70 @@ def test_grammar_size_limit_is_a_clear_error():
     validate(many)
     with pytest.raises(GrammarError, match="guided_choice.*too big"):
         validate(many, GrammarLimits(max_grammar_size=1000))
+
+
+def _reference_rows(matcher, width, tokens):
+    """Masks after 0, 1, ... of ``tokens`` (while the grammar takes them), one at a time."""
+    rows, n = [], 0
+    for tok in [None] + list(tokens):
+        if tok is not None:
+            if matcher.try_consume_tokens([tok]) != 1:
+                break
+            n += 1
+        rows.append(np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)[:width].copy())
+    matcher.rollback(n)
+    return rows
+
+
+def test_speculative_bitmask_has_a_row_per_verified_position(backend, tokenizer):
+    """A request verifying k proposals gets k + 1 rows (row j: the grammar after j of them),
+    its id repeated in req_ids; the matcher is back where it was afterwards; rows past a
+    rejected token allow everything (never used, but never all-banned)."""
+    vocab = len(tokenizer)
+    manager = GuidedDecodingManager(lambda: backend, vocab, 2, 8, 10.0)  # 2 rows: it grows
+    spec = manager.grammar_for(G(regex=r"\d{3}-[a-c]{2}"))
+    plain = manager.grammar_for(G(regex=r"[0-9]+"))
+    bad = manager.grammar_for(G(regex=r"\d{3}-[a-c]{2}"))
+    for s in (spec, plain, bad):
+        s.future.result()
+        assert s.is_ready()
+    good_draft = _encode(tokenizer, "123-a")
+    bad_draft = _encode(tokenizer, "12x4")
+    assert bad.accept_tokens(bad_draft) == 2
+    bad.rollback(2)
+    step = manager.start_bitmask([("s", spec, good_draft), ("p", plain),
+                                  ("b", bad, bad_draft)])
+    assert step.req_ids == ["s"] * 6 + ["p"] + ["b"] * 5
+    bitmask = step.result().copy()
+    width = bitmask.shape[1]
+    expected = (_reference_rows(spec.matcher, width, good_draft)
+                + _reference_rows(plain.matcher, width, [])
+                + _reference_rows(bad.matcher, width, bad_draft))
+    assert len(expected) == 6 + 1 + 3
+    for row, want in zip(range(7), expected):
+        assert np.array_equal(bitmask[row], want), row
+    for row, want in zip(range(7, 10), expected[7:]):
+        assert np.array_equal(bitmask[row], want), row
+    assert (bitmask[10:12] == -1).all()  # after the rejected "x"
+    # Matchers unchanged: the whole draft is still valid from the start.
+    assert spec.accept_tokens(_encode(tokenizer, "123-ab")) == len(_encode(tokenizer, "123-ab"))
+    assert spec.is_terminated()
+    assert bad.accept_tokens(bad_draft) == 2
+
+
+def test_bitmask_rows_follow_each_requests_verified_positions():
+    from bladellm.sample.metadata import SamplingMetadata
+    from bladellm.worker.sampling_rows import attach_grammar_bitmask_rows
+
+    class Ready:
+        req_ids = ["a", "a", "a", "b", "c"]
+
+        def result(self):
+            return np.arange(5, dtype=np.int32)[:, None].repeat(2, 1)
+
+    md = SamplingMetadata(temperature=None, all_greedy=True, all_random=False, top_p=None,
+                          top_k=None, min_p=None)
+    # a verifies two proposals at rows 4, 5, 6; b samples once at row 0; c is not sampled.
+    attach_grammar_bitmask_rows(md, Ready(), {"a": [4, 5, 6], "b": 0})
+    assert md.grammar_rows.tolist() == [4, 5, 6, 0]
+    assert md.grammar_bitmask[:, 0].tolist() == [0, 1, 2, 3]

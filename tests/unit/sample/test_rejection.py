@@ -43,3 +43,17 @@ def test_point_mass_walk_is_the_target_draw():
     assert emitted == [5, 7, 8] and rows == [0, 1, 4]  # rows 1 and 3 share a prefix
     emitted, _ = walk([3, 0, 0], 0, [[5, 6]], [[1, 2]])
     assert emitted == [3]  # first guess token rejected: the target's own token
+
+
+def test_a_token_the_target_cannot_emit_is_never_accepted(monkeypatch):
+    """A grammar-banned proposal (p = 0 after the mask) is rejected even when the uniform draw
+    is exactly 0; the residual then comes from the allowed tokens."""
+    import torch
+
+    from bladellm.sample.rejection import rejection_sample
+
+    monkeypatch.setattr(torch, "rand", lambda n, **kw: torch.zeros(n, dtype=torch.float64))
+    p = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[1.0, 0.0, 0.0]])
+    emitted, last = rejection_sample(p, q, [0])
+    assert last == 0 and emitted[0] in (1, 2)
