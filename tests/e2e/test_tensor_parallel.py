@@ -103,3 +103,38 @@ def _cmdline(pid: str) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_server_killed_worker_fails_the_stream_and_the_server(tiny_llama):
+    """blade_llm_server -tp 2: a worker killed mid-stream ends the stream with an error event,
+    the server exits 1 (engine dead) and no process is left behind."""
+    import httpx
+
+    from test_server import ServerProcess, _alive, _children
+
+    srv = ServerProcess(["--model", tiny_llama, "--host", "127.0.0.1", "--port", "0",
+                         "--dtype", "float32", "-tp", "2", "--shutdown_timeout", "1"])
+    try:
+        url = srv.wait_ready(180)
+        (core,) = [p for p in _children(srv.proc.pid) if "spawn_main" in _cmdline(str(p))]
+        workers = _children(core)  # the two ranks (and multiprocessing's resource tracker)
+        ranks = [p for p in workers if "spawn_main" in _cmdline(str(p))]
+        assert len(ranks) == 2
+        body = {"prompt": "hello", "max_tokens": 300, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(base_url=url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body) as resp:
+                lines = resp.iter_lines()
+                assert next(lines).startswith("data: ")
+                os.kill(ranks[-1], signal.SIGKILL)
+                rest = [line for line in lines if line]
+        assert any("engine_dead" in line for line in rest), rest[-3:]
+        assert rest[-1] == "data: [DONE]"
+        assert srv.proc.wait(timeout=30) == 1
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in [core, *workers]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in [core, *workers] if _alive(p)]
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
