@@ -10,6 +10,8 @@ shutdown, not for tests: tests that need ranks spawn processes.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -156,3 +158,26 @@ def get_tp_group() -> GroupCoordinator:
 
 def get_pp_group() -> GroupCoordinator:
     return _GROUPS.pp
+
+
+@contextlib.contextmanager
+def tp_shape_for_split(rank: int, size: int) -> Iterator[GroupCoordinator]:
+    """Build layers as TP rank ``rank`` of ``size`` without any process group (``blade_llm_split``).
+
+    The layers read ``get_tp_group()`` only at construction to size their shards, so a
+    coordinator of that rank and size with no ``group`` gives exactly the shards a real rank
+    holds. Its collectives must never run: a forward under this context would fail (no process
+    group). The previous groups are restored on exit.
+    """
+    global _GROUPS
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} outside tensor_parallel_size {size}")
+    if dist.is_initialized() or _GROUPS.world_size != 1:
+        raise RuntimeError("tp_shape_for_split: this process already belongs to a process group")
+    fake = GroupCoordinator(rank_in_group=rank, world_size=size, ranks=tuple(range(size)))
+    saved = _GROUPS
+    _GROUPS = ParallelGroups(tp=fake, pp=WORLD_1)
+    try:
+        yield fake
+    finally:
+        _GROUPS = saved

@@ -168,10 +168,18 @@ def worker_main(config: EngineConfig, resolved: ResolvedModel, rank: int, init_m
     ctx.term()
 
 
-def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
+def check_tensor_parallel(hf_config: Any, tp_size: int, model_dir: str | None = None) -> None:
     """Refuse a degree the model cannot be split into (a rank would hold no query head, no
-    intermediate column or no vocabulary row) before any worker process starts."""
+    intermediate column or no vocabulary row), or that differs from the degree a
+    ``blade_llm_split`` checkpoint at ``model_dir`` was split for, before any worker process
+    starts."""
     from bladellm.distributed.partition import attention_partitions, even_shard
+    from bladellm.model.loader import check_split_tp, read_split_manifest
+
+    if model_dir is not None and os.path.isdir(model_dir):
+        manifest = read_split_manifest(model_dir)
+        if manifest is not None:
+            check_split_tp(manifest, tp_size, model_dir)
 
     heads = hf_config.num_attention_heads
     try:
@@ -188,7 +196,8 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
         super().__init__(config, resolved)
         par = config.parallel
-        check_tensor_parallel(resolved.hf_config, par.tensor_parallel_size)
+        check_tensor_parallel(resolved.hf_config, par.tensor_parallel_size,
+                              None if resolved.gguf is not None else resolved.path)
         self.world_size = par.world_size
         self._ipc_dir = tempfile.mkdtemp(prefix="bladellm-workers-")
         bcast_addr = f"ipc://{self._ipc_dir}/bcast"

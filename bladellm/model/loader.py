@@ -3,6 +3,10 @@
 Checkpoint tensors are streamed one at a time (``safe_open``) into each parameter's
 ``weight_loader``, so a model never sits in memory twice. Every failure is a ``ValueError`` that
 names the file, tensor or flag at fault.
+
+A directory written by ``blade_llm_split`` (it holds ``bladellm_split.json``) is loaded
+differently: TP rank ``r`` reads only ``rank_{r}/``, whose tensors already are that rank's
+parameters (engine names and shard shapes), assigned by name with shape checks.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFE_INDEX = "model.safetensors.index.json"
+SPLIT_MANIFEST = "bladellm_split.json"  # written by blade_llm_split
+SPLIT_FORMAT = "bladellm_split"
+SPLIT_FORMAT_VERSION = 1
 BIN_INDEX = "pytorch_model.bin.index.json"
 
 
@@ -85,11 +92,20 @@ def load_model(model_config: ModelConfig, hf_config: Any, dtype: torch.dtype,
                model_dir: str | None = None) -> nn.Module:
     """Build the model for ``hf_config`` on ``device`` and fill its weights from ``model_dir``
     (default: ``model_config.model`` with ``~`` expanded)."""
+    model_dir = model_dir or os.path.expanduser(model_config.model)
+    manifest = None
+    if model_config.load_format != "dummy":
+        manifest = read_split_manifest(model_dir)
+        if manifest is not None:
+            from bladellm.model.utils import get_tp_rank_and_size
+
+            check_split_tp(manifest, get_tp_rank_and_size()[1], model_dir)
     model = build_model(hf_config, dtype, device, attn_backend, model_config.max_model_len)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
+    elif manifest is not None:
+        load_split_shard(model, model_dir)
     else:
-        model_dir = model_dir or os.path.expanduser(model_config.model)
         files = find_weight_files(model_dir, model_config.load_format)
         source = _CheckpointReader(files)
         try:
@@ -188,6 +204,104 @@ class _CheckpointReader:
                     state = torch.load(path, map_location="cpu", weights_only=True)
                 yield from state.items()
                 del state
+
+
+# ---- checkpoints split per TP rank (blade_llm_split) ---------------------------------------------
+
+def read_split_manifest(model_dir: str) -> dict[str, Any] | None:
+    """The ``blade_llm_split`` manifest of ``model_dir``, or None for an ordinary checkpoint."""
+    path = os.path.join(model_dir, SPLIT_MANIFEST)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != SPLIT_FORMAT:
+        raise ValueError(f"{path} is not a blade_llm_split manifest")
+    version = manifest.get("format_version")
+    if version != SPLIT_FORMAT_VERSION:
+        raise ValueError(f"{path}: split format version {version!r} is not supported by this "
+                         f"bladellm (it reads version {SPLIT_FORMAT_VERSION}); split the "
+                         f"original checkpoint again with this version's blade_llm_split")
+    tp = manifest.get("tensor_parallel_size")
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"{path}: bad tensor_parallel_size {tp!r}")
+    return manifest
+
+
+def check_split_tp(manifest: dict[str, Any], tp_size: int, model_dir: str) -> None:
+    """A split checkpoint serves exactly the degree it was split for."""
+    split_tp = manifest["tensor_parallel_size"]
+    if tp_size != split_tp:
+        raise ValueError(
+            f"--tensor_parallel_size {tp_size}: {model_dir} was split by blade_llm_split for "
+            f"--tensor_parallel_size {split_tp} ({split_tp} rank directories); serve it with "
+            f"--tensor_parallel_size {split_tp}, or split the original checkpoint "
+            f"({manifest.get('source', '?')}) again for {tp_size}")
+
+
+def split_rank_dir(model_dir: str, rank: int) -> str:
+    return os.path.join(model_dir, f"rank_{rank}")
+
+
+def split_rank_files(model_dir: str, rank: int) -> list[str]:
+    rank_dir = split_rank_dir(model_dir, rank)
+    files = sorted(glob.glob(os.path.join(rank_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"split checkpoint {model_dir}: no *.safetensors in {rank_dir}")
+    return files
+
+
+def split_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What ``blade_llm_split`` saves for a rank: every parameter once (a tied LM head is the
+    embedding, saved under the embedding's name) and the persistent buffers; non-persistent
+    buffers (rotary caches) are rebuilt at construction."""
+    params = dict(model.named_parameters())
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name in aliases:
+            continue
+        out[name] = tensor.detach().contiguous()
+    return out
+
+
+@torch.no_grad()
+def load_split_shard(model: nn.Module, model_dir: str) -> int:
+    """Fill ``model`` (built as this process's TP rank) from ``model_dir/rank_{r}`` only:
+    tensors are assigned to parameters and persistent buffers by name, shapes must match
+    exactly. Returns the bytes of the files read."""
+    from safetensors import safe_open
+
+    from bladellm.model.utils import get_tp_rank_and_size
+
+    rank, _ = get_tp_rank_and_size()
+    files = split_rank_files(model_dir, rank)
+    targets = dict(model.named_parameters())
+    for name, buf in model.named_buffers():
+        targets.setdefault(name, buf)
+    loaded: set[str] = set()
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target = targets.get(name)
+                if target is None:
+                    raise ValueError(f"{path}: tensor {name!r} matches no parameter of "
+                                     f"{type(model).__name__}; was it split from another model "
+                                     f"or bladellm version?")
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"rank {rank} expects {tuple(target.shape)}")
+                target.data.copy_(tensor)
+                loaded.add(name)
+    try:
+        check_all_loaded(model, loaded)
+    except ValueError as e:
+        raise ValueError(f"{split_rank_dir(model_dir, rank)}: {e}") from e
+    return sum(os.path.getsize(p) for p in files)
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:

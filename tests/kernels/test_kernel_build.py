@@ -57,7 +57,8 @@ def test_second_load_is_a_cache_hit_without_the_compiler(compiled, kernel_cache,
 
     monkeypatch.setattr(subprocess, "Popen", no_compiler)
     again = build.build_library(compiled.isa, kernel_cache)
-    assert again.cache_hit and again.seconds < 0.5
+    assert again.cache_hit  # Popen raises above, so nothing was compiled (no timing here:
+    # a loaded CI machine took 0.6 s to hash the sources and dlopen)
     assert [p.name for p in (kernel_cache / "kernels").glob("*.so")] == [again.path.name]
     with caplog.at_level(logging.INFO, logger="bladellm.kernels"):
         kernels = load_kernels(mode="auto", cache_root=kernel_cache)

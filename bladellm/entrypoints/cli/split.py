@@ -1,0 +1,233 @@
+"""``blade_llm_split``: pre-split a checkpoint for ``--tensor_parallel_size T`` (docs/parallel.md).
+
+    blade_llm_split --tensor_parallel_size 2 --model /models/llama --output_dir /models/llama-tp2
+    blade_llm_server --model /models/llama-tp2 --tensor_parallel_size 2
+
+Writes ``OUT/rank_{r}/model.safetensors`` for r in 0..T-1: exactly the parameters TP rank ``r``
+holds, under the engine's own names (fused ``qkv_proj`` / ``gate_up_proj``) and shard shapes,
+plus the source's config, tokenizer and generation config, and ``OUT/bladellm_split.json`` (the
+manifest, written last: an interrupted split is not loadable). The shards are made by building
+the model once per rank in this process with the TP rank and size faked
+(``parallel_state.tp_shape_for_split``: no process group, no collective) and loading the full
+checkpoint through the layers' ordinary weight loaders, so a split shard is byte for byte what
+a rank would have loaded itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("bladellm.split")
+
+# Top-level files of the source that are weights (not copied); everything else (config,
+# tokenizer, generation config, chat template, README, ...) is copied to the output directory.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="blade_llm_split", allow_abbrev=False,
+        description="Split a checkpoint into one directory per tensor-parallel rank, which "
+                    "blade_llm_server --model OUT --tensor_parallel_size T loads with each rank "
+                    "reading only its own shard.")
+    parser.add_argument("--model", required=True,
+                        help="Source model directory (Hugging Face layout) or hub model id.")
+    parser.add_argument("--output_dir", required=True, help="Directory to write the split to.")
+    parser.add_argument("--tensor_parallel_size", "-tp", type=int, required=True,
+                        help="Number of tensor-parallel ranks to split for.")
+    parser.add_argument("--pipeline_parallel_size", "-pp", type=int, default=1,
+                        help="Only 1 is supported (pipeline parallelism is not built yet).")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *_DTYPE_NAMES],
+                        help="dtype of the written shards; auto keeps the checkpoint's dtype "
+                             "(float32 if the config names none).")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="Allow model code from the model directory.")
+    parser.add_argument("--load_format", default="auto", choices=["auto", "safetensors", "pt"],
+                        help="Source weight format.")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="Write into a non-empty --output_dir (its rank_* directories and "
+                             "manifest are replaced).")
+    return parser
+
+
+def _checkpoint_dtype(hf_config: Any, dtype: str) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPE_NAMES[dtype]
+    cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(cfg, str):
+        cfg = getattr(torch, cfg, None)
+    return cfg if cfg in _DTYPE_NAMES.values() else torch.float32
+
+
+def _check_source(model_dir: str) -> None:
+    from bladellm.model.loader import SPLIT_MANIFEST
+
+    if os.path.isfile(os.path.join(model_dir, SPLIT_MANIFEST)):
+        raise ValueError(f"--model: {model_dir} is already split ({SPLIT_MANIFEST}); split the "
+                         f"original checkpoint instead")
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--model: cannot read {path}: {e}") from e
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?") \
+            if isinstance(raw["quantization_config"], dict) else "?"
+        raise ValueError(f"--model: {model_dir} is a quantized checkpoint (quantization_config, "
+                         f"quant_method {method!r}); blade_llm_split supports float checkpoints "
+                         f"only for now")
+
+
+def _prepare_output(output_dir: str, overwrite: bool) -> None:
+    from bladellm.model.loader import SPLIT_MANIFEST
+
+    if os.path.isfile(output_dir):
+        raise ValueError(f"--output_dir: {output_dir} is a file")
+    if os.path.isdir(output_dir) and os.listdir(output_dir):
+        if not overwrite:
+            raise ValueError(f"--output_dir: {output_dir} is not empty; pass --overwrite to "
+                             f"write into it anyway")
+        manifest = os.path.join(output_dir, SPLIT_MANIFEST)
+        if os.path.exists(manifest):
+            os.remove(manifest)  # first: a half-rewritten split must not look loadable
+        for name in os.listdir(output_dir):
+            if name.startswith("rank_") and os.path.isdir(os.path.join(output_dir, name)):
+                shutil.rmtree(os.path.join(output_dir, name))
+    os.makedirs(output_dir, exist_ok=True)
+
+
+def _copy_side_files(src: str, dst: str) -> list[str]:
+    copied = []
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if not os.path.isfile(path) or name in _WEIGHT_INDEXES or \
+                name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        shutil.copy2(path, os.path.join(dst, name))
+        copied.append(name)
+    return copied
+
+
+def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
+                     dtype: str = "auto", trust_remote_code: bool = False,
+                     load_format: str = "auto", overwrite: bool = False,
+                     pipeline_parallel_size: int = 1) -> dict[str, Any]:
+    """Write the split of ``model`` for ``tensor_parallel_size`` ranks to ``output_dir``;
+    returns the manifest. Every bad input is a ``ValueError`` naming the flag."""
+    from safetensors.torch import save_file
+
+    from bladellm.attention import get_attn_backend
+    from bladellm.config import ModelConfig
+    from bladellm.distributed.parallel_state import tp_shape_for_split
+    from bladellm.executor.multiproc import check_tensor_parallel
+    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import (SPLIT_FORMAT, SPLIT_FORMAT_VERSION, SPLIT_MANIFEST,
+                                       _CheckpointReader, check_all_loaded, find_weight_files,
+                                       split_rank_dir, split_state_dict)
+    from bladellm.model.registry import get_model_class
+
+    tp = tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"--tensor_parallel_size: must be >= 1, got {tp}")
+    if pipeline_parallel_size != 1:
+        raise ValueError(f"--pipeline_parallel_size {pipeline_parallel_size}: pipeline "
+                         f"parallelism is not supported yet; only 1")
+    if model.endswith(".gguf") or model == "demo":
+        raise ValueError(f"--model {model}: GGUF checkpoints are quantized; blade_llm_split "
+                         f"supports float checkpoint directories only for now")
+    src_dir = os.path.expanduser(model)
+    if os.path.isdir(src_dir):
+        _check_source(src_dir)
+    resolved = resolve_model(ModelConfig(model=model, trust_remote_code=trust_remote_code,
+                                         load_format=load_format, dtype="float32"))
+    src_dir = resolved.path
+    _check_source(src_dir)  # again, for a hub id now downloaded
+    hf_config = resolved.hf_config
+    check_tensor_parallel(hf_config, tp)
+    if os.path.abspath(output_dir) == os.path.abspath(src_dir):
+        raise ValueError("--output_dir must differ from --model")
+    files = find_weight_files(src_dir, load_format)
+    source_bytes = sum(os.path.getsize(p) for p in files)
+    torch_dtype = _checkpoint_dtype(hf_config, dtype)
+    _prepare_output(output_dir, overwrite)
+    model_cls = get_model_class(hf_config)
+    attn_backend = get_attn_backend("torch", "cpu")  # construction only: nothing runs
+    ranks = []
+    for rank in range(tp):
+        start = time.perf_counter()
+        with tp_shape_for_split(rank, tp), torch.device("cpu"):
+            shard = model_cls(hf_config, torch_dtype, attn_backend)
+            reader = _CheckpointReader(files)
+            try:
+                loaded = shard.load_weights(reader)
+            except ValueError as e:
+                raise ValueError(f"{reader.current_file}: {e}") from e
+            check_all_loaded(shard, loaded)
+        state = split_state_dict(shard)
+        del shard
+        rank_dir = split_rank_dir(output_dir, rank)
+        os.makedirs(rank_dir, exist_ok=True)
+        path = os.path.join(rank_dir, "model.safetensors")
+        save_file(state, path, metadata={"format": "pt", "bladellm_split_rank": str(rank),
+                                         "tensor_parallel_size": str(tp)})
+        size = os.path.getsize(path)
+        ranks.append({"dir": os.path.basename(rank_dir), "files": ["model.safetensors"],
+                      "bytes": size, "num_tensors": len(state)})
+        del state
+        logger.info("rank %d/%d: %s, %.1f MB (%.0f%% of the source) in %.1f s", rank, tp, path,
+                    size / 1e6, 100 * size / max(source_bytes, 1), time.perf_counter() - start)
+    copied = _copy_side_files(src_dir, output_dir)
+    manifest = {
+        "format": SPLIT_FORMAT,
+        "format_version": SPLIT_FORMAT_VERSION,
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": 1,
+        "source": os.path.abspath(src_dir) if os.path.isdir(src_dir) else model,
+        "architecture": (getattr(hf_config, "architectures", None) or ["?"])[0],
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "source_weight_bytes": source_bytes,
+        "ranks": ranks,
+        "copied_files": copied,
+    }
+    tmp = os.path.join(output_dir, SPLIT_MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=2)
+    os.replace(tmp, os.path.join(output_dir, SPLIT_MANIFEST))
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    ns = make_parser().parse_args(argv)
+    try:
+        manifest = split_checkpoint(
+            ns.model, ns.output_dir, ns.tensor_parallel_size, dtype=ns.dtype,
+            trust_remote_code=ns.trust_remote_code, load_format=ns.load_format,
+            overwrite=ns.overwrite, pipeline_parallel_size=ns.pipeline_parallel_size)
+    except ValueError as exc:
+        print(f"blade_llm_split: error: {exc}", file=sys.stderr)
+        return 2
+    src = manifest["source_weight_bytes"]
+    for r in manifest["ranks"]:
+        print(f"{ns.output_dir}/{r['dir']}: {r['bytes']} bytes "
+              f"({100 * r['bytes'] / max(src, 1):.1f}% of {src})")
+    print(f"split for --tensor_parallel_size {manifest['tensor_parallel_size']}; serve with: "
+          f"blade_llm_server --model {ns.output_dir} --tensor_parallel_size "
+          f"{manifest['tensor_parallel_size']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""``blade_llm_split``: a checkpoint split per TP rank serves the same greedy tokens as the
+original at world size 1 (fp32), each rank reading only its own shard (about 1/T of the
+weights); a split served with another degree, or a quantized source, is refused with a
+``ValueError`` naming the flag."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from bladellm import LLM, SamplingParams
+from bladellm.entrypoints.cli.split import main as split_main, split_checkpoint
+from bladellm.model.loader import SPLIT_MANIFEST
+
+MAX_TOKENS = 12
+OPTS = dict(dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=8)
+UNEVEN = dict(num_attention_heads=12, num_key_value_heads=4, hidden_size=96,
+              intermediate_size=100)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    return [[(7 * i + 3 * j) % (vocab - 3) + 3 for j in range(5 + 3 * i)] for i in range(4)]
+
+
+def _greedy(model_dir: str, tp: int, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(model=model_dir, tensor_parallel_size=tp, **OPTS)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                            use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.shutdown()
+
+
+def _weights_bytes(d: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)
+               if f.endswith(".safetensors"))
+
+
+@pytest.fixture(scope="module")
+def uneven_split(tiny_model_factory, tmp_path_factory):
+    src = tiny_model_factory("llama", **UNEVEN)
+    out = str(tmp_path_factory.mktemp("split-T3"))
+    assert split_main(["--tensor_parallel_size", "3", "--model", src,
+                       "--output_dir", out, "--overwrite"]) == 0
+    return src, out
+
+
+def test_split_layout_and_sizes(uneven_split):
+    src, out = uneven_split
+    manifest = json.load(open(os.path.join(out, SPLIT_MANIFEST)))
+    assert manifest["tensor_parallel_size"] == 3 and manifest["format_version"] == 1
+    for name in ("config.json", "tokenizer.json", "generation_config.json"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    full = _weights_bytes(src)
+    sizes = [_weights_bytes(os.path.join(out, f"rank_{r}")) for r in range(3)]
+    # 6+3+3 query / 2+1+1 KV heads: rank 0 holds twice the attention of the others; norms are
+    # replicated. Every rank stays well under half of the full checkpoint.
+    assert all(s < 0.45 * full for s in sizes), (sizes, full)
+    assert 0.95 * full < sum(sizes) < 1.15 * full, (sizes, full)
+
+
+def test_split_T3_uneven_serves_same_tokens(uneven_split):
+    src, out = uneven_split
+    llm = LLM(model=src, **OPTS)
+    try:
+        prompts = _prompts(llm.engine.model_info.vocab_size)
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert _greedy(out, 3, prompts) == want
+
+
+def test_split_T2_default_llama_serves_same_tokens(tiny_llama, tmp_path):
+    out = str(tmp_path / "split-T2")
+    manifest = split_checkpoint(tiny_llama, out, 2)
+    full = _weights_bytes(tiny_llama)
+    for r in manifest["ranks"]:
+        assert r["bytes"] < 0.6 * full, (r, full)  # 1/2 plus replicated norms
+    llm = LLM(model=tiny_llama, **OPTS)
+    try:
+        prompts = _prompts(llm.engine.model_info.vocab_size)
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert _greedy(out, 2, prompts) == want
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mismatched_degree_refused(uneven_split, tp):
+    _, out = uneven_split
+    with pytest.raises(ValueError, match="--tensor_parallel_size"):
+        LLM(model=out, tensor_parallel_size=tp, **OPTS)
+
+
+def test_quantized_source_refused(tiny_llama, tmp_path):
+    import shutil
+
+    src = tmp_path / "quant"
+    shutil.copytree(tiny_llama, src)
+    cfg = json.load(open(src / "config.json"))
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    json.dump(cfg, open(src / "config.json", "w"))
+    with pytest.raises(ValueError, match="quantized"):
+        split_checkpoint(str(src), str(tmp_path / "out"), 2)
+
+
+def test_bad_inputs_refused(uneven_split, tmp_path):
+    src, out = uneven_split
+    with pytest.raises(ValueError, match="already split"):
+        split_checkpoint(out, str(tmp_path / "again"), 3)
+    with pytest.raises(ValueError, match="--tensor_parallel_size 13"):
+        split_checkpoint(src, str(tmp_path / "t13"), 13)  # more ranks than query heads
+    with pytest.raises(ValueError, match="not empty"):
+        split_checkpoint(src, out, 3)
