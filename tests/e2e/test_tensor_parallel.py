@@ -138,3 +138,43 @@ def test_server_killed_worker_fails_the_stream_and_the_server(tiny_llama):
     finally:
         if srv.proc.poll() is None:
             srv.proc.kill()
+
+
+def test_guided_json_embeddings_and_logprobs_across_ranks(tiny_llama):
+    """The other paths through the workers under TP=2 give what one rank gives: a grammar
+    bitmask resolved before the step is published, sampled logprobs and prompt logprobs
+    (logits all-gathered on every rank), pooled embeddings."""
+    import json
+
+    from bladellm.sampling_params import GuidedDecodingParams
+
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}
+    params = [SamplingParams(temperature=0.0, max_tokens=40,
+                             guided_decoding=GuidedDecodingParams(json=schema)),
+              SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)]
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    results = []
+    for tp in (1, 2):
+        llm = LLM(model=tiny_llama, dtype="float32", tensor_parallel_size=tp)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            emb = llm.embed([[5, 6, 7]])[0].embedding
+            plp = llm.engine.core.prompt_logprobs([prompts[1]], 1)[0]
+            results.append((outs, emb, plp))
+        finally:
+            llm.shutdown()
+    (one, emb1, plp1), (two, emb2, plp2) = results
+    assert isinstance(json.loads(two[0].outputs[0].text)["a"], bool)
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    lp1, lp2 = one[1].outputs[0].logprobs, two[1].outputs[0].logprobs
+    assert len(lp1) == len(lp2) == 6
+    for row1, row2 in zip(lp1, lp2):  # per output token: sampled + top-2
+        assert [t.token_id for t in row1] == [t.token_id for t in row2]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(row1, row2)) < 1e-4
+    assert len(plp1) == len(plp2) == 4  # every prompt token after the first
+    for (ids1, lps1, rank1), (ids2, lps2, rank2) in zip(plp1, plp2):
+        assert ids1 == ids2 and rank1 == rank2
+        assert max(abs(a - b) for a, b in zip(lps1, lps2)) < 1e-4
+    assert max(abs(x - y) for x, y in zip(emb1, emb2)) < 1e-4
