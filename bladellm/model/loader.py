@@ -106,14 +106,19 @@ def load_model(model_config: ModelConfig, hf_config: Any, dtype: torch.dtype,
     elif manifest is not None:
         load_split_shard(model, model_dir)
     else:
-        files = find_weight_files(model_dir, model_config.load_format)
-        source = _CheckpointReader(files)
-        try:
-            loaded = model.load_weights(source)
-        except ValueError as e:
-            raise ValueError(f"{source.current_file}: {e}") from e
-        check_all_loaded(model, loaded)
+        load_checkpoint_files(model, find_weight_files(model_dir, model_config.load_format))
     return model.eval()
+
+
+def load_checkpoint_files(model: nn.Module, files: list[str]) -> None:
+    """Fill ``model`` from full checkpoint ``files`` through its parameters' weight loaders
+    (each keeps this TP rank's slice); every parameter must be loaded."""
+    source = _CheckpointReader(files)
+    try:
+        loaded = model.load_weights(source)
+    except ValueError as e:
+        raise ValueError(f"{source.current_file}: {e}") from e
+    check_all_loaded(model, loaded)
 
 
 def build_model(hf_config: Any, dtype: torch.dtype, device: str | torch.device,

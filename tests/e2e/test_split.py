@@ -64,13 +64,7 @@ def test_split_layout_and_sizes(uneven_split):
 
 def test_split_T3_uneven_serves_same_tokens(uneven_split):
     src, out = uneven_split
-    llm = LLM(model=src, **OPTS)
-    try:
-        prompts = _prompts(llm.engine.model_info.vocab_size)
-        want = [list(o.outputs[0].token_ids) for o in llm.generate(
-            prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)]
-    finally:
-        llm.shutdown()
+    prompts, want = _original_greedy(src)
     assert _greedy(out, 3, prompts) == want
 
 
@@ -80,14 +74,20 @@ def test_split_T2_default_llama_serves_same_tokens(tiny_llama, tmp_path):
     full = _weights_bytes(tiny_llama)
     for r in manifest["ranks"]:
         assert r["bytes"] < 0.6 * full, (r, full)  # 1/2 plus replicated norms
-    llm = LLM(model=tiny_llama, **OPTS)
+    prompts, want = _original_greedy(tiny_llama)
+    assert _greedy(out, 2, prompts) == want
+
+
+def _original_greedy(model_dir: str) -> tuple[list[list[int]], list[list[int]]]:
+    """The unsplit model's greedy tokens (one rank) for the test prompts."""
+    llm = LLM(model=model_dir, **OPTS)
     try:
         prompts = _prompts(llm.engine.model_info.vocab_size)
         want = [list(o.outputs[0].token_ids) for o in llm.generate(
             prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)]
     finally:
         llm.shutdown()
-    assert _greedy(out, 2, prompts) == want
+    return prompts, want
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -134,7 +134,7 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
     from bladellm.executor.multiproc import check_tensor_parallel
     from bladellm.model.checkpoint import resolve_model
     from bladellm.model.loader import (SPLIT_FORMAT, SPLIT_FORMAT_VERSION, SPLIT_MANIFEST,
-                                       _CheckpointReader, check_all_loaded, find_weight_files,
+                                       find_weight_files, load_checkpoint_files,
                                        split_rank_dir, split_state_dict)
     from bladellm.model.registry import get_model_class
 
@@ -169,12 +169,7 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
         start = time.perf_counter()
         with tp_shape_for_split(rank, tp), torch.device("cpu"):
             shard = model_cls(hf_config, torch_dtype, attn_backend)
-            reader = _CheckpointReader(files)
-            try:
-                loaded = shard.load_weights(reader)
-            except ValueError as e:
-                raise ValueError(f"{reader.current_file}: {e}") from e
-            check_all_loaded(shard, loaded)
+            load_checkpoint_files(shard, files)
         state = split_state_dict(shard)
         del shard
         rank_dir = split_rank_dir(output_dir, rank)

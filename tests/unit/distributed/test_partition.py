@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bladellm.distributed.parallel_state import tp_shape_for_split
 from bladellm.distributed.partition import (attention_partition, attention_partitions,
                                             even_shard, shard_range, split_evenly)
 from bladellm.model.layers import embedding as embedding_mod
-from bladellm.model.layers import linear as linear_mod
 from bladellm.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                    RowParallelLinear, VocabParallelEmbedding)
 
@@ -104,11 +104,11 @@ def test_attention_coverage_and_gqa_mapping(H, K):
 # ---- layers on simulated ranks (no process group): shards cover the full tensors ----
 
 def on_ranks(monkeypatch, tp_size, build):
+    """build() as every rank of a TP group of tp_size (shapes only: no process group)."""
     layers = []
     for rank in range(tp_size):
-        monkeypatch.setattr(linear_mod, "get_tp_rank_and_size", lambda r=rank: (r, tp_size))
-        monkeypatch.setattr(embedding_mod, "get_tp_rank_and_size", lambda r=rank: (r, tp_size))
-        layers.append(build())
+        with tp_shape_for_split(rank, tp_size):
+            layers.append(build())
     return layers
 
 
@@ -122,9 +122,9 @@ def test_mlp_uneven_columns_and_rows(monkeypatch, T):
         hidden, [inter, inter], bias=False, params_dtype=F32))
     downs = []
     for rank, gu in enumerate(ups):
-        monkeypatch.setattr(linear_mod, "get_tp_rank_and_size", lambda r=rank: (r, T))
-        downs.append(RowParallelLinear(inter, hidden, bias=True, params_dtype=F32,
-                                       input_partition=gu.output_shards[0]))
+        with tp_shape_for_split(rank, T):
+            downs.append(RowParallelLinear(inter, hidden, bias=True, params_dtype=F32,
+                                           input_partition=gu.output_shards[0]))
     cols = []
     for gu, dn in zip(ups, downs):
         gu.weight.weight_loader(gu.weight, gate, 0)
@@ -167,9 +167,9 @@ def test_qkv_and_o_proj_shards(monkeypatch, H, K, T):
         assert torch.equal(layer.weight, torch.cat([q[qs], k[ks], v[ks]]))
         assert torch.equal(layer.bias, torch.cat([qb[qs], kb[ks], vb[ks]]))
         q_rows.extend(range(qs.start, qs.stop))
-        monkeypatch.setattr(linear_mod, "get_tp_rank_and_size", lambda r=rank: (r, T))
-        o_proj = RowParallelLinear(H * d, hidden, bias=False, params_dtype=F32,
-                                   input_partition=layer.output_shards[0])
+        with tp_shape_for_split(rank, T):
+            o_proj = RowParallelLinear(H * d, hidden, bias=False, params_dtype=F32,
+                                       input_partition=layer.output_shards[0])
         o_proj.weight.weight_loader(o_proj.weight, o)
         assert torch.equal(o_proj.weight, o[:, qs])
     assert q_rows == list(range(H * d))
