@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from bladellm.bench.client import RequestOptions, RequestResult, send_request
 from bladellm.bench.datasets import BenchRequest
+from bladellm.bench.spec_metrics import scrape_spec_counters, spec_delta
 
 SendFn = Callable[[BenchRequest], Awaitable[RequestResult]]
 
@@ -58,6 +59,7 @@ class RunResult:
     rate: float
     results: list[RequestResult]
     duration_s: float
+    spec_decode: dict | None = None
 
 
 @dataclass
@@ -69,6 +71,7 @@ class SweepConfig:
     seed: int = 0
     request_timeout_s: float = 3600.0
     show_progress: bool = True
+    scrape_metrics: bool = True  # read spec-decode counters from /metrics around each rate
 
 
 async def run_schedule(requests: Sequence[BenchRequest], intervals: Sequence[float],
@@ -128,8 +131,13 @@ async def run_rate(cfg: SweepConfig, rate: float, requests: Sequence[BenchReques
     with tqdm(total=len(requests), desc=f"rate={label} req/s", unit="req",
               disable=not cfg.show_progress, leave=False) as bar:
         async with make_session(cfg) as session:
+            before = (await scrape_spec_counters(session, cfg.base_url)
+                      if cfg.scrape_metrics else None)
             results, duration = await run_schedule(
                 requests, intervals,
                 lambda r: send_request(session, cfg.base_url, r, cfg.options),
                 cfg.max_concurrency, bar)
-    return RunResult(rate, results, duration)
+            # Only scrape again when the first scrape found counters: no second request to a
+            # server that has none.
+            after = await scrape_spec_counters(session, cfg.base_url) if before else None
+    return RunResult(rate, results, duration, spec_delta(before, after))

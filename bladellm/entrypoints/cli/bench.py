@@ -180,7 +180,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         # Fresh prompts per rate so a server's prompt cache can't reuse an earlier rate's.
         requests = build_dataset(_dataset_config(args, f"{args.seed}:{i}"), tokenizer)
         res = await run_rate(cfg, rate, requests, random.Random(f"{args.seed}:arrivals:{i}"))
-        entry = rate_entry(rate, res.results, res.duration_s, args.slo_obj)
+        entry = rate_entry(rate, res.results, res.duration_s, args.slo_obj,
+                           spec_decode=res.spec_decode)
         run["rates"].append(entry)
         if not args.disable_tqdm:
             print(f"rate {rate_name(rate)}: {entry['completed']} ok, {entry['errors']} errors, "

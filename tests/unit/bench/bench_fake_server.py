@@ -4,6 +4,11 @@ Every streamed request waits ``ttft_s`` before its first token and ``itl_s`` bet
 emits ``max_tokens`` one-word chunks (completions or chat), a usage chunk when
 ``stream_options.include_usage`` is set, then ``[DONE]``. A prompt containing ``FAIL_HTTP``
 gets a 500; one containing ``FAIL_STREAM`` gets an error event after its first token.
+
+With ``metrics=True`` it also serves ``/metrics`` (Prometheus text); with ``spec_per_request=
+(drafts, draft_tokens, accepted_tokens)`` that page carries speculative-decoding counters, under
+both vLLM's and BladeLLM's spellings as BladeLLM publishes them, grown by those amounts for every
+completed stream before its ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -19,8 +24,13 @@ from aiohttp import web
 
 class FakeOpenAIServer:
     def __init__(self, ttft_s: float = 0.05, itl_s: float = 0.02, usage: bool = True,
-                 model: str = "fake-model"):
+                 model: str = "fake-model", metrics: bool = False,
+                 spec_per_request: tuple[int, int, int] | None = None):
         self.ttft_s = ttft_s
+        self.metrics = metrics
+        self.spec_per_request = spec_per_request
+        self.spec_totals = [0, 0, 0]
+        self.metrics_scrapes = 0
         self.itl_s = itl_s
         self.usage = usage
         self.model = model
@@ -57,6 +67,8 @@ class FakeOpenAIServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
+        if self.metrics:
+            app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app)
         self._loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -67,6 +79,25 @@ class FakeOpenAIServer:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.metrics_scrapes += 1
+        lines = ["# HELP vllm:num_requests_running Requests running.",
+                 "# TYPE vllm:num_requests_running gauge",
+                 f'vllm:num_requests_running{{model_name="{self.model}"}} {self._in_flight}.0']
+        if self.spec_per_request is not None:
+            for (name, help_), total in zip(
+                    (("spec_decode_num_drafts", "Drafts."),
+                     ("spec_decode_num_draft_tokens", "Draft tokens."),
+                     ("spec_decode_num_accepted_tokens", "Accepted tokens.")), self.spec_totals):
+                for prefix, labels in (("vllm:", f'{{model_name="{self.model}"}}'),
+                                       ("bladellm_", "")):
+                    lines += [f"# HELP {prefix}{name}_total {help_}",
+                              f"# TYPE {prefix}{name}_total counter",
+                              f"{prefix}{name}_total{labels} {float(total)}",
+                              f"{prefix}{name}_created{labels} 1.7e+09"]
+        return web.Response(text="\n".join(lines) + "\n",
+                            content_type="text/plain", charset="utf-8")
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -101,6 +132,9 @@ class FakeOpenAIServer:
                 await _send(resp, {"error": {"message": "injected stream error"}})
                 await resp.write(b"data: [DONE]\n\n")
                 return resp
+        if self.spec_per_request is not None:
+            for i, grow in enumerate(self.spec_per_request):
+                self.spec_totals[i] += grow
         if self.usage and (body.get("stream_options") or {}).get("include_usage"):
             await _send(resp, {"choices": [], "usage": {
                 "prompt_tokens": len(prompt.split()), "completion_tokens": n,

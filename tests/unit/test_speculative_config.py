@@ -1,0 +1,92 @@
+"""Bad speculative/lookahead flag values are a ValueError naming the flag, before anything loads
+(issue 9: unknown --decode_algo, --gamma 0, window/gram/guess-set sizes out of range).
+
+Limits (bladellm/config.py SpeculativeConfig): --gamma 1..16, --look_ahead_window_size 1..16,
+--look_ahead_gram_size 2..8, --guess_set_size 1..16."""
+
+import pytest
+
+from bladellm.config import EngineConfig, SpeculativeConfig
+from bladellm.entrypoints.cli.args import parse_args
+
+BAD = [
+    ({"decode_algo": "foo"}, "--decode_algo"),
+    ({"decode_algo": "SPS"}, "--decode_algo"),
+    ({"decode_algo": ""}, "--decode_algo"),
+    ({"gamma": 0}, "--gamma"),
+    ({"gamma": -1}, "--gamma"),
+    ({"gamma": 17}, "--gamma"),
+    ({"look_ahead_window_size": 0}, "--look_ahead_window_size"),
+    ({"look_ahead_window_size": 17}, "--look_ahead_window_size"),
+    ({"look_ahead_gram_size": 1}, "--look_ahead_gram_size"),
+    ({"look_ahead_gram_size": 0}, "--look_ahead_gram_size"),
+    ({"look_ahead_gram_size": 9}, "--look_ahead_gram_size"),
+    ({"guess_set_size": 0}, "--guess_set_size"),
+    ({"guess_set_size": 17}, "--guess_set_size"),
+]
+
+
+def _match(flag: str) -> str:
+    return "^" + flag + ":"  # the message starts with the flag's name
+
+
+@pytest.mark.parametrize("kwargs,flag", BAD)
+def test_speculative_config_names_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=_match(flag)):
+        SpeculativeConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,flag", BAD)
+def test_engine_config_names_the_flag(kwargs, flag):
+    # Given with an algorithm that would use the value, so it is not "unused" but invalid.
+    algo = {"decode_algo": "look_ahead"} if flag.startswith(("--look", "--guess")) else {}
+    extra = {"draft_model": "/some/draft"} if kwargs.get("decode_algo", algo.get(
+        "decode_algo")) == "sps" else {}
+    with pytest.raises(ValueError, match=_match(flag)):
+        EngineConfig.from_kwargs(model="m", **{**algo, **kwargs}, **extra)
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    ({"decode_algo": "foo"}, "--decode_algo"),
+    ({"decode_algo": "sps", "gamma": 0}, "--gamma"),
+    ({"decode_algo": "look_ahead", "look_ahead_window_size": 0}, "--look_ahead_window_size"),
+    ({"decode_algo": "look_ahead", "look_ahead_gram_size": 9}, "--look_ahead_gram_size"),
+    ({"decode_algo": "look_ahead", "guess_set_size": 0}, "--guess_set_size"),
+])
+def test_llm_refuses_before_anything_loads(kwargs, flag):
+    """The model directory does not exist: the error is the flag's, so nothing was loaded."""
+    from bladellm import LLM
+
+    extra = {"draft_model": "/nonexistent/draft"} if kwargs["decode_algo"] == "sps" else {}
+    with pytest.raises(ValueError, match=_match(flag)):
+        LLM(model="/nonexistent/model", **kwargs, **extra)
+
+
+def test_limits_are_inclusive():
+    for kwargs in ({"gamma": 1}, {"gamma": 16}, {"look_ahead_window_size": 1},
+                   {"look_ahead_window_size": 16}, {"look_ahead_gram_size": 2},
+                   {"look_ahead_gram_size": 8}, {"guess_set_size": 1},
+                   {"guess_set_size": 16}):
+        SpeculativeConfig(**kwargs)
+    assert SpeculativeConfig(decode_algo="look_ahead", look_ahead_gram_size=8).max_spec_tokens == 7
+    assert SpeculativeConfig(decode_algo="sps", gamma=16).max_spec_tokens == 16
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--decode_algo", "foo"], "--decode_algo"),
+    (["--decode_algo", "sps", "--draft.model", "d", "--gamma", "0"], "--gamma"),
+    (["--decode-algo", "look_ahead", "--look-ahead-window-size", "0"],
+     "--look_ahead_window_size"),
+    (["--decode_algo", "look_ahead", "--look_ahead_gram_size", "1"], "--look_ahead_gram_size"),
+    (["--decode_algo", "look_ahead", "--look_ahead_gram_size", "9"], "--look_ahead_gram_size"),
+    (["--decode_algo", "look_ahead", "--guess_set_size", "0"], "--guess_set_size"),
+    (["--decode_algo", "look_ahead", "--guess_set_size", "17"], "--guess_set_size"),
+])
+def test_server_flags_are_errors_naming_the_flag(argv, flag, capsys):
+    """blade_llm_server turns the ValueError into a usage error (exit 2) that names the flag
+    (an unknown --decode_algo is refused by argparse's choices, also naming it)."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model", "/nonexistent/model", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and flag in err
