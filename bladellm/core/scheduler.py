@@ -306,7 +306,7 @@ class Scheduler:
         if sched.grammar_bitmask is not None:
             # The mask fill consumes and rolls back speculative tokens in the matchers: let it
             # finish before the grammars advance below (the runner has normally waited already).
-            sched.grammar_bitmask.result()
+            sched.grammar_bitmask.wait()  # a failed fill was the step's error, not ours
         if self._step_start is not None and sched.total_num_scheduled_tokens:
             self.step_cost.observe(sched.total_num_scheduled_tokens,
                                    self.clock() - self._step_start)

@@ -24,6 +24,7 @@ import zmq
 
 from bladellm.config import EngineConfig
 from bladellm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from bladellm.executor.base import WorkerDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ def _busy_loop(core: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> 
             if idle and os.getppid() != parent_pid:
                 return
             if idle:
+                core.executor.check_health()  # a worker that died while idle: report dead now
                 continue
         extra = []
         while inp.poll(0):
@@ -155,6 +157,8 @@ def _utility(core: Any, method: str, args: list) -> Any:
     if method in ("embed", "prompt_logprobs"):  # one extra forward per prompt, between steps
         try:
             return {"result": getattr(core, method)(*args)}
+        except WorkerDiedError:
+            raise  # no worker left to serve anything: the engine is dead
         except Exception as exc:  # noqa: BLE001 - one bad request must not kill the engine
             logger.error("%s failed: %s", method, exc)
             return {"error": f"{type(exc).__name__}: {exc}"}

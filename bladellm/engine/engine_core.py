@@ -40,15 +40,16 @@ class EngineCore:
         try:
             num_blocks = self.executor.determine_num_blocks()
             self.executor.initialize_kv_cache(num_blocks)
+            self.lora_enabled = config.lora.enable_lora
+            self.scheduler = Scheduler(
+                config.scheduler, config.cache, num_blocks, self.max_model_len,
+                speculative=config.speculative,
+                max_loras=config.lora.max_loras if self.lora_enabled else None)
+            self.num_blocks = num_blocks
+            self.guided = GuidedRequests(config, resolved, self.scheduler)
         except BaseException:
             self.executor.shutdown()  # no worker process outlives a failed start
             raise
-        self.lora_enabled = config.lora.enable_lora
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len,
-                                   speculative=config.speculative,
-                                   max_loras=config.lora.max_loras if self.lora_enabled else None)
-        self.num_blocks = num_blocks
-        self.guided = GuidedRequests(config, resolved, self.scheduler)
 
     def shutdown(self) -> None:
         """Stop the workers (world size > 1: their processes)."""

@@ -32,8 +32,9 @@ import signal
 import socket
 import tempfile
 import time
-import traceback
+import weakref
 from collections.abc import Iterator
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ from bladellm.platforms.threads import engine_process_env, process_env
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 100  # how often a waiting executor checks that every worker still lives
+_OUT_OF_STEP_S = 30.0  # how long the other ranks may take once one rank's call failed
 _READY_TIMEOUT_S = 600.0  # model load of the slowest rank
 _PR_SET_PDEATHSIG = 1
 
@@ -64,6 +66,9 @@ class ReadyBitmask:
 
     def result(self) -> np.ndarray:
         return self.bitmask
+
+    def wait(self) -> None:
+        """Already computed."""
 
 
 def _free_tcp_port() -> int:
@@ -134,8 +139,8 @@ def worker_main(config: EngineConfig, resolved: ResolvedModel, rank: int, init_m
                         num_threads=_rank_threads(config, par.world_size),
                         local_world_size=par.world_size)
     except BaseException as exc:  # noqa: BLE001 - report any start-up failure
-        push.send(pickle.dumps((-1, rank, False, f"{type(exc).__name__}: {exc}\n"
-                                                 f"{traceback.format_exc()}")))
+        logger.exception("rank %d failed to start", rank)  # the traceback stays in our log
+        push.send(pickle.dumps((-1, rank, False, f"{type(exc).__name__}: {exc}")))
         return
     push.send(pickle.dumps((-1, rank, True, None)))
     seen_ping = -1
@@ -156,7 +161,10 @@ def worker_main(config: EngineConfig, resolved: ResolvedModel, rank: int, init_m
             value = getattr(worker, method)(*args)
             ok = True
         except Exception as exc:  # noqa: BLE001 - reported to the engine core
-            value, ok = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", False
+            # The message may reach a client (a failed step fails its requests with it): no
+            # traceback or file paths in it; those go to this rank's log.
+            logger.exception("rank %d: %s failed", rank, method)
+            value, ok = f"{type(exc).__name__}: {exc}", False
         if method == "execute_model" and rank != 0:
             value = None  # rank 0 samples; the others only confirm they ran
         push.send(pickle.dumps((call_id, rank, ok, value), protocol=pickle.HIGHEST_PROTOCOL))
@@ -213,20 +221,26 @@ class MultiprocExecutor(Executor):
         init_method = par.distributed_init_method or f"tcp://127.0.0.1:{_free_tcp_port()}"
         mp = multiprocessing.get_context("spawn")
         log_level = logging.getLogger().level or logging.INFO
-        self.procs = []
-        with process_env(engine_process_env()), _children_allowed():
-            for rank in range(self.world_size):
-                proc = mp.Process(target=worker_main, name=f"bladellm-worker-{rank}",
-                                  daemon=True,
-                                  args=(config, resolved, rank, init_method, bcast_addr,
-                                        result_addr, log_level))
-                proc.start()
-                self.procs.append(proc)
+        self.procs: list[Any] = []
+        # Runs once: at shutdown(), or when the executor is collected / the interpreter exits.
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self._pub,
+                                           self._ctx, self._ipc_dir)
         try:
+            with process_env(engine_process_env()), _children_allowed():
+                for rank in range(self.world_size):
+                    proc = mp.Process(target=worker_main, name=f"bladellm-worker-{rank}",
+                                      daemon=True,
+                                      args=(config, resolved, rank, init_method, bcast_addr,
+                                            result_addr, log_level))
+                    proc.start()
+                    self.procs.append(proc)
             self._wait_started()
         except BaseException:
             self.shutdown()
             raise
+        # Connected sockets outlive their IPC files: remove them now, so that an engine core
+        # killed before shutdown() leaves nothing in the temporary directory.
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
         logger.info("%d worker processes ready (tensor parallel %d, rendezvous %s)",
                     self.world_size, par.tensor_parallel_size, init_method)
 
@@ -270,6 +284,7 @@ class MultiprocExecutor(Executor):
         errors: dict[int, str] = {}
         pending = set(range(self.world_size))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        out_of_step_at = None  # set once a rank failed while others are still busy
         while pending:
             if self._pull.poll(_POLL_MS):
                 got_id, rank, ok, value = pickle.loads(self._pull.recv())
@@ -281,6 +296,20 @@ class MultiprocExecutor(Executor):
                 else:
                     errors[rank] = value
                 continue
+            if errors:
+                first = min(errors)
+                if call_id < 0:  # report the cause now, not the exit of the rank that failed
+                    raise RuntimeError(f"worker rank {first} failed to start: {errors[first]}")
+                # A rank that failed before a collective leaves the others blocked in it: give
+                # them a moment (a failure after the collectives lets them finish), then the
+                # ranks are out of step for good and the engine cannot go on.
+                now = time.monotonic()
+                if out_of_step_at is None:
+                    out_of_step_at = now + _OUT_OF_STEP_S
+                elif now > out_of_step_at:
+                    self._dead = (f"worker rank {first} failed during {what} ({errors[first]}) "
+                                  f"while ranks {sorted(pending)} did not finish it")
+                    raise WorkerDiedError(self._dead)
             self._check_alive(what)
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerDiedError(f"worker ranks {sorted(pending)} did not answer within "
@@ -300,7 +329,10 @@ class MultiprocExecutor(Executor):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         bitmask = sched.grammar_bitmask
         if bitmask is not None and not isinstance(bitmask, ReadyBitmask):
-            sched.grammar_bitmask = ReadyBitmask(list(bitmask.req_ids), bitmask.result())
+            # A failed fill raises here, inside the engine core's step guard: the step fails,
+            # not the engine (the scheduler later waits on the original without raising).
+            ready = ReadyBitmask(list(bitmask.req_ids), bitmask.result())
+            sched = dataclasses.replace(sched, grammar_bitmask=ready)
         return self.collective_rpc("execute_model", (sched,))[0]
 
     def check_health(self) -> None:
@@ -310,19 +342,23 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         """Ask the workers to leave, then make sure they are gone (no orphans)."""
-        if not getattr(self, "procs", None):
-            return
+        self._finalizer()
+
+
+def _stop_workers(procs: list[Any], pub: zmq.Socket, ctx: zmq.Context, ipc_dir: str) -> None:
+    """The executor's cleanup (a ``weakref.finalize`` callback: it must not hold the executor)."""
+    if procs:
         try:
-            self._publish("_shutdown", ())
+            pub.send(pickle.dumps((-2, "_shutdown", ())), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         deadline = time.monotonic() + 5
-        for proc in self.procs:
+        for proc in procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in self.procs:
+        for proc in procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
-        self.procs = []
-        self._ctx.destroy(linger=0)
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        procs.clear()
+    ctx.destroy(linger=0)
+    shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -103,6 +103,10 @@ class StepBitmask:
     def result(self) -> np.ndarray:
         return self._future.result()
 
+    def wait(self) -> None:
+        """Until the fill has finished, without raising its error (``result()`` raises it)."""
+        wait([self._future])
+
 
 class GuidedDecodingManager:
     def __init__(self, backend_factory: Callable[[], LLGuidanceBackend], vocab_size: int,

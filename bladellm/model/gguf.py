@@ -141,6 +141,21 @@ class GGUFCheckpoint:
         for name in self.tensors:
             hf_tensor_name(name)  # fail now on a tensor we would not know where to put
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (to a tensor-parallel worker) as its path: the reader's memory map would be
+        copied, twice the file, into every worker otherwise."""
+        state = dict(self.__dict__)
+        for key in ("reader", "tensors"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from gguf import GGUFReader
+
+        self.__dict__.update(state)
+        self.reader = GGUFReader(self.path, "r")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
     # -- metadata ---------------------------------------------------------------------------
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -178,3 +178,16 @@ def test_guided_json_embeddings_and_logprobs_across_ranks(tiny_llama):
         assert ids1 == ids2 and rank1 == rank2
         assert max(abs(a - b) for a, b in zip(lps1, lps2)) < 1e-4
     assert max(abs(x - y) for x, y in zip(emb1, emb2)) < 1e-4
+
+
+def test_failed_start_after_the_workers_leaves_none(tiny_llama, tmp_path):
+    """The workers are up when a later part of the engine start fails (here: a JSON warm-up
+    schema that does not exist): the error reaches the caller and no worker outlives it."""
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError):
+        LLM(model=tiny_llama, dtype="float32", tensor_parallel_size=2, enable_json_warmup=True,
+            json_warmup_schemas=[str(tmp_path / "missing.json")])
+    assert not [p for p in multiprocessing.active_children()
+                if p not in before and p.name.startswith("bladellm-worker")]
