@@ -426,8 +426,6 @@ class EngineConfig:
             _check(not spec.enabled, "decode_algo",
                    f"--decode_algo {spec.decode_algo} is not supported with "
                    "--tensor_parallel_size > 1 yet")
-            _check(not self.lora.enable_lora, "enable_lora",
-                   "LoRA is not supported with --tensor_parallel_size > 1 yet")
         # The verification step and the sps draft have no LoRA path yet (docs/lora.md).
         _check(not (self.lora.enable_lora and spec.enabled), "enable_lora",
                f"cannot be combined with --decode_algo {spec.decode_algo} yet")

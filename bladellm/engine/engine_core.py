@@ -103,9 +103,12 @@ class EngineCore:
         wanted = self.scheduler.wanted_loras()
         if not wanted:
             return [], False
-        ready, failed, loading = self.executor.collective_rpc(
-            "sync_loras", (list(wanted.values()),))[0]
-        self.scheduler.lora_ready = set(ready)
+        # Every rank keeps its own host tier: an adapter is ready when it is on all of them.
+        answers = self.executor.collective_rpc("sync_loras", (list(wanted.values()),))
+        ready = set.intersection(*(set(a[0]) for a in answers))
+        failed = {lora_id: err for a in answers for lora_id, err in a[1].items()}
+        loading = any(a[2] for a in answers) or any(set(a[0]) != ready for a in answers)
+        self.scheduler.lora_ready = ready
         outputs: list[EngineCoreOutput] = []
         for lora_id, error in failed.items():
             outputs.extend(self.scheduler.fail_lora(lora_id, error))

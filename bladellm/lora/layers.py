@@ -16,6 +16,7 @@ from torch import nn
 from bladellm.lora.adapter import TARGETS
 from bladellm.kernels import get_kernels
 from bladellm.lora.ops import lora_delta
+from bladellm.model.utils import tp_all_reduce
 
 # Our layer name -> the PEFT module names of its output slices, in order.
 SLICES: dict[str, tuple[str, ...]] = {}
@@ -36,6 +37,16 @@ class LoRALinear(nn.Module):
             raise ValueError(f"{base.prefix}: {len(sizes)} output slices, expected "
                              f"{len(slice_names)}")
         self.offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+        # Tensor parallelism: this rank holds output rows [start, start + size) of each slice
+        # (column-parallel) or input columns [input_start, +in_features) (row-parallel); the
+        # adapter's full A and B are cut the same way in set_slot.
+        self.out_starts = [start for start, _ in getattr(base, "output_shards", None)
+                           or [(0, size) for size in sizes]]
+        self.in_start = getattr(base, "input_start", 0)
+        # Row-parallel under TP: each rank's delta is a partial sum, so it is added before the
+        # all-reduce (forward), not after it.
+        self.reduce_after_delta = (getattr(base, "tp_size", 1) > 1
+                                   and getattr(base, "reduce_results", False))
         in_features, width = base.input_size_per_partition, len(sizes) * max_rank
         self.register_buffer("lora_a", torch.zeros(num_slots, in_features, width, dtype=dtype),
                              persistent=False)
@@ -56,18 +67,25 @@ class LoRALinear(nn.Module):
             pair = weights.get(name)
             if pair is not None:
                 a, b = pair
+                in_features = self.lora_a.shape[1]
+                a = a[:, self.in_start:self.in_start + in_features]
+                b = b[self.out_starts[j]:self.out_starts[j] + self.sizes[j]]
                 r, lo = a.shape[0], j * self.rank
                 self.lora_a[slot, :, lo:lo + r].copy_(a.t())
                 self.lora_b[slot, lo:lo + r, self.offsets[j]:self.offsets[j] + self.sizes[j]] \
                     .copy_(b.t())
 
     def forward(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        y = self.base(x, ctx)
         mapping = getattr(ctx, "lora", None)
+        if self.reduce_after_delta:
+            base = self.base
+            y = base.quant_method.apply(base, x, base.bias if base.tp_rank == 0 else None)
+        else:
+            y = self.base(x, ctx)
         if mapping is not None:
             lora_delta(x, self.lora_a, self.lora_b, y, mapping, self.kernels, self.rank,
                        self.slice_offsets)
-        return y
+        return tp_all_reduce(y) if self.reduce_after_delta else y
 
 
 def wrap_model(model: nn.Module, num_slots: int, max_rank: int,

@@ -87,6 +87,7 @@ def test_shutdown_leaves_no_worker(tiny_llama):
     (dict(tensor_parallel_size=2, distributed_init_method="udp://x"), "distributed_init_method"),
     (dict(distributed_init_method="tcp://127.0.0.1:1234"), "distributed_init_method"),
     (dict(tensor_parallel_size=2, decode_algo="look_ahead"), "decode_algo"),
+    (dict(tensor_parallel_size=2, decode_algo="sps", draft_model="x"), "decode_algo"),
 ])
 def test_bad_parallel_config_is_refused_before_any_process_starts(tiny_llama, kwargs, flag):
     before = set(os.listdir("/proc"))
@@ -191,3 +192,38 @@ def test_failed_start_after_the_workers_leaves_none(tiny_llama, tmp_path):
             json_warmup_schemas=[str(tmp_path / "missing.json")])
     assert not [p for p in multiprocessing.active_children()
                 if p not in before and p.name.startswith("bladellm-worker")]
+
+
+def test_lora_across_uneven_ranks_matches_one_rank(tiny_model_factory, tmp_path):
+    """Several adapters in one batch under TP=3 with uneven shards: each rank cuts the adapters'
+    A/B like its base weights (column-parallel: B rows of its heads/columns; row-parallel: A
+    columns of its inputs, delta added before the all-reduce); greedy tokens equal one rank's."""
+    from tiny_lora import make_adapter
+
+    arch, tp, overrides = CASES["llama-T3-uneven"]
+    model_dir = tiny_model_factory(arch, **overrides)
+    adapters = {
+        "attn": make_adapter(model_dir, tmp_path / "attn", r=4,
+                             targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=1),
+        "mlp": make_adapter(model_dir, tmp_path / "mlp", r=8,
+                            targets=["gate_proj", "up_proj", "down_proj"], seed=2),
+    }
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
+    jobs = [(name, p) for name in (None, "attn", "mlp") for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    results = []
+    for degree in (1, tp):
+        llm = LLM(model=model_dir, dtype="float32", tensor_parallel_size=degree,
+                  enable_lora=True, max_loras=2, max_lora_rank=8)
+        try:
+            loras = {n: llm.lora_request(n, path) for n, path in adapters.items()}
+            outs = llm.generate([p for _, p in jobs], params, use_tqdm=False,
+                                lora_request=[loras[n] if n else None for n, _ in jobs])
+            results.append([o.outputs[0].token_ids for o in outs])
+        finally:
+            llm.shutdown()
+    one, many = results
+    assert many == one
+    by_job = dict(zip([(n, tuple(p)) for n, p in jobs], one))
+    for name in adapters:  # the adapters change the output: the comparison can fail
+        assert any(by_job[(name, tuple(p))] != by_job[(None, tuple(p))] for p in prompts), name
