@@ -227,3 +227,22 @@ def test_lora_across_uneven_ranks_matches_one_rank(tiny_model_factory, tmp_path)
     by_job = dict(zip([(n, tuple(p)) for n, p in jobs], one))
     for name in adapters:  # the adapters change the output: the comparison can fail
         assert any(by_job[(name, tuple(p))] != by_job[(None, tuple(p))] for p in prompts), name
+
+
+def test_server_notices_a_worker_that_dies_while_idle(tiny_llama):
+    """No request in flight: the idle engine core's health poll sees the dead rank, the
+    engine reports dead and the server exits 1 within seconds, without waiting for traffic."""
+    from test_server import ServerProcess, _children
+
+    srv = ServerProcess(["--model", tiny_llama, "--host", "127.0.0.1", "--port", "0",
+                         "--dtype", "float32", "-tp", "2", "--shutdown_timeout", "1"])
+    try:
+        srv.wait_ready(180)
+        (core,) = [p for p in _children(srv.proc.pid) if "spawn_main" in _cmdline(str(p))]
+        ranks = [p for p in _children(core) if "spawn_main" in _cmdline(str(p))]
+        os.kill(ranks[0], signal.SIGKILL)
+        assert srv.proc.wait(timeout=30) == 1
+        assert "worker rank 0" in srv.log()
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
