@@ -161,17 +161,15 @@ class GuidedDecodingManager:
                 raise ValueError(f"--json_warmup_schemas: {exc}")
         return time.perf_counter() - start
 
-    def start_bitmask(self, entries: list[tuple]) -> StepBitmask:
-        """Fill the bitmask rows of ``entries`` in the background: ``(req_id, state)`` for a
-        request that samples one position, ``(req_id, state, draft)`` for one that verifies the
-        speculative tokens ``draft`` (every one of them but the last accepted by the grammar:
-        the scheduler cut the proposal there) and gets ``1 + len(draft)`` rows."""
+    def start_bitmask(self, entries: list[tuple[str, GrammarState, list[int]]]) -> StepBitmask:
+        """Fill the bitmask rows of ``entries`` ``(req_id, state, draft)`` in the background:
+        one row for a request that samples one position (``draft`` empty), ``1 + len(draft)``
+        for one that verifies the speculative tokens ``draft`` (every one of them but the last
+        accepted by the grammar: the scheduler cut the proposal there)."""
         req_ids: list[str] = []
         jobs: list[tuple[Any, int, list[int]]] = []
-        for entry in entries:
-            req_id, state = entry[0], entry[1]
-            draft = list(entry[2]) if len(entry) > 2 and entry[2] else []
-            jobs.append((state.matcher, len(req_ids), draft))
+        for req_id, state, draft in entries:
+            jobs.append((state.matcher, len(req_ids), list(draft)))
             req_ids.extend([req_id] * (1 + len(draft)))
         self.num_mask_steps += 1
         return StepBitmask(req_ids, self._mask_pool.submit(self._fill, jobs, len(req_ids)))

@@ -112,7 +112,7 @@ def test_batched_bitmask_matches_each_matcher_and_masks_logits(backend, tokenize
     for s in states:
         s.future.result()
         assert s.is_ready()
-    step = manager.start_bitmask([("a", states[0]), ("b", states[1])])
+    step = manager.start_bitmask([("a", states[0], []), ("b", states[1], [])])
     bitmask = step.result().copy()
     for row, s in enumerate(states):
         single = np.frombuffer(s.matcher.compute_bitmask(), dtype=np.int32)
@@ -184,7 +184,7 @@ def test_speculative_bitmask_has_a_row_per_verified_position(backend, tokenizer)
     bad_draft = _encode(tokenizer, "12x4")
     assert bad.accept_tokens(bad_draft) == 2
     bad.rollback(2)
-    step = manager.start_bitmask([("s", spec, good_draft), ("p", plain),
+    step = manager.start_bitmask([("s", spec, good_draft), ("p", plain, []),
                                   ("b", bad, bad_draft)])
     assert step.req_ids == ["s"] * 6 + ["p"] + ["b"] * 5
     bitmask = step.result().copy()
