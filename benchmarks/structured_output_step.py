@@ -71,7 +71,7 @@ def main() -> None:
             stop = 1 + (i * 7919) % (len(tokens) - 2)
             assert state.accept_tokens(tokens[:stop]) == stop
             states.append((state, tokens[stop]))
-        entries = [(str(i), s) for i, (s, _) in enumerate(states)]
+        entries = [(str(i), s, []) for i, (s, _) in enumerate(states)]
         logits = torch.randn(rows, vocab)
         row_ids = torch.arange(rows)
         bitmask = manager.start_bitmask(entries).result().copy()
