@@ -176,8 +176,10 @@ class ParallelConfig:
                                      "may be uneven, see docs/parallel.md); torch.distributed "
                                      "with gloo on CPU."})
     pipeline_parallel_size: int = field(
-        default=1, metadata={"help": "Pipeline-parallel degree (only 1 so far: the stages "
-                                     "are not built yet)."})
+        default=1, metadata={"help": "Pipeline-parallel degree: the decoder layers are split "
+                                     "into that many stages (lengths differ by at most one), "
+                                     "each run by --tensor_parallel_size processes; up to "
+                                     "that many micro-batches are in flight (docs/parallel.md)."})
     distributed_init_method: str | None = field(
         default=None,
         metadata={"help": "torch.distributed rendezvous of the worker ranks (e.g. "
@@ -198,22 +200,25 @@ class ParallelConfig:
                f"must be >= 1, got {self.tensor_parallel_size}")
         _check(self.pipeline_parallel_size >= 1, "pipeline_parallel_size",
                f"must be >= 1, got {self.pipeline_parallel_size}")
-        _check(self.pipeline_parallel_size == 1, "pipeline_parallel_size",
-               "pipeline parallelism is not supported yet; use 1 (tensor parallelism is: "
-               "--tensor_parallel_size)")
         _check(self.distributed_init_method is None or (
             self.distributed_init_method.startswith(("tcp://", "env://", "file://"))),
             "distributed_init_method",
             f"must be a torch.distributed URL (tcp://, env://, file://), got "
             f"{self.distributed_init_method!r}")
         _check(self.distributed_init_method is None or self.world_size > 1,
-               "distributed_init_method", "only used with --tensor_parallel_size > 1")
+               "distributed_init_method", "only used with --tensor_parallel_size or "
+               "--pipeline_parallel_size > 1")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
                f"must be >= 1, got {self.num_threads}")
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def driver_rank(self) -> int:
+        """The rank that samples and answers: TP rank 0 of the last pipeline stage."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
 _DECODE_ALGOS = ("normal", "sps", "look_ahead")
@@ -425,7 +430,10 @@ class EngineConfig:
             # Not built on the tensor-parallel path yet (docs/parallel.md): refused, not ignored.
             _check(not spec.enabled, "decode_algo",
                    f"--decode_algo {spec.decode_algo} is not supported with "
-                   "--tensor_parallel_size > 1 yet")
+                   "--tensor_parallel_size or --pipeline_parallel_size > 1 yet")
+        # Adapters for layers of other stages would have to be split per stage (not built).
+        _check(not (self.lora.enable_lora and self.parallel.pipeline_parallel_size > 1),
+               "enable_lora", "cannot be combined with --pipeline_parallel_size > 1 yet")
         # The verification step and the sps draft have no LoRA path yet (docs/lora.md).
         _check(not (self.lora.enable_lora and spec.enabled), "enable_lora",
                f"cannot be combined with --decode_algo {spec.decode_algo} yet")

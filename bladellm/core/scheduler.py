@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from bladellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from bladellm.core import spec_decode
@@ -129,7 +129,10 @@ class Scheduler:
 
     # --- schedule ------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, skip: Collection[str] = (),
+                 max_num_reqs: int | None = None) -> SchedulerOutput:
+        """The next step. Pipeline parallelism: ``skip`` are requests in a step still in flight
+        (they wait for its token), ``max_num_reqs`` caps this micro-batch's requests."""
         self._expire_queued()
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
@@ -141,11 +144,12 @@ class Scheduler:
                 min(sum(max(r.num_tokens - r.num_computed_tokens, 0) for r in self.running),
                     budget), len(self.running))
 
+        room = self.config.max_num_seqs if max_num_reqs is None else max_num_reqs
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and room > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or req.request_id in skip:
                 i += 1
                 continue
             spec = spec_decode.NO_GRANT
@@ -171,10 +175,11 @@ class Scheduler:
             self._runner_num_tokens[req.request_id] = req.num_tokens
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
+            room -= 1
             i += 1
 
         if not out.preempted_req_ids:
-            budget = self._admit_waiting(out, budget)
+            budget = self._admit_waiting(out, budget, room, skip)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         if out.total_num_scheduled_tokens:
             self.num_steps += 1
@@ -212,12 +217,19 @@ class Scheduler:
         self._runner_num_tokens.pop(req.request_id, None)
         self.waiting.appendleft(req)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, room: int,
+                       skip: Collection[str]) -> int:
         kv = self.kv_cache_manager
         held_back: list[Request] = []
         running_loras = self._running_loras()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and room > 0
+               and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if req.request_id in skip:
+                # Preempted while a step of it is still in flight: resumed once that step's
+                # (ignored) result is back, or the stale result would count.
+                held_back.append(self.waiting.popleft())
+                continue
             if req.grammar is not None and not req.grammar.is_ready():
                 held_back.append(self.waiting.popleft())  # still compiling: others go first
                 continue
@@ -250,6 +262,7 @@ class Scheduler:
             self._runner_num_tokens[req.request_id] = req.num_tokens
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
+            room -= 1
         self.waiting.extendleft(reversed(held_back))
         return budget
 

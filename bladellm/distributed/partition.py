@@ -92,3 +92,17 @@ def attention_partition(num_heads: int, num_kv_heads: int, tp_size: int,
 
 __all__ = ["AttentionShard", "attention_partition", "attention_partitions", "even_shard",
            "shard_range", "split_evenly"]
+
+
+def pipeline_stages(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` decoder layers of each pipeline stage: contiguous runs whose lengths
+    differ by at most 1, longer ones first (the last stage also runs the final norm, the LM head
+    and the sampler, so it is the one that gets fewer layers). Every stage holds a layer."""
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp_size} is larger than the model's "
+                         f"{num_layers} layers: some stage would hold no layer")
+    stages, start = [], 0
+    for n in split_evenly(num_layers, pp_size):
+        stages.append((start, start + n))
+        start += n
+    return stages

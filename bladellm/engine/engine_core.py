@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections import deque
 
 from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.core.scheduler import Scheduler
 from bladellm.executor import WorkerDiedError, get_executor_class
+from bladellm.executor.base import StepHandle
 from bladellm.engine.guided import GuidedRequests
 from bladellm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from bladellm.model.checkpoint import ResolvedModel
@@ -47,6 +49,8 @@ class EngineCore:
                 max_loras=config.lora.max_loras if self.lora_enabled else None)
             self.num_blocks = num_blocks
             self.guided = GuidedRequests(config, resolved, self.scheduler)
+            # Published steps not finished yet (pipeline parallelism), oldest first.
+            self.batch_queue: deque[tuple[SchedulerOutput, StepHandle | Exception]] = deque()
         except BaseException:
             self.executor.shutdown()  # no worker process outlives a failed start
             raise
@@ -70,25 +74,30 @@ class EngineCore:
 
     def embed(self, prompts: list[list[int]], pooling: str) -> list[list[float]]:
         """Embeddings of token-id prompts, outside the scheduler (they hold no KV blocks)."""
-        return self.executor.collective_rpc("embed", (prompts, pooling))[0]
+        return self.executor.collective_rpc("embed", (prompts, pooling))[
+            self.executor.driver_rank]
 
     def prompt_logprobs(self, prompts: list[list[int]], num_top: int) -> list[list]:
         """Prompt-token logprobs, outside the scheduler (a separate forward per prompt)."""
-        return self.executor.collective_rpc("prompt_logprobs", (prompts, num_top))[0]
+        return self.executor.collective_rpc("prompt_logprobs", (prompts, num_top))[
+            self.executor.driver_rank]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> EngineCoreOutputs:
         lora_failures, loading = self._sync_loras() if self.lora_enabled else ([], False)
         failed = self.guided.fail_broken_grammars()
-        sched = self.scheduler.schedule()
-        sched.grammar_bitmask = self.guided.start_bitmask(sched)
-        if sched.is_empty:
-            if loading:
-                time.sleep(0.002)  # only requests waiting for an adapter load: do not spin
-            self.guided.wait_for_compiling()  # only grammar-waiting requests: don't spin
-        runner_out = self._execute(sched)
+        if self.executor.max_concurrent_batches > 1:
+            sched, runner_out = self._pipelined_step()
+        else:
+            sched = self.scheduler.schedule()
+            sched.grammar_bitmask = self.guided.start_bitmask(sched)
+            if sched.is_empty:
+                if loading:
+                    time.sleep(0.002)  # only requests waiting for an adapter load: don't spin
+                self.guided.wait_for_compiling()  # only grammar-waiting requests: don't spin
+            runner_out = self._execute(sched)
         outputs = (lora_failures + failed
                    + self.scheduler.update_from_output(sched, runner_out))
         if self.config.debug_block_accounting:
@@ -96,6 +105,51 @@ class EngineCore:
         stats = self.scheduler.get_stats()
         self.guided.fill_stats(stats)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
+
+    def _pipelined_step(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """Pipeline parallelism: keep up to ``P`` micro-batches in flight, then finish the oldest.
+
+        Schedule: each new micro-batch takes requests that are not in flight (a request needs
+        its last token back before it can run again) and at most ``ceil(unfinished / P)`` of
+        them, so a full batch is split over the stages instead of filling the first micro-batch
+        and leaving the others empty. Stage ``s`` runs micro-batch ``i`` while stage ``s - 1``
+        runs ``i + 1``; every rank runs them in publication order.
+        """
+        depth = self.executor.max_concurrent_batches
+        while len(self.batch_queue) < depth:
+            in_flight = {r for sched, _ in self.batch_queue for r in sched.num_scheduled_tokens}
+            unfinished = self.scheduler.num_running + self.scheduler.num_waiting
+            sched = self.scheduler.schedule(skip=in_flight,
+                                            max_num_reqs=max(1, -(-unfinished // depth)))
+            if sched.is_empty and self.batch_queue and not (
+                    sched.finished_req_ids or sched.preempted_req_ids):
+                break  # nothing new to run (or to tell the workers): wait for the oldest
+            if sched.is_empty and not self.batch_queue:
+                self.guided.wait_for_compiling()  # only grammar-waiting requests: don't spin
+            sched.grammar_bitmask = self.guided.start_bitmask(sched)
+            self.batch_queue.append((sched, self._submit(sched)))
+            if sched.is_empty:
+                break
+        sched, handle = self.batch_queue.popleft()
+        return sched, self._collect(sched, handle)
+
+    def _submit(self, sched: SchedulerOutput) -> StepHandle | Exception:
+        try:
+            return self.executor.execute_model_async(sched)
+        except WorkerDiedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - failed before it ran: fail its requests
+            return exc
+
+    def _collect(self, sched: SchedulerOutput, handle: StepHandle | Exception) -> ModelRunnerOutput:
+        try:
+            if isinstance(handle, Exception):
+                raise handle
+            return handle.result()
+        except WorkerDiedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad batch must not kill the server
+            return self._fail_step(sched, exc)
 
     def _sync_loras(self) -> tuple[list[EngineCoreOutput], bool]:
         """Start disk loads of wanted adapters (off this loop), tell the scheduler which are in
@@ -124,11 +178,15 @@ class EngineCore:
         except WorkerDiedError:
             raise  # no worker to fail requests on: the engine is dead
         except Exception as exc:  # noqa: BLE001 - one bad batch must not kill the server
-            logger.error("step failed; failing its %d requests:\n%s",
-                         len(sched.num_scheduled_tokens), traceback.format_exc())
-            req_ids = list(sched.num_scheduled_tokens)
-            # The workers must forget them too (their blocks are freed by the scheduler).
-            self.executor.drop_requests(req_ids)
-            return ModelRunnerOutput(
-                req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
-                errored={r: f"{type(exc).__name__}: {exc}" for r in req_ids})
+            return self._fail_step(sched, exc)
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
+        """The step's requests finish with its error (the engine goes on)."""
+        logger.error("step failed; failing its %d requests:\n%s",
+                     len(sched.num_scheduled_tokens), "".join(traceback.format_exception(exc)))
+        req_ids = list(sched.num_scheduled_tokens)
+        # The workers must forget them too (their blocks are freed by the scheduler).
+        self.executor.drop_requests(req_ids)
+        return ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
+            errored={r: f"{type(exc).__name__}: {exc}" for r in req_ids})

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
@@ -15,7 +16,27 @@ class WorkerDiedError(RuntimeError):
     that failed on live workers, which fails only its requests)."""
 
 
+class StepHandle(Protocol):
+    def result(self) -> ModelRunnerOutput:
+        """The step's output (waits for it); raises what the step raised."""
+
+
+@dataclass
+class DoneStep:
+    """A step that already ran (executors that run one step at a time)."""
+
+    output: ModelRunnerOutput
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
 class Executor(ABC):
+    # The rank whose answer is the step's output (the one that samples).
+    driver_rank: int = 0
+    # Steps the engine core may publish before it waits for the oldest: the pipeline depth.
+    max_concurrent_batches: int = 1
+
     def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
         self.config = config
         self.resolved = resolved
@@ -27,6 +48,11 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on all ranks; the output of the rank that samples (rank 0 / last stage)."""
+
+    def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
+        """Start a step; ``max_concurrent_batches`` of them may be in flight. Default: run it
+        now."""
+        return DoneStep(self.execute_model(sched))
 
     def determine_num_blocks(self) -> int:
         """Every rank must fit the pool: the smallest of their answers."""

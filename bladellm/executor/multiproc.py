@@ -5,8 +5,14 @@ Transport (pyzmq over IPC sockets in a private temporary directory):
 - one PUB socket: every call (``execute_model`` with its ``SchedulerOutput``, or a
   ``collective_rpc``) is pickled once and published once; every rank's SUB socket receives it;
 - one PULL socket: every rank answers every call on its PUSH socket, ``(call_id, rank, ok,
-  value)``; rank 0 (the rank that samples) sends the result, the others ``None``. Answers from
-  every rank are what lets a failure on any rank surface as an error instead of a hang.
+  value)``; the driver (the rank that samples: TP rank 0 of the last pipeline stage) sends the
+  step's result, the others ``None``. Answers from every rank are what lets a failure on any
+  rank surface as an error instead of a hang.
+
+Every rank runs the calls in the order they were published. Under pipeline parallelism the
+engine core publishes up to ``--pipeline_parallel_size`` steps before it waits for the oldest
+(``execute_model_async``): the first stage starts the next micro-batch while later stages work
+on earlier ones. Answers to calls not waited for yet are kept until they are.
 
 Tensors never cross this channel: the model's collectives (all-reduce, all-gather) run between
 the workers on ``torch.distributed`` (gloo on CPU), rendezvous at ``--distributed_init_method``
@@ -143,6 +149,7 @@ def worker_main(config: EngineConfig, resolved: ResolvedModel, rank: int, init_m
         push.send(pickle.dumps((-1, rank, False, f"{type(exc).__name__}: {exc}")))
         return
     push.send(pickle.dumps((-1, rank, True, None)))
+    driver = config.parallel.driver_rank
     seen_ping = -1
     while True:
         if not sub.poll(1000):
@@ -165,11 +172,14 @@ def worker_main(config: EngineConfig, resolved: ResolvedModel, rank: int, init_m
             # traceback or file paths in it; those go to this rank's log.
             logger.exception("rank %d: %s failed", rank, method)
             value, ok = f"{type(exc).__name__}: {exc}", False
-        if method == "execute_model" and rank != 0:
-            value = None  # rank 0 samples; the others only confirm they ran
+        if method == "execute_model" and rank != driver:
+            value = None  # the driver samples; the others only confirm they ran
         push.send(pickle.dumps((call_id, rank, ok, value), protocol=pickle.HIGHEST_PROTOCOL))
     from bladellm.distributed.parallel_state import reset_model_parallel
 
+    channel = getattr(getattr(worker.model_runner.model, "model", None), "channel", None)
+    if channel is not None:
+        channel.wait()  # the last activations sent to the next stage
     reset_model_parallel()
     sub.close(linger=0)
     push.close()
@@ -200,13 +210,28 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, model_dir: str | None = 
         raise ValueError(f"--tensor_parallel_size {tp_size}: {exc}") from None
 
 
+def check_pipeline_parallel(hf_config: Any, pp_size: int) -> None:
+    """Refuse more stages than the model has layers, before any worker process starts."""
+    from bladellm.distributed.partition import pipeline_stages
+
+    try:
+        pipeline_stages(hf_config.num_hidden_layers, pp_size)
+    except ValueError as exc:
+        raise ValueError(f"--pipeline_parallel_size {pp_size}: {exc}") from None
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
         super().__init__(config, resolved)
         par = config.parallel
         check_tensor_parallel(resolved.hf_config, par.tensor_parallel_size,
                               None if resolved.gguf is not None else resolved.path)
+        check_pipeline_parallel(resolved.hf_config, par.pipeline_parallel_size)
         self.world_size = par.world_size
+        self.driver_rank = par.driver_rank
+        self.max_concurrent_batches = par.pipeline_parallel_size
+        # Answers read while waiting for another call: call_id -> {rank: (ok, value)}.
+        self._answers: dict[int, dict[int, tuple[bool, Any]]] = {}
         self._ipc_dir = tempfile.mkdtemp(prefix="bladellm-workers-")
         bcast_addr = f"ipc://{self._ipc_dir}/bcast"
         result_addr = f"ipc://{self._ipc_dir}/result"
@@ -217,6 +242,7 @@ class MultiprocExecutor(Executor):
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(result_addr)
         self._next_call = 0
+        self._last_ping = -1  # answers to calls up to this one are start-up pings
         self._dead: str | None = None
         init_method = par.distributed_init_method or f"tcp://127.0.0.1:{_free_tcp_port()}"
         mp = multiprocessing.get_context("spawn")
@@ -241,8 +267,9 @@ class MultiprocExecutor(Executor):
         # Connected sockets outlive their IPC files: remove them now, so that an engine core
         # killed before shutdown() leaves nothing in the temporary directory.
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
-        logger.info("%d worker processes ready (tensor parallel %d, rendezvous %s)",
-                    self.world_size, par.tensor_parallel_size, init_method)
+        logger.info("%d worker processes ready (tensor parallel %d, pipeline parallel %d, "
+                    "rendezvous %s)", self.world_size, par.tensor_parallel_size,
+                    par.pipeline_parallel_size, init_method)
 
     # ---- start-up -------------------------------------------------------------------------------
     def _wait_started(self) -> None:
@@ -253,7 +280,7 @@ class MultiprocExecutor(Executor):
         pending = set(range(self.world_size))
         deadline = time.monotonic() + 60
         while pending:
-            call_id = self._publish("_ping", ())
+            self._last_ping = self._publish("_ping", ())
             if self._pull.poll(50):
                 got_id, rank, _, _ = pickle.loads(self._pull.recv())
                 if got_id >= 0:
@@ -261,7 +288,6 @@ class MultiprocExecutor(Executor):
             self._check_alive("start-up")
             if time.monotonic() > deadline:
                 raise WorkerDiedError(f"worker ranks {sorted(pending)} did not answer")
-            del call_id
 
     # ---- calls ----------------------------------------------------------------------------------
     def _publish(self, method: str, args: tuple[Any, ...]) -> int:
@@ -283,19 +309,27 @@ class MultiprocExecutor(Executor):
         values: list[Any] = [None] * self.world_size
         errors: dict[int, str] = {}
         pending = set(range(self.world_size))
+
+        def take(rank: int, ok: bool, value: Any) -> None:
+            pending.discard(rank)
+            if ok:
+                values[rank] = value
+            else:
+                errors[rank] = value
+
+        for rank, (ok, value) in self._answers.pop(call_id, {}).items():
+            take(rank, ok, value)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         out_of_step_at = None  # set once a rank failed while others are still busy
         while pending:
             if self._pull.poll(_POLL_MS):
                 got_id, rank, ok, value = pickle.loads(self._pull.recv())
-                if got_id != call_id:
-                    continue  # a late answer to a start-up ping
-                pending.discard(rank)
-                if ok:
-                    values[rank] = value
-                else:
-                    errors[rank] = value
-                continue
+                if got_id == call_id:
+                    take(rank, ok, value)
+                elif got_id >= 0 and got_id > self._last_ping:
+                    # A call published earlier or later and not waited for yet: keep it.
+                    self._answers.setdefault(got_id, {})[rank] = (ok, value)
+                continue  # (or a late answer to a start-up ping)
             if errors:
                 first = min(errors)
                 if call_id < 0:  # report the cause now, not the exit of the rank that failed
@@ -327,13 +361,24 @@ class MultiprocExecutor(Executor):
         return self._gather(self._publish(method, args), what=method)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(sched).result()
+
+    def execute_model_async(self, sched: SchedulerOutput) -> "PendingStep":
+        """Publish the step now; its result is waited for by ``PendingStep.result()``."""
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
         bitmask = sched.grammar_bitmask
         if bitmask is not None and not isinstance(bitmask, ReadyBitmask):
             # A failed fill raises here, inside the engine core's step guard: the step fails,
             # not the engine (the scheduler later waits on the original without raising).
             ready = ReadyBitmask(list(bitmask.req_ids), bitmask.result())
             sched = dataclasses.replace(sched, grammar_bitmask=ready)
-        return self.collective_rpc("execute_model", (sched,))[0]
+        return PendingStep(self, self._publish("execute_model", (sched,)))
+
+    def _step_result(self, call_id: int) -> ModelRunnerOutput:
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+        return self._gather(call_id, what="execute_model")[self.driver_rank]
 
     def check_health(self) -> None:
         if self._dead is not None:
@@ -343,6 +388,17 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         """Ask the workers to leave, then make sure they are gone (no orphans)."""
         self._finalizer()
+
+
+@dataclass
+class PendingStep:
+    """A published step; ``result()`` waits for every rank's answer (once)."""
+
+    executor: MultiprocExecutor
+    call_id: int
+
+    def result(self) -> ModelRunnerOutput:
+        return self.executor._step_result(self.call_id)  # noqa: SLF001 - its own executor
 
 
 def _stop_workers(procs: list[Any], pub: zmq.Socket, ctx: zmq.Context, ipc_dir: str) -> None:

@@ -31,9 +31,9 @@ class ModelRunner:
                  device: torch.device, is_driver: bool = True) -> None:
         self.config = config
         self.device = device
-        # Under tensor parallelism only the driver (rank 0) samples; the others run the same
-        # forward and logits (their collectives need every rank) and learn the sampled tokens
-        # from the next step's scheduler diffs, like the driver does.
+        # Only the driver (TP rank 0 of the last pipeline stage) samples; the other TP ranks run
+        # the same forward and logits (their collectives need every rank), earlier stages their
+        # layers; all learn the sampled tokens from the next step's scheduler diffs.
         self.is_driver = is_driver
         self.block_size = config.cache.block_size
         self.max_model_len = resolved.max_model_len
@@ -143,6 +143,9 @@ class ModelRunner:
             ctx.lora = self.lora.prepare_step(inputs.token_lora_ids,
                                               self.input_batch.active_lora_ids())
         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        if hidden is None:  # a pipeline stage before the last: it sent its activations on
+            return ModelRunnerOutput(req_ids=inputs.req_ids,
+                                     sampled_token_ids=[[] for _ in inputs.req_ids])
         if self.spec is not None:
             return self.spec.verify(self.model, hidden, sched, inputs)
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]

@@ -25,6 +25,8 @@ def embed_prompts(model: nn.Module, prompts: list[list[int]], pooling: str,
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         positions = torch.arange(len(ids), dtype=torch.long, device=device)
         hidden = model(input_ids, positions, ForwardContext.no_cache())
+        if hidden is None:
+            continue  # a pipeline stage before the last: the last one answers
         pooled = hidden[-1] if pooling == "last" else hidden.float().mean(dim=0)
         result.append(pooled.float().tolist())
     return result
@@ -44,6 +46,8 @@ def prompt_logprobs(model: nn.Module, prompts: list[list[int]], num_top: int,
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         positions = torch.arange(len(ids), dtype=torch.long, device=device)
         hidden = model(input_ids, positions, ForwardContext.no_cache())
+        if hidden is None:
+            continue  # a pipeline stage before the last: the last one answers
         entries: list[tuple[list[int], list[float], int]] = []
         for start in range(0, len(ids) - 1, _LOGITS_CHUNK):
             end = min(start + _LOGITS_CHUNK, len(ids) - 1)

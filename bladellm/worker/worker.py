@@ -31,8 +31,9 @@ class Worker:
         self.device = torch.device(config.device)
         configure_engine_threads(num_threads or config.parallel.num_threads)  # logs the choice
         logger.info("worker %d on %s (%s)", rank, self.device, detect_cpu().describe())
-        # Rank 0 samples and answers; the other ranks run the same forward for its collectives.
-        self.model_runner = ModelRunner(config, resolved, self.device, is_driver=rank == 0)
+        # The driver samples and answers; the other ranks run their part of the forward.
+        self.model_runner = ModelRunner(config, resolved, self.device,
+                                        is_driver=rank == config.parallel.driver_rank)
 
     def determine_num_blocks(self) -> int:
         """KV blocks this rank can hold: ``--num_kv_blocks``, ``--kv_cache_memory SIZE``, or

@@ -82,7 +82,10 @@ def test_shutdown_leaves_no_worker(tiny_llama):
 
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
-    (dict(pipeline_parallel_size=2), "pipeline_parallel_size"),
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size"),
+    (dict(pipeline_parallel_size=3), "pipeline_parallel_size"),  # 3 stages > 2 layers
+    (dict(pipeline_parallel_size=2, decode_algo="look_ahead"), "decode_algo"),
+    (dict(pipeline_parallel_size=2, enable_lora=True), "enable_lora"),
     (dict(tensor_parallel_size=5), "tensor_parallel_size"),  # 5 ranks > 4 query heads
     (dict(tensor_parallel_size=2, distributed_init_method="udp://x"), "distributed_init_method"),
     (dict(distributed_init_method="tcp://127.0.0.1:1234"), "distributed_init_method"),

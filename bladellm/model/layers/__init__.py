@@ -7,12 +7,13 @@ from bladellm.model.layers.linear import (ColumnParallelLinear, LinearMethodBase
                                           MergedColumnParallelLinear, QKVParallelLinear,
                                           ReplicatedLinear, RowParallelLinear,
                                           UnquantizedLinearMethod)
+from bladellm.model.layers.missing import PPMissingLayer
 from bladellm.model.layers.norm import RMSNorm
 from bladellm.model.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
 
 __all__ = [
     "Attention", "ColumnParallelLinear", "LinearMethodBase", "MergedColumnParallelLinear",
-    "ParallelLMHead", "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RotaryEmbedding",
+    "PPMissingLayer", "ParallelLMHead", "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RotaryEmbedding",
     "RowParallelLinear", "SiluAndMul", "UnquantizedLinearMethod", "VocabParallelEmbedding",
     "get_rope", "rope_parameters_from_config",
 ]

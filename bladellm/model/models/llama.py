@@ -9,8 +9,11 @@ from torch import nn
 
 from bladellm.attention.backend import AttentionBackend
 from bladellm.model.forward_context import ForwardContext
+from bladellm.distributed.parallel_state import get_pp_group
+from bladellm.distributed.partition import pipeline_stages
+from bladellm.distributed.pipeline import StageChannel
 from bladellm.model.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead,
-                                   QKVParallelLinear, RMSNorm, RotaryEmbedding,
+                                   PPMissingLayer, QKVParallelLinear, RMSNorm, RotaryEmbedding,
                                    RowParallelLinear, SiluAndMul, VocabParallelEmbedding, get_rope)
 from bladellm.model.utils import LLAMA_STACKED_PARAMS, KVCacheSpec, load_weights_with_mapping
 
@@ -98,24 +101,60 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Embedding, decoder stack and final norm; ``make_attn(layer_idx, prefix)`` builds each
-    layer's self-attention so Qwen variants can swap only that part."""
+    layer's self-attention so Qwen variants can swap only that part.
+
+    Under pipeline parallelism this process holds only its stage: decoder layers
+    ``[start_layer, end_layer)`` (``pipeline_stages``), the embedding on the first stage and the
+    final norm on the last; the rest are ``PPMissingLayer`` so names and indices match the full
+    model. ``layer_idx`` given to attention is the layer's index within the stage (its KV cache's
+    index). A stage other than the first receives (hidden, residual) from the previous one; a
+    stage other than the last sends them on and returns None.
+    """
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant_config: Any, prefix: str,
                  make_attn: Any) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size,
-                                                   params_dtype=dtype)
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
+        self.start_layer, self.end_layer = pipeline_stages(
+            hf_config.num_hidden_layers, pp.world_size)[pp.rank_in_group]
+        self.channel = StageChannel(pp) if pp.world_size > 1 else None
+        self.hidden_size, self.dtype = hf_config.hidden_size, dtype
+        self.embed_tokens = VocabParallelEmbedding(
+            hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype) \
+            if self.is_first_stage else PPMissingLayer()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(make_attn(i, f"{prefix}.layers.{i}.self_attn"), hf_config, dtype,
-                              quant_config, f"{prefix}.layers.{i}")
+            LlamaDecoderLayer(make_attn(i - self.start_layer, f"{prefix}.layers.{i}.self_attn"),
+                              hf_config, dtype, quant_config, f"{prefix}.layers.{i}")
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(hf_config.num_hidden_layers))
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=dtype)
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=dtype) \
+            if self.is_last_stage else PPMissingLayer()
+
+    def holds(self, param_name: str) -> bool:
+        """Whether the (model-relative, e.g. ``layers.3.mlp...``) parameter is on this stage."""
+        if param_name.startswith("layers."):
+            return self.start_layer <= int(param_name.split(".", 2)[1]) < self.end_layer
+        if param_name.startswith("embed_tokens."):
+            return self.is_first_stage
+        if param_name.startswith("norm."):
+            return self.is_last_stage
+        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+                ctx: ForwardContext) -> torch.Tensor | None:
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            assert self.channel is not None
+            hidden, residual = self.channel.recv(input_ids.shape[0], self.hidden_size,
+                                                 self.dtype, input_ids.device)
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden, residual = layer(positions, hidden, residual, ctx)
+        if not self.is_last_stage:
+            assert self.channel is not None
+            self.channel.send(hidden, residual)
+            return None
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -129,16 +168,20 @@ class LlamaForCausalLM(nn.Module):
         self.hf_config, self.dtype, self.quant_config = hf_config, dtype, quant_config
         self.attn_backend = attn_backend
         self.head_dim = get_head_dim(hf_config)
-        self.num_layers = hf_config.num_hidden_layers
         self.rotary_emb = get_rope(hf_config, self.head_dim, dtype)
         model_prefix = f"{prefix}.model" if prefix else "model"
         self.model = LlamaModel(hf_config, dtype, quant_config, model_prefix, self.make_attention)
-        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        # Per process: the KV cache holds this pipeline stage's layers and this TP rank's heads.
+        self.num_layers = self.model.end_layer - self.model.start_layer
+        self.num_kv_heads = self.model.layers[self.model.start_layer].self_attn.num_kv_heads
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
-                                      params_dtype=dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        if self.model.is_last_stage:
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                          params_dtype=dtype)
+            if self.tie_word_embeddings and self.model.is_first_stage:
+                self.lm_head.tie_to(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
 
     def attention_biases(self, hf_config: Any) -> tuple[bool, bool]:
         """(bias on q/k/v, bias on o_proj); Qwen2 overrides it."""
@@ -156,18 +199,34 @@ class LlamaForCausalLM(nn.Module):
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
+                ctx: ForwardContext) -> torch.Tensor | None:
+        """Final hidden states; None on a pipeline stage other than the last."""
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        # Tied checkpoints sometimes also store lm_head.weight: it is the embedding, skip it.
-        skip_lm_head = self.tie_word_embeddings
-        return load_weights_with_mapping(
-            self, weights, self.stacked_params,
-            skip=lambda name: skip_lm_head and name.startswith("lm_head."))
+        stage = self.model
+        # A last pipeline stage without the embedding reads the tied LM head from it.
+        head_from_embedding = (self.tie_word_embeddings and stage.is_last_stage
+                               and not stage.is_first_stage)
+
+        def renamed(items: Iterable[tuple[str, torch.Tensor]]):
+            for name, tensor in items:
+                if self.tie_word_embeddings and name.startswith("lm_head."):
+                    continue  # tied checkpoints sometimes store it too: it is the embedding
+                if head_from_embedding and name == "model.embed_tokens.weight":
+                    name = "lm_head.weight"
+                yield name, tensor
+
+        def other_stage(name: str) -> bool:
+            if name.startswith("lm_head."):
+                return not stage.is_last_stage
+            return name.startswith("model.") and not stage.holds(name[len("model."):])
+
+        return load_weights_with_mapping(self, renamed(weights), self.stacked_params,
+                                         skip=other_stage)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,81 @@
+"""Pipeline parallelism end to end (gloo, worker processes): greedy tokens identical to world
+size 1 in fp32 under the stress configuration (prompt cache, chunked prefill, preemption, block
+accounting checked every step) for (T, P) = (1, 2) with uneven stages and (2, 2) with a tied LM
+head on the last stage; micro-batches really overlap; prompt logprobs and embeddings come from
+the last stage; a dead stage fails the engine promptly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from bladellm import LLM, SamplingParams
+from bladellm.executor import WorkerDiedError
+
+from test_offline_llm import _prompts
+from test_tensor_parallel import MAX_TOKENS, STRESS
+
+# (arch, tensor_parallel_size, pipeline_parallel_size, config overrides)
+CASES = {
+    # 3 layers over 2 stages: 2 + 1.
+    "llama-T1P2-uneven": ("llama", 1, 2, dict(num_hidden_layers=3)),
+    # Tied embeddings: the last stage has no embedding and reads its LM head from the
+    # checkpoint's embedding; qkv biases; 4 ranks.
+    "qwen2-T2P2-tied": ("qwen2", 2, 2, dict(tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_identical_to_one_rank_under_stress(tiny_model_factory, case):
+    arch, tp, pp, overrides = CASES[case]
+    model_dir = tiny_model_factory(arch, **overrides)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    llm1 = LLM(model=model_dir, **STRESS)
+    prompts = _prompts(llm1.engine.model_info.vocab_size)[:10]
+    want = [o.outputs[0].token_ids for o in llm1.generate(prompts, params, use_tqdm=False)]
+    want_plp = llm1.engine.core.prompt_logprobs([prompts[1]], 2)[0]
+    want_emb = llm1.embed([prompts[2]])[0].embedding
+    llm = LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **STRESS)
+    try:
+        core = llm.engine.core
+        depths = []
+        submit = core.executor.execute_model_async
+
+        def recording(sched):
+            depths.append(len(core.batch_queue))
+            return submit(sched)
+
+        core.executor.execute_model_async = recording
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = core.scheduler.get_stats()
+        got_plp = core.prompt_logprobs([prompts[1]], 2)[0]
+        got_emb = llm.embed([prompts[2]])[0].embedding
+    finally:
+        llm.shutdown()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"T={tp} P={pp} prompt {i}: {g} != one rank's {w}"
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.num_used_blocks == 0
+    assert max(depths) == pp - 1, "micro-batches never overlapped"
+    assert len(got_plp) == len(want_plp) == len(prompts[1]) - 1
+    for (ids_g, lps_g, rank_g), (ids_w, lps_w, rank_w) in zip(got_plp, want_plp):
+        assert ids_g == ids_w and rank_g == rank_w
+        assert max(abs(a - b) for a, b in zip(lps_g, lps_w)) < 1e-4
+    assert max(abs(x - y) for x, y in zip(got_emb, want_emb)) < 1e-4
+
+
+def test_dead_stage_fails_the_engine_within_seconds(tiny_llama):
+    llm = LLM(model=tiny_llama, pipeline_parallel_size=2, dtype="float32")
+    try:
+        procs = llm.engine.core.executor.procs
+        os.kill(procs[0].pid, signal.SIGKILL)  # the first stage: the driver waits on it
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="rank 0"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8), use_tqdm=False)
+        assert time.monotonic() - start < 10
+    finally:
+        llm.shutdown()
+    assert not any(p.is_alive() for p in procs)
