@@ -161,22 +161,30 @@ def get_pp_group() -> GroupCoordinator:
 
 
 @contextlib.contextmanager
-def tp_shape_for_split(rank: int, size: int) -> Iterator[GroupCoordinator]:
-    """Build layers as TP rank ``rank`` of ``size`` without any process group (``blade_llm_split``).
+def tp_shape_for_split(rank: int, size: int, pp_rank: int = 0,
+                       pp_size: int = 1) -> Iterator[GroupCoordinator]:
+    """Build layers as TP rank ``rank`` of ``size`` (of pipeline stage ``pp_rank`` of
+    ``pp_size``) without any process group (``blade_llm_split``).
 
-    The layers read ``get_tp_group()`` only at construction to size their shards, so a
-    coordinator of that rank and size with no ``group`` gives exactly the shards a real rank
-    holds. Its collectives must never run: a forward under this context would fail (no process
-    group). The previous groups are restored on exit.
+    The layers read the groups only at construction to size their shards and pick their stage's
+    layers, so coordinators of those ranks and sizes with no ``group`` give exactly the
+    parameters a real rank holds. Their collectives must never run: a forward under this context
+    would fail (no process group). The previous groups are restored on exit.
     """
     global _GROUPS
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} outside tensor_parallel_size {size}")
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"stage {pp_rank} outside pipeline_parallel_size {pp_size}")
     if dist.is_initialized() or _GROUPS.world_size != 1:
         raise RuntimeError("tp_shape_for_split: this process already belongs to a process group")
-    fake = GroupCoordinator(rank_in_group=rank, world_size=size, ranks=tuple(range(size)))
+    first = pp_rank * size
+    fake = GroupCoordinator(rank_in_group=rank, world_size=size,
+                            ranks=tuple(range(first, first + size)))
+    stage = GroupCoordinator(rank_in_group=pp_rank, world_size=pp_size,
+                             ranks=tuple(range(rank, size * pp_size, size)))
     saved = _GROUPS
-    _GROUPS = ParallelGroups(tp=fake, pp=WORLD_1)
+    _GROUPS = ParallelGroups(tp=fake, pp=stage)
     try:
         yield fake
     finally:

@@ -186,18 +186,19 @@ def worker_main(config: EngineConfig, resolved: ResolvedModel, rank: int, init_m
     ctx.term()
 
 
-def check_tensor_parallel(hf_config: Any, tp_size: int, model_dir: str | None = None) -> None:
+def check_tensor_parallel(hf_config: Any, tp_size: int, model_dir: str | None = None,
+                          pp_size: int = 1) -> None:
     """Refuse a degree the model cannot be split into (a rank would hold no query head, no
-    intermediate column or no vocabulary row), or that differs from the degree a
+    intermediate column or no vocabulary row), or that differs from the degrees a
     ``blade_llm_split`` checkpoint at ``model_dir`` was split for, before any worker process
     starts."""
     from bladellm.distributed.partition import attention_partitions, even_shard
-    from bladellm.model.loader import check_split_tp, read_split_manifest
+    from bladellm.model.loader import check_split_parallel, read_split_manifest
 
     if model_dir is not None and os.path.isdir(model_dir):
         manifest = read_split_manifest(model_dir)
         if manifest is not None:
-            check_split_tp(manifest, tp_size, model_dir)
+            check_split_parallel(manifest, tp_size, pp_size, model_dir)
 
     heads = hf_config.num_attention_heads
     try:
@@ -225,7 +226,8 @@ class MultiprocExecutor(Executor):
         super().__init__(config, resolved)
         par = config.parallel
         check_tensor_parallel(resolved.hf_config, par.tensor_parallel_size,
-                              None if resolved.gguf is not None else resolved.path)
+                              None if resolved.gguf is not None else resolved.path,
+                              par.pipeline_parallel_size)
         check_pipeline_parallel(resolved.hf_config, par.pipeline_parallel_size)
         self.world_size = par.world_size
         self.driver_rank = par.driver_rank

@@ -97,9 +97,11 @@ def load_model(model_config: ModelConfig, hf_config: Any, dtype: torch.dtype,
     if model_config.load_format != "dummy":
         manifest = read_split_manifest(model_dir)
         if manifest is not None:
-            from bladellm.model.utils import get_tp_rank_and_size
+            from bladellm.distributed.parallel_state import get_groups
 
-            check_split_tp(manifest, get_tp_rank_and_size()[1], model_dir)
+            groups = get_groups()
+            check_split_parallel(manifest, groups.tp.world_size, groups.pp.world_size,
+                                 model_dir)
     model = build_model(hf_config, dtype, device, attn_backend, model_config.max_model_len)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
@@ -230,21 +232,23 @@ def read_split_manifest(model_dir: str) -> dict[str, Any] | None:
         raise ValueError(f"{path}: split format version {version!r} is not supported by this "
                          f"bladellm (it reads version {SPLIT_FORMAT_VERSION}); split the "
                          f"original checkpoint again with this version's blade_llm_split")
-    tp = manifest.get("tensor_parallel_size")
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"{path}: bad tensor_parallel_size {tp!r}")
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        size = manifest.setdefault(key, 1)
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{path}: bad {key} {size!r}")
     return manifest
 
 
-def check_split_tp(manifest: dict[str, Any], tp_size: int, model_dir: str) -> None:
-    """A split checkpoint serves exactly the degree it was split for."""
-    split_tp = manifest["tensor_parallel_size"]
-    if tp_size != split_tp:
-        raise ValueError(
-            f"--tensor_parallel_size {tp_size}: {model_dir} was split by blade_llm_split for "
-            f"--tensor_parallel_size {split_tp} ({split_tp} rank directories); serve it with "
-            f"--tensor_parallel_size {split_tp}, or split the original checkpoint "
-            f"({manifest.get('source', '?')}) again for {tp_size}")
+def check_split_parallel(manifest: dict[str, Any], tp_size: int, pp_size: int,
+                         model_dir: str) -> None:
+    """A split checkpoint serves exactly the degrees it was split for."""
+    for key, size in (("tensor_parallel_size", tp_size), ("pipeline_parallel_size", pp_size)):
+        split = manifest[key]
+        if size != split:
+            raise ValueError(
+                f"--{key} {size}: {model_dir} was split by blade_llm_split for --{key} {split}; "
+                f"serve it with --{key} {split}, or split the original checkpoint "
+                f"({manifest.get('source', '?')}) again for {size}")
 
 
 def split_rank_dir(model_dir: str, rank: int) -> str:
@@ -275,14 +279,14 @@ def split_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_split_shard(model: nn.Module, model_dir: str) -> int:
-    """Fill ``model`` (built as this process's TP rank) from ``model_dir/rank_{r}`` only:
+    """Fill ``model`` (built as this process's rank) from ``model_dir/rank_{r}`` only:
     tensors are assigned to parameters and persistent buffers by name, shapes must match
     exactly. Returns the bytes of the files read."""
     from safetensors import safe_open
 
-    from bladellm.model.utils import get_tp_rank_and_size
+    from bladellm.distributed.parallel_state import get_groups
 
-    rank, _ = get_tp_rank_and_size()
+    rank = get_groups().rank  # pp_rank * T + tp_rank: one directory per process
     files = split_rank_files(model_dir, rank)
     targets = dict(model.named_parameters())
     for name, buf in model.named_buffers():

@@ -24,8 +24,8 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [[(7 * i + 3 * j) % (vocab - 3) + 3 for j in range(5 + 3 * i)] for i in range(4)]
 
 
-def _greedy(model_dir: str, tp: int, prompts: list[list[int]]) -> list[list[int]]:
-    llm = LLM(model=model_dir, tensor_parallel_size=tp, **OPTS)
+def _greedy(model_dir: str, tp: int, prompts: list[list[int]], pp: int = 1) -> list[list[int]]:
+    llm = LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **OPTS)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                             use_tqdm=False)
@@ -76,6 +76,32 @@ def test_split_T2_default_llama_serves_same_tokens(tiny_llama, tmp_path):
         assert r["bytes"] < 0.6 * full, (r, full)  # 1/2 plus replicated norms
     prompts, want = _original_greedy(tiny_llama)
     assert _greedy(out, 2, prompts) == want
+
+
+def test_split_P2_tied_serves_same_tokens_and_refuses_another_P(tiny_model_factory, tmp_path):
+    """Two stages of a 3-layer model with a tied LM head: stage 0 holds the embedding and 2
+    layers, stage 1 one layer, the norm and the LM head (the embedding's values)."""
+    src = tiny_model_factory("llama", num_hidden_layers=3, tie_word_embeddings=True)
+    out = str(tmp_path / "split-P2")
+    assert split_main(["-tp", "1", "-pp", "2", "--model", src, "--output_dir", out]) == 0
+    manifest = json.load(open(os.path.join(out, SPLIT_MANIFEST)))
+    assert manifest["pipeline_parallel_size"] == 2 and len(manifest["ranks"]) == 2
+    from safetensors import safe_open
+
+    names = []
+    for r in range(2):
+        with safe_open(os.path.join(out, f"rank_{r}", "model.safetensors"), "pt") as f:
+            names.append(set(f.keys()))
+    assert "model.embed_tokens.weight" in names[0] and "lm_head.weight" not in names[0]
+    assert "lm_head.weight" in names[1] and "model.embed_tokens.weight" not in names[1]
+    assert any(n.startswith("model.layers.1.") for n in names[0])
+    assert not any(n.startswith("model.layers.2.") for n in names[0])
+    assert any(n.startswith("model.layers.2.") for n in names[1])
+    assert "model.norm.weight" in names[1] and "model.norm.weight" not in names[0]
+    prompts, want = _original_greedy(src)
+    assert _greedy(out, 1, prompts, pp=2) == want
+    with pytest.raises(ValueError, match="--pipeline_parallel_size 1"):
+        LLM(model=out, **OPTS)
 
 
 def _original_greedy(model_dir: str) -> tuple[list[list[int]], list[list[int]]]:

@@ -1,11 +1,12 @@
-"""``blade_llm_split``: pre-split a checkpoint for ``--tensor_parallel_size T`` (docs/parallel.md).
+"""``blade_llm_split``: pre-split a checkpoint for ``--tensor_parallel_size T`` and
+``--pipeline_parallel_size P`` (docs/parallel.md).
 
-    blade_llm_split --tensor_parallel_size 2 --model /models/llama --output_dir /models/llama-tp2
-    blade_llm_server --model /models/llama-tp2 --tensor_parallel_size 2
+    blade_llm_split -tp 2 -pp 2 --model /models/llama --output_dir /models/llama-tp2-pp2
+    blade_llm_server --model /models/llama-tp2-pp2 -tp 2 -pp 2
 
-Writes ``OUT/rank_{r}/model.safetensors`` for r in 0..T-1: exactly the parameters TP rank ``r``
-holds, under the engine's own names (fused ``qkv_proj`` / ``gate_up_proj``) and shard shapes,
-plus the source's config, tokenizer and generation config, and ``OUT/bladellm_split.json`` (the
+Writes ``OUT/rank_{r}/model.safetensors`` for r in 0..T*P-1 (``r = stage * T + tp_rank``):
+exactly the parameters rank ``r`` holds (its stage's layers, its TP shards), under the engine's
+own names (fused ``qkv_proj`` / ``gate_up_proj``) and shard shapes, plus the source's config, tokenizer and generation config, and ``OUT/bladellm_split.json`` (the
 manifest, written last: an interrupted split is not loadable). The shards are made by building
 the model once per rank in this process with the TP rank and size faked
 (``parallel_state.tp_shape_for_split``: no process group, no collective) and loading the full
@@ -47,7 +48,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tensor_parallel_size", "-tp", type=int, required=True,
                         help="Number of tensor-parallel ranks to split for.")
     parser.add_argument("--pipeline_parallel_size", "-pp", type=int, default=1,
-                        help="Only 1 is supported (pipeline parallelism is not built yet).")
+                        help="Number of pipeline stages to split for (each stage's ranks get "
+                             "only its layers).")
     parser.add_argument("--dtype", default="auto", choices=["auto", *_DTYPE_NAMES],
                         help="dtype of the written shards; auto keeps the checkpoint's dtype "
                              "(float32 if the config names none).")
@@ -131,7 +133,7 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
     from bladellm.attention import get_attn_backend
     from bladellm.config import ModelConfig
     from bladellm.distributed.parallel_state import tp_shape_for_split
-    from bladellm.executor.multiproc import check_tensor_parallel
+    from bladellm.executor.multiproc import check_pipeline_parallel, check_tensor_parallel
     from bladellm.model.checkpoint import resolve_model
     from bladellm.model.loader import (SPLIT_FORMAT, SPLIT_FORMAT_VERSION, SPLIT_MANIFEST,
                                        find_weight_files, load_checkpoint_files,
@@ -141,9 +143,9 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
     tp = tensor_parallel_size
     if tp < 1:
         raise ValueError(f"--tensor_parallel_size: must be >= 1, got {tp}")
-    if pipeline_parallel_size != 1:
-        raise ValueError(f"--pipeline_parallel_size {pipeline_parallel_size}: pipeline "
-                         f"parallelism is not supported yet; only 1")
+    pp = pipeline_parallel_size
+    if pp < 1:
+        raise ValueError(f"--pipeline_parallel_size: must be >= 1, got {pp}")
     if model.endswith(".gguf") or model == "demo":
         raise ValueError(f"--model {model}: GGUF checkpoints are quantized; blade_llm_split "
                          f"supports float checkpoint directories only for now")
@@ -156,6 +158,7 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
     _check_source(src_dir)  # again, for a hub id now downloaded
     hf_config = resolved.hf_config
     check_tensor_parallel(hf_config, tp)
+    check_pipeline_parallel(hf_config, pp)
     if os.path.abspath(output_dir) == os.path.abspath(src_dir):
         raise ValueError("--output_dir must differ from --model")
     files = find_weight_files(src_dir, load_format)
@@ -165,9 +168,9 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
     model_cls = get_model_class(hf_config)
     attn_backend = get_attn_backend("torch", "cpu")  # construction only: nothing runs
     ranks = []
-    for rank in range(tp):
+    for rank in range(tp * pp):  # the workers' rank order: pp_rank * tp + tp_rank
         start = time.perf_counter()
-        with tp_shape_for_split(rank, tp), torch.device("cpu"):
+        with tp_shape_for_split(rank % tp, tp, rank // tp, pp), torch.device("cpu"):
             shard = model_cls(hf_config, torch_dtype, attn_backend)
             load_checkpoint_files(shard, files)
         state = split_state_dict(shard)
@@ -176,19 +179,20 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
         os.makedirs(rank_dir, exist_ok=True)
         path = os.path.join(rank_dir, "model.safetensors")
         save_file(state, path, metadata={"format": "pt", "bladellm_split_rank": str(rank),
-                                         "tensor_parallel_size": str(tp)})
+                                         "tensor_parallel_size": str(tp),
+                                         "pipeline_parallel_size": str(pp)})
         size = os.path.getsize(path)
         ranks.append({"dir": os.path.basename(rank_dir), "files": ["model.safetensors"],
                       "bytes": size, "num_tensors": len(state)})
         del state
-        logger.info("rank %d/%d: %s, %.1f MB (%.0f%% of the source) in %.1f s", rank, tp, path,
-                    size / 1e6, 100 * size / max(source_bytes, 1), time.perf_counter() - start)
+        logger.info("rank %d/%d: %s, %.1f MB (%.0f%% of the source) in %.1f s", rank, tp * pp,
+                    path, size / 1e6, 100 * size / max(source_bytes, 1), time.perf_counter() - start)
     copied = _copy_side_files(src_dir, output_dir)
     manifest = {
         "format": SPLIT_FORMAT,
         "format_version": SPLIT_FORMAT_VERSION,
         "tensor_parallel_size": tp,
-        "pipeline_parallel_size": 1,
+        "pipeline_parallel_size": pp,
         "source": os.path.abspath(src_dir) if os.path.isdir(src_dir) else model,
         "architecture": (getattr(hf_config, "architectures", None) or ["?"])[0],
         "dtype": str(torch_dtype).removeprefix("torch."),
@@ -218,9 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in manifest["ranks"]:
         print(f"{ns.output_dir}/{r['dir']}: {r['bytes']} bytes "
               f"({100 * r['bytes'] / max(src, 1):.1f}% of {src})")
-    print(f"split for --tensor_parallel_size {manifest['tensor_parallel_size']}; serve with: "
-          f"blade_llm_server --model {ns.output_dir} --tensor_parallel_size "
-          f"{manifest['tensor_parallel_size']}")
+    tp, pp = manifest["tensor_parallel_size"], manifest["pipeline_parallel_size"]
+    print(f"split for --tensor_parallel_size {tp} --pipeline_parallel_size {pp}; serve with: "
+          f"blade_llm_server --model {ns.output_dir} --tensor_parallel_size {tp} "
+          f"--pipeline_parallel_size {pp}")
     return 0
 
 
