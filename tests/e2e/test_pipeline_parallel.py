@@ -35,7 +35,7 @@ def test_greedy_identical_to_one_rank_under_stress(tiny_model_factory, case):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     llm1 = LLM(model=model_dir, **STRESS)
     prompts = _prompts(llm1.engine.model_info.vocab_size)[:10]
-    want = [o.outputs[0].token_ids for o in llm1.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].text for o in llm1.generate(prompts, params, use_tqdm=False)]
     want_plp = llm1.engine.core.prompt_logprobs([prompts[1]], 2)[0]
     want_emb = llm1.embed([prompts[2]])[0].embedding
     llm = LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **STRESS)
@@ -79,3 +79,49 @@ def test_dead_stage_fails_the_engine_within_seconds(tiny_llama):
     finally:
         llm.shutdown()
     assert not any(p.is_alive() for p in procs)
+
+
+def test_server_pp2_streams_the_offline_tokens(tiny_llama):
+    """blade_llm_server -pp 2: concurrent streamed completions (micro-batches in flight in the
+    engine-core process) give the offline world-size-1 text; a clean stop leaves no worker."""
+    import concurrent.futures
+    import json
+
+    import httpx
+
+    from test_server import ServerProcess, _alive, _children
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
+    llm1 = LLM(model=tiny_llama, dtype="float32")
+    want = [o.outputs[0].text for o in llm1.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False)]
+    srv = ServerProcess(["--model", tiny_llama, "--host", "127.0.0.1", "--port", "0",
+                         "--dtype", "float32", "-pp", "2", "--shutdown_timeout", "1"])
+    try:
+        url = srv.wait_ready(180)
+        workers = [w for c in _children(srv.proc.pid) for w in _children(c)]
+
+        def stream(prompt: list[int]) -> str:
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            text = ""
+            with httpx.Client(base_url=url, timeout=60) as http:
+                with http.stream("POST", "/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200
+                    for line in resp.iter_lines():
+                        if line.startswith("data: {"):
+                            text += json.loads(line[6:])["choices"][0]["text"]
+            return text
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(stream, prompts))
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    finally:
+        srv.proc.terminate()
+        srv.proc.wait(timeout=30)
+    assert got == want
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in workers if _alive(p)]
