@@ -75,9 +75,6 @@ class AWQScheme(QuantScheme):
     def param_specs(self, layer: nn.Module, input_size: int,
                     output_sizes: list[int]) -> list[ParamSpec]:
         n, gs = sum(output_sizes), self.group_size
-        if any(size % 8 for size in output_sizes):
-            raise ValueError(f"{layer.prefix}: output features {output_sizes} are not "
-                             f"multiples of 8 (AWQ packs eight outputs per word)")
         groups, group_dim = (1, None) if gs == -1 else (input_size // gs, 0)
         return [
             ParamSpec("qweight", (input_size, n // 8), torch.int32, 0, 1, 1, 8),

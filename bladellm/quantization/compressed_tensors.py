@@ -185,9 +185,6 @@ class PackedScheme(QuantScheme):
     def param_specs(self, layer: nn.Module, input_size: int,
                     output_sizes: list[int]) -> list[ParamSpec]:
         n, pack, gs = sum(output_sizes), self.pack, self.args.group_size
-        if input_size % pack:
-            raise ValueError(f"{layer.prefix}: {input_size} input features are not a multiple "
-                             f"of the pack factor {pack}")
         groups, group_dim = _group_layout(layer, self.args, input_size)
         specs = [
             ParamSpec("weight_packed", (n, input_size // pack), torch.int32, 1, pack, 0, 1),
@@ -195,9 +192,6 @@ class PackedScheme(QuantScheme):
             ParamSpec("weight_shape", (2,), torch.int64, is_shape=True),
         ]
         if not self.args.symmetric:
-            if any(size % pack for size in output_sizes):
-                raise ValueError(f"{layer.prefix}: output features {output_sizes} are not "
-                                 f"multiples of the zero-point pack factor {pack}")
             specs.append(ParamSpec("weight_zero_point", (n // pack, groups), torch.int32,
                                    group_dim, max(gs, 1), 0, pack))
         return specs

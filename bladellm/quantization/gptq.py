@@ -79,9 +79,6 @@ class GPTQScheme(QuantScheme):
     def param_specs(self, layer: nn.Module, input_size: int,
                     output_sizes: list[int]) -> list[ParamSpec]:
         n, gs, pack = sum(output_sizes), self.config.group_size, self.pack
-        if input_size % pack or any(size % pack for size in output_sizes):
-            raise ValueError(f"{layer.prefix}: {input_size} x {output_sizes} features are not "
-                             f"multiples of the GPTQ pack factor {pack}")
         if gs == -1:
             groups, group_dim = 1, None
         elif self._act_order():

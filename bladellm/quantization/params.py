@@ -59,25 +59,25 @@ def output_ranges(layer: nn.Module) -> list[tuple[int, int, int]]:
 def check_shard_boundaries(layer: nn.Module, specs: list[ParamSpec]) -> None:
     """Every rank's slice must fall on pack/group boundaries of every tensor."""
     start, size, full = input_range(layer)
-    outs = output_ranges(layer)
     for spec in specs:
-        if spec.input_dim is not None and size != full and \
-                (start % spec.input_div or size % spec.input_div):
-            raise ValueError(
-                f"--tensor_parallel_size: {layer.prefix}: this rank's input features "
-                f"[{start}, {start + size}) do not fall on the {spec.input_div}-feature "
-                f"boundaries of the quantized tensor {spec.name!r} (group size / packing); "
-                f"pick a tensor_parallel_size that splits {full} into multiples of "
-                f"{spec.input_div}")
+        if spec.input_dim is not None and (start % spec.input_div or size % spec.input_div):
+            _refuse(layer, spec, "input", start, size, full, spec.input_div)
         if spec.output_dim is None:
             continue
-        for o_start, o_size, o_full in outs:
+        for o_start, o_size, o_full in output_ranges(layer):
             if o_start % spec.output_div or o_size % spec.output_div:
-                raise ValueError(
-                    f"--tensor_parallel_size: {layer.prefix}: this rank's output features "
-                    f"[{o_start}, {o_start + o_size}) of {o_full} do not fall on the "
-                    f"{spec.output_div}-feature boundaries of the quantized tensor "
-                    f"{spec.name!r} (packing)")
+                _refuse(layer, spec, "output", o_start, o_size, o_full, spec.output_div)
+
+
+def _refuse(layer: nn.Module, spec: ParamSpec, what: str, start: int, size: int, full: int,
+            div: int) -> None:
+    if size == full:
+        raise ValueError(f"{layer.prefix}: its {full} {what} features are not a multiple of "
+                         f"{div}, which the quantized tensor {spec.name!r} needs (packing / "
+                         f"group size)")
+    raise ValueError(f"--tensor_parallel_size: {layer.prefix}: this rank's {what} features "
+                     f"[{start}, {start + size}) of {full} do not fall on the {div}-feature "
+                     f"boundaries of the quantized tensor {spec.name!r} (packing / group size)")
 
 
 def register_params(layer: nn.Module, specs: list[ParamSpec]) -> None:
