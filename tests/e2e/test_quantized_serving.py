@@ -1,7 +1,7 @@
 """Quantized checkpoints end to end: the offline LLM decodes greedily what transformers decodes
 with the fake-quantized weights; TP=2 (shards on group boundaries) gives the tokens of one rank;
-the server serves a quantized checkpoint to the openai client and rejects a contradicting
---quantization before it starts."""
+the server serves a quantized checkpoint to the openai client; a contradicting --quantization is
+refused while the model is resolved, before any process starts."""
 
 from __future__ import annotations
 
@@ -92,10 +92,11 @@ def test_server_serves_a_w8a8_checkpoint(quantized):
                 srv.proc.kill()
 
 
-def test_server_refuses_a_contradicting_quantization_flag(quantized):
+def test_a_contradicting_quantization_flag_is_refused_before_any_process(quantized):
+    from bladellm.config import ModelConfig
+    from bladellm.model.checkpoint import resolve_model
+
     model_dir, _ = quantized("awq", group_size=32)
-    proc = subprocess.run(
-        ["python", "-m", "bladellm.entrypoints.cli.server", "--model", model_dir, "--port", "0",
-         "--quantization", "gptq"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "--quantization gptq" in proc.stderr + proc.stdout
+    with pytest.raises(ValueError, match="--quantization gptq.*awq"):
+        resolve_model(ModelConfig(model=model_dir, quantization="gptq"))
+    assert resolve_model(ModelConfig(model=model_dir, quantization="awq")).path == model_dir
