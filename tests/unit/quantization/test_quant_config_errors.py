@@ -154,3 +154,4 @@ def test_missing_or_wrong_tensors_are_refused(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="load_format dummy"):
         _load(model_dir, load_format="dummy")
     assert _load(model_dir) is not None
+
