@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# bladellm.quantization.QUANTIZATION_CHOICES (config.py imports nothing of the engine)
+_QUANTIZATION = ("auto", "gptq", "awq", "compressed-tensors")
 
 
 def _flag(name: str) -> str:
@@ -79,6 +81,12 @@ class ModelConfig:
         default="auto",
         metadata={"help": "auto (safetensors, then pytorch .bin), safetensors, pt, gguf, or "
                           "dummy (random weights, for benchmarks)."})
+    quantization: str = field(
+        default="auto",
+        metadata={"help": "Quantized checkpoint format: auto (read config.json's "
+                          "quantization_config; a float checkpoint stays float), gptq, awq or "
+                          "compressed-tensors (an error unless the checkpoint is in that "
+                          "format). See docs/quantization.md."})
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model", "must not be empty")
@@ -91,6 +99,8 @@ class ModelConfig:
                f"must be huggingface or modelscope, got {self.model_hub!r}")
         _check(self.load_format in ("auto", "safetensors", "pt", "gguf", "dummy"), "load_format",
                f"unknown format {self.load_format!r}")
+        _check(self.quantization in _QUANTIZATION, "quantization",
+               f"must be one of {', '.join(_QUANTIZATION)}, got {self.quantization!r}")
 
 
 @dataclass

@@ -59,6 +59,7 @@ def resolve_model(model_config: ModelConfig) -> ResolvedModel:
     from bladellm.model.demo import resolve_model_path
     from bladellm.model.hub import download_model, is_model_id
     from bladellm.model.loader import load_hf_config, resolve_dtype
+    from bladellm.quantization import get_quant_config
 
     source = path = resolve_model_path(model_config.model)
     if model_config.model != "demo" and is_model_id(model_config.model):
@@ -70,6 +71,8 @@ def resolve_model(model_config: ModelConfig) -> ResolvedModel:
         path, gguf = _open_gguf(path)
     hf_config = gguf.hf_config() if gguf is not None else load_hf_config(
         path, model_config.trust_remote_code)
+    # Validates quantization_config / --quantization here, before any process starts.
+    get_quant_config(hf_config, model_config.quantization)
     dtype = resolve_dtype(hf_config, model_config.dtype)
     max_len = resolve_max_model_len(hf_config, model_config.max_model_len)
     return ResolvedModel(model_config, path, hf_config, dtype, max_len, gguf, source)

@@ -26,6 +26,7 @@ from bladellm.model.registry import get_model_class
 from bladellm.model.layers.rotary import RotaryEmbedding
 from bladellm.platforms.cpu import CpuInfo, detect_cpu
 from bladellm.platforms.cpu_defaults import choose_cpu_dtype
+from bladellm.quantization import QuantConfig, get_quant_config, process_quantized_layers
 
 logger = logging.getLogger(__name__)
 
@@ -102,13 +103,22 @@ def load_model(model_config: ModelConfig, hf_config: Any, dtype: torch.dtype,
             groups = get_groups()
             check_split_parallel(manifest, groups.tp.world_size, groups.pp.world_size,
                                  model_dir)
-    model = build_model(hf_config, dtype, device, attn_backend, model_config.max_model_len)
+    quant_config = get_quant_config(hf_config, model_config.quantization)
+    if quant_config is not None and model_config.load_format == "dummy":
+        raise ValueError(f"--load_format dummy: {model_dir} is a quantized checkpoint "
+                         f"({quant_config.describe()}); random weights cannot stand in for "
+                         f"its packed tensors, load it with --load_format auto")
+    model = build_model(hf_config, dtype, device, attn_backend, model_config.max_model_len,
+                        quant_config)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
     elif manifest is not None:
         load_split_shard(model, model_dir)
     else:
         load_checkpoint_files(model, find_weight_files(model_dir, model_config.load_format))
+    if quant_config is not None:
+        num = process_quantized_layers(model)
+        logger.info("quantized checkpoint: %s (%d linear layers)", quant_config.describe(), num)
     return model.eval()
 
 
@@ -124,12 +134,14 @@ def load_checkpoint_files(model: nn.Module, files: list[str]) -> None:
 
 
 def build_model(hf_config: Any, dtype: torch.dtype, device: str | torch.device,
-                attn_backend: AttentionBackend, max_model_len: int | None = None) -> nn.Module:
-    """The model with uninitialized weights (callers fill them via ``model.load_weights``)."""
+                attn_backend: AttentionBackend, max_model_len: int | None = None,
+                quant_config: QuantConfig | None = None) -> nn.Module:
+    """The model with uninitialized weights (callers fill them via ``model.load_weights``;
+    a quantized model then needs ``process_quantized_layers``)."""
     model_cls = get_model_class(hf_config)
     check_sliding_window(hf_config, max_model_len)
     with torch.device(device):
-        model = model_cls(hf_config, dtype, attn_backend)
+        model = model_cls(hf_config, dtype, attn_backend, quant_config=quant_config)
     _check_positions(model, max_model_len or hf_config.max_position_embeddings)
     return model
 

@@ -18,6 +18,7 @@ from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from bladellm.model.checkpoint import ResolvedModel
 from bladellm.model.forward_context import ForwardContext
+from bladellm.model.layers.linear import UnquantizedLinearMethod
 from bladellm.platforms.cpu_defaults import model_weight_bytes, total_memory_bytes
 from bladellm.sample.sampler import Sampler, SamplerOutput
 from bladellm.worker.input_batch import InputBatch, StepInputs
@@ -87,8 +88,9 @@ class ModelRunner:
         reordered copy that runs batched GEMMs 1.2-2x faster; the small-M kernel reads the
         original). The copy doubles linear-weight memory, so it is made only while it takes at
         most a quarter of the memory the weights leave. Returns the bytes it added."""
+        # Quantized layers were unpacked into their kernels' layout by the loader already.
         layers = [m for m in self.model.modules()
-                  if hasattr(getattr(m, "quant_method", None), "process_weights_after_loading")]
+                  if isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod)]
         extra = sum(m.weight.numel() * m.weight.element_size() for m in layers)
         spare = total_memory_bytes() - model_weight_bytes(self.model)
         if not layers or extra > spare // 4:

@@ -214,7 +214,7 @@ def _guard_speculative_flags(parser: argparse.ArgumentParser) -> None:
 
 # vLLM serving flags without a BladeLLM equivalent yet; True = the flag takes a value.
 NOT_SUPPORTED_YET: dict[str, bool] = {
-    "--swap-space": True, "--cpu-offload-gb": True, "--quantization": True, "-q": True,
+    "--swap-space": True, "--cpu-offload-gb": True, "-q": True,
     "--tokenizer-mode": True, "--tokenizer-revision": True, "--code-revision": True,
     "--distributed-executor-backend": True, "--data-parallel-size": True, "-dp": True,
     "--enable-expert-parallel": False, "--max-logprobs": True, "--max-seq-len-to-capture": True,

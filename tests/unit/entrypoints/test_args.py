@@ -114,11 +114,20 @@ def test_vllm_gpu_flag_maps_and_is_validated(capsys):
     assert "--max_gpu_memory_utilization: applies to GPU" in capsys.readouterr().err
 
 
+def test_quantization_flag_is_ours_now():
+    # vLLM's --quantization spelling reaches ModelConfig.quantization (checked against the
+    # checkpoint at load time); vLLM-only methods are refused by the config.
+    engine, _ = parse_args(["--quantization=awq"])
+    assert engine.model.quantization == "awq"
+    with pytest.raises(SystemExit):
+        parse_args(["--quantization", "gptq_marlin"])
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--swap-space", "4"], "--swap-space: this vLLM flag is not supported yet"),
     (["--reasoning-parser", "deepseek_r1"],
      "--reasoning-parser: this vLLM flag is not supported yet"),
-    (["--quantization=awq"], "--quantization: this vLLM flag is not supported yet"),
+    (["-q", "awq"], "-q: this vLLM flag is not supported yet"),
     (["--no-enable-chunked-prefill"], "chunked prefill cannot be turned off"),
     (["--kv-cache-dtype", "fp8"], "--kv_cache_quant: 'fp8' is not supported yet"),
 ])
