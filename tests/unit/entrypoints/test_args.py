@@ -120,7 +120,10 @@ def test_vllm_gpu_flag_maps_and_is_validated(capsys):
      "--reasoning-parser: this vLLM flag is not supported yet"),
     (["--quantization=awq"], "--quantization: this vLLM flag is not supported yet"),
     (["--no-enable-chunked-prefill"], "chunked prefill cannot be turned off"),
-    (["--kv-cache-dtype", "fp8"], "--kv_cache_quant: 'fp8' is not supported yet"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: invalid value 'fp8': only auto is "
+                                  "supported (fp8 KV caches are not); for a quantized KV cache "
+                                  "use --kv_cache_quant int8"),
+    (["--kv-cache-dtype", "int8"], "--kv-cache-dtype: invalid value 'int8'"),
 ])
 def test_unsupported_vllm_flags_say_so(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
