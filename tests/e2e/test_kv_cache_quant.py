@@ -97,6 +97,25 @@ def test_int8_sps_self_draft_accepts_everything(tiny_llama):
     assert draft.kv_caches[0].dtype == torch.int8
 
 
+@pytest.mark.slow  # two worker processes: ~20 s on an idle machine
+def test_int8_tensor_parallel_close_to_one_rank(tiny_model_factory):
+    """Each rank quantizes its own KV heads' rows, as one rank would: TP=2 with int8 KV stays
+    within the same criterion of TP=1 with int8 KV (the all-reduce's rounding may move a value
+    across a quantization step, so bit-identity is not promised)."""
+    model_dir = tiny_model_factory("qwen2", tie_word_embeddings=True)
+    prompts = _prompts(384)[:10]
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=3)
+    one, _ = _run(model_dir, prompts, params, kv_cache_quant="int8")
+    llm = LLM(model=model_dir, tensor_parallel_size=2, kv_cache_quant="int8", **STRESS)
+    try:
+        two = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.core.scheduler.get_stats().num_used_blocks == 0
+    finally:
+        llm.shutdown()
+    agree, total, worst = _compare(one, two)
+    assert agree >= 0.9 * total and worst < MAX_LOGPROB_DIFF
+
+
 def test_int8_prompt_logprobs_read_the_quantized_cache(tiny_llama):
     """Prompt logprobs go through a paged prefill of the engine's KV layout: with int8 they
     move a little, not a lot."""
