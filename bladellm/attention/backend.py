@@ -38,6 +38,20 @@ class AttentionMetadata:
     # Requests whose last query tokens form a tree (look_ahead) rather than a causal run.
     tree: "TreeAttention | None" = None
 
+    @classmethod
+    def single_prefill(cls, num_tokens: int, block_size: int) -> "AttentionMetadata":
+        """One request prefilling ``num_tokens`` from position 0 into blocks 0, 1, ... of a
+        cache of its own (a scratch cache; no scheduler involved)."""
+        qsl = np.array([0, num_tokens], dtype=np.int32)
+        seq_lens = np.array([num_tokens], dtype=np.int32)
+        num_blocks = -(-num_tokens // block_size)
+        return cls(num_reqs=1, num_actual_tokens=num_tokens, max_query_len=num_tokens,
+                   max_seq_len=num_tokens, query_start_loc=torch.from_numpy(qsl),
+                   seq_lens=torch.from_numpy(seq_lens),
+                   block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+                   slot_mapping=torch.arange(num_tokens, dtype=torch.int64),
+                   query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+
 
 @dataclass
 class TreeAttention:

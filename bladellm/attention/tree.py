@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from bladellm.kernels import kv_int8
+
 
 def tree_bias(mask: torch.Tensor, ctx_len: int, group: int) -> torch.Tensor:
     """Additive float32 bias ``[t * group, ctx_len + t]``: 0 where row token sees the key, -inf
@@ -30,17 +32,15 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    ctx_len: int, bias: torch.Tensor, scale: float) -> torch.Tensor:
     """Same contract as ``ref.tree_attention`` with the mask given as ``tree_bias(...)``; the
     tree's K/V (``key``/``value``) must already be in the cache after position ``ctx_len``
-    unless the cache has another dtype, in which case they are taken from the step's tensors."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    t, num_heads, _ = query.shape
+    (``reshape_and_cache`` put them there), so they are read back like the context: from an
+    int8 cache, quantized, as the causal kernel and a plain decode read them."""
+    block_size, num_kv_heads, row = k_cache.shape[1:]
+    t, num_heads, head_dim = query.shape
     group = num_heads // num_kv_heads
     total = ctx_len + t
     blocks = block_table[:-(-total // block_size)].long()
-    k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:total].float()
-    v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:total].float()
-    if k_cache.dtype != key.dtype:  # e.g. a quantized cache: use the step's exact values
-        k[ctx_len:] = key.float()
-        v[ctx_len:] = value.float()
+    k = kv_int8.to_float(k_cache.index_select(0, blocks).view(-1, num_kv_heads, row)[:total])
+    v = kv_int8.to_float(v_cache.index_select(0, blocks).view(-1, num_kv_heads, row)[:total])
     q = query.float().view(t, num_kv_heads, group, head_dim).transpose(0, 1)
     q = q.reshape(num_kv_heads, t * group, head_dim)
     scores = torch.baddbmm(bias, q, k.permute(1, 2, 0), alpha=scale)  # [kvh, t*G, total]

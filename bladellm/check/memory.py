@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from bladellm.attention.kv_cache import kv_bytes_per_block
 from bladellm.check.result import FAILED, PASS, WARNING, CheckResult
 from bladellm.config import EngineConfig, parse_size
 from bladellm.platforms.cpu_defaults import (GiB, cgroup_memory_limit, kv_cache_num_blocks,
@@ -46,7 +47,8 @@ def model_memory(config: EngineConfig) -> tuple[int, int, str]:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     cache = config.cache
-    per_block = 2 * text.num_hidden_layers * cache.block_size * kv_heads * head_dim * elem
+    per_block = kv_bytes_per_block(text.num_hidden_layers, cache.block_size, kv_heads,
+                                   head_dim, resolved.dtype, cache.kv_cache_quant)
     kv_bytes = None if cache.kv_cache_memory == "auto" else parse_size(cache.kv_cache_memory)
     blocks = kv_cache_num_blocks(cache.num_kv_blocks, kv_bytes, per_block,
                                  config.scheduler.max_num_seqs, resolved.max_model_len,

@@ -14,6 +14,7 @@ from ctypes import POINTER, c_float, c_int32, c_int64, c_void_p
 
 import torch
 
+from bladellm.kernels import kv_int8
 from bladellm.kernels.interface import Kernels
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -33,7 +34,7 @@ class _PagedAttentionArgs(ctypes.Structure):
                [(n, c_int64) for n in ("q_stride_token", "q_stride_head", "block_table_stride")] + \
                [(n, c_int32) for n in ("num_reqs", "num_heads", "num_kv_heads", "head_dim",
                                        "block_size", "dtype", "num_threads")] + \
-               [("scale", c_float)]
+               [("scale", c_float), ("kv_int8", c_int32)]
 
 
 class _RmsNormArgs(ctypes.Structure):
@@ -58,7 +59,7 @@ class _CacheWriteArgs(ctypes.Structure):
                [(n, c_int64) for n in ("k_token_stride", "k_head_stride", "v_token_stride",
                                        "v_head_stride", "tokens")] + \
                [(n, c_int32) for n in ("num_kv_heads", "head_dim", "element_size",
-                                       "slots_int64", "num_threads")]
+                                       "slots_int64", "num_threads", "kv_int8")]
 
 
 class _PackedLinear:
@@ -154,7 +155,11 @@ class CompiledKernels(Kernels):
         dtype = query.dtype
         code = _DTYPES.get(dtype)
         head_dim = query.shape[2]
-        if (code is None or not query.is_cpu or k_cache.dtype != dtype or v_cache.dtype != dtype
+        int8 = kv_int8.is_int8(k_cache)
+        cache_dtype = torch.int8 if int8 else dtype
+        row = kv_int8.row_width(head_dim) if int8 else head_dim
+        if (code is None or not query.is_cpu or k_cache.dtype != cache_dtype
+                or v_cache.dtype != cache_dtype or k_cache.shape[-1] != row
                 or out.dtype != dtype or head_dim % 16 or query.stride(2) != 1
                 or not (out.is_contiguous() and k_cache.is_contiguous()
                         and v_cache.is_contiguous())):
@@ -166,7 +171,7 @@ class CompiledKernels(Kernels):
             tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
             query.stride(0), query.stride(1), tables.stride(0),
             lens.shape[0], query.shape[1], k_cache.shape[2], head_dim, k_cache.shape[1], code,
-            torch.get_num_threads(), scale)
+            torch.get_num_threads(), scale, int8)
         rc = self._attention(args)
         if rc != 0:
             raise ValueError(f"paged_attention: unsupported arguments (code {rc}): "
@@ -174,9 +179,14 @@ class CompiledKernels(Kernels):
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        dtype = k_cache.dtype
+        # An int8 cache quantizes fp32 / bf16 rows; a float cache takes rows of its own dtype.
+        int8 = kv_int8.is_int8(k_cache)
+        dtype = key.dtype if int8 else k_cache.dtype
+        head_dim = key.shape[2]
         if (dtype not in _DTYPES or not key.is_cpu or key.dtype != dtype
-                or value.dtype != dtype or v_cache.dtype != dtype or key.stride(2) != 1
+                or value.dtype != dtype or v_cache.dtype != k_cache.dtype
+                or k_cache.shape[-1] != (kv_int8.row_width(head_dim) if int8 else head_dim)
+                or key.stride(2) != 1
                 or value.stride(2) != 1 or slot_mapping.dtype not in (torch.int64, torch.int32)
                 or not (k_cache.is_contiguous() and v_cache.is_contiguous()
                         and slot_mapping.is_contiguous())):
@@ -184,9 +194,10 @@ class CompiledKernels(Kernels):
         args = _CacheWriteArgs(
             key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             slot_mapping.data_ptr(), key.stride(0), key.stride(1), value.stride(0),
-            value.stride(1), key.shape[0], k_cache.shape[2], k_cache.shape[3],
-            k_cache.element_size(), slot_mapping.dtype == torch.int64, torch.get_num_threads())
-        self._cache_write(args)
+            value.stride(1), key.shape[0], k_cache.shape[2], head_dim,
+            key.element_size(), slot_mapping.dtype == torch.int64, torch.get_num_threads(), int8)
+        if self._cache_write(args) != 0:
+            raise ValueError(f"reshape_and_cache: unsupported key dtype {key.dtype}")
 
     def _norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
               eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:

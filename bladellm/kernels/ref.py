@@ -2,13 +2,17 @@
 the path taken wherever those cannot run (no compiler, float16, GPU tensors, odd shapes).
 
 Shapes: T tokens, nh query heads, kvh KV heads (nh a multiple of kvh), d head dim; caches are
-[num_blocks, block_size, kvh, d].
+[num_blocks, block_size, kvh, d] in a float dtype, or int8 [num_blocks, block_size, kvh, d + 4]
+(``--kv_cache_quant int8``: each row quantized with its own scale, see ``kv_int8.py``); readers
+dequantize only the blocks they gather.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from bladellm.kernels import kv_int8
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
@@ -20,19 +24,20 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     Request r owns query rows ``query_start_loc[r]:query_start_loc[r+1]`` (q_len >= 1); its
     context is ``seq_lens[r]`` tokens (this step's included, already in the cache), so query j
     sits at position ``seq_len - q_len + j`` and sees keys ``0..position``. Scores and softmax
-    in fp32; the output is rounded to ``out.dtype`` once.
+    in fp32; the output is rounded to ``out.dtype`` once. An int8 cache is read as
+    ``q * scale`` in fp32.
     """
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads, row = k_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for r, seq_len in enumerate(lens):
         begin, end = starts[r], starts[r + 1]
         q_len = end - begin
         blocks = block_tables[r, :-(-seq_len // block_size)].long()
-        k = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        v = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        k = k.float().repeat_interleave(group, dim=1)  # [L, nh, d]
-        v = v.float().repeat_interleave(group, dim=1)
+        k = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, row)[:seq_len]
+        v = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, row)[:seq_len]
+        k = kv_int8.to_float(k).repeat_interleave(group, dim=1)  # [L, nh, d]
+        v = kv_int8.to_float(v).repeat_interleave(group, dim=1)
         q = query[begin:end].float()  # [Q, nh, d]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
@@ -46,14 +51,17 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    ctx_len: int, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of ``t`` tree tokens (query/key/value [t, heads, d]) over a request's first
     ``ctx_len`` cached positions (all visible) and over each other where ``mask [t, t]`` is
-    True. fp32 scores and softmax; returns [t, nh, d] float32."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    True. fp32 scores and softmax; returns [t, nh, d] float32. With an int8 cache the tree's
+    own K/V are taken as the cache gives them back (quantized), like every other token's:
+    verification then sees what a plain decode of the same tokens would see."""
+    block_size, num_kv_heads, row = k_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
     blocks = block_table[:-(-ctx_len // block_size)].long()
-    k = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:ctx_len]
-    v = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_dim)[:ctx_len]
-    k = torch.cat([k.float(), key.float()]).transpose(0, 1)  # [kvh, L + t, d]
-    v = torch.cat([v.float(), value.float()]).transpose(0, 1)
+    k = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, row)[:ctx_len]
+    v = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, row)[:ctx_len]
+    key, value = kv_int8.round_trip(key, k_cache), kv_int8.round_trip(value, v_cache)
+    k = torch.cat([kv_int8.to_float(k), key.float()]).transpose(0, 1)  # [kvh, L + t, d]
+    v = torch.cat([kv_int8.to_float(v), value.float()]).transpose(0, 1)
     t = query.shape[0]
     visible = torch.cat([torch.ones((t, ctx_len), dtype=torch.bool), mask], dim=1)
     out = F.scaled_dot_product_attention(query.float().transpose(0, 1), k, v, attn_mask=visible,
@@ -63,11 +71,14 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store key/value [N, kvh, d] at flat slots ``slot_mapping`` [N] of the caches."""
-    num_kv_heads, head_dim = k_cache.shape[2:]
+    """Store key/value [N, kvh, d] at flat slots ``slot_mapping`` [N] of the caches (an int8
+    cache gets each row quantized with its own scale)."""
+    num_kv_heads, row = k_cache.shape[2:]
     slots = slot_mapping.long()
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+    if kv_int8.is_int8(k_cache):
+        key, value = kv_int8.pack(key), kv_int8.pack(value)
+    k_cache.view(-1, num_kv_heads, row).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, row).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Built by the model runner once per step. Attention reads ``attn_metadata`` and its layer's KV
 cache; the fields below it are the seams later features fill: per-token LoRA adapter indices for
-the linear layers, and per-layer KV-cache quantization scales. A field a feature does not use
+the linear layers. (An int8 KV cache needs no field: each row's scale is stored next to it in
+the layer's cache tensor, see ``kernels/kv_int8.py``.) A field a feature does not use
 stays ``None``, so layers pay nothing for features that are off.
 """
 
@@ -23,8 +24,6 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # one per layer (index = layer index)
     # Per-token adapter slot and the adapters' stacked weights (the LoRA work sets this).
     lora: Any = None
-    # Per-layer K/V scales of a quantized KV cache (the int8 KV-cache work sets this).
-    kv_scales: Any = None
 
     @classmethod
     def no_cache(cls) -> "ForwardContext":

@@ -56,6 +56,7 @@ class DraftModelProposer:
         self.gamma = config.speculative.gamma
         self.block_size = block_size
         self.device = device
+        self.kv_cache_quant = config.cache.kv_cache_quant  # the draft's KV is stored alike
         resolved = resolve_model(draft_model_config(config, target_resolved.max_model_len))
         check_draft_vocab(target_resolved.hf_config, resolved.hf_config, resolved.path)
         self.model = resolved.load_model(device, get_attn_backend(config.draft.attn_cls, device))
@@ -74,12 +75,12 @@ class DraftModelProposer:
     @property
     def bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
-                                  self.head_dim, self.dtype)
+                                  self.head_dim, self.dtype, self.kv_cache_quant)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.num_layers, num_blocks, self.block_size,
                                             self.num_kv_heads, self.head_dim, self.dtype,
-                                            self.device)
+                                            self.device, self.kv_cache_quant)
 
     # ---- the proposer interface -----------------------------------------------------------------
     def draft_probs(self, req_id: str, k: int) -> torch.Tensor | None:

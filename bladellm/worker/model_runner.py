@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from bladellm.attention import get_attn_backend
+from bladellm.attention import AttentionMetadata, get_attn_backend
 from bladellm.attention.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
@@ -111,14 +111,25 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
-                                  self.head_dim, self.dtype)
+                                  self.head_dim, self.dtype, self.config.cache.kv_cache_quant)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.num_layers, num_blocks, self.block_size,
                                             self.num_kv_heads, self.head_dim, self.dtype,
-                                            self.device)
+                                            self.device, self.config.cache.kv_cache_quant)
         if self.spec_bytes_per_block:
             self.spec.proposer.initialize_kv_cache(num_blocks)
+
+    def scratch_prefill_context(self, num_tokens: int) -> ForwardContext:
+        """A forward context for one whole prompt through the paged attention path, on a
+        scratch KV cache of this engine's layout (not the pool): prompt logprobs then see the
+        KV precision (``--kv_cache_quant``) that generation sees."""
+        num_blocks = -(-num_tokens // self.block_size)
+        caches = allocate_kv_caches(self.num_layers, num_blocks, self.block_size,
+                                    self.num_kv_heads, self.head_dim, self.dtype, self.device,
+                                    self.config.cache.kv_cache_quant)
+        return ForwardContext(attn_metadata=AttentionMetadata.single_prefill(
+            num_tokens, self.block_size), kv_caches=caches)
 
     def drop_requests(self, req_ids: list[str]) -> None:
         """Forget requests without a scheduler diff (their step failed)."""

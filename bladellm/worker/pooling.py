@@ -7,6 +7,8 @@ embedding request reads its prompt once and keeps nothing, so it runs as a plain
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -37,15 +39,22 @@ _LOGITS_CHUNK = 256  # prompt positions per logits matmul: bounds the [chunk, vo
 
 @torch.inference_mode()
 def prompt_logprobs(model: nn.Module, prompts: list[list[int]], num_top: int,
-                    device: torch.device) -> list[list[tuple[list[int], list[float], int]]]:
+                    device: torch.device,
+                    make_context: Callable[[int], ForwardContext] | None = None
+                    ) -> list[list[tuple[list[int], list[float], int]]]:
     """For each prompt, for each token after the first: ([token, *top ids], [its logprob,
-    *top logprobs], its rank). A separate no-cache forward, like ``embed_prompts``: prompt
-    logprobs cost one extra prefill of the prompt but leave the generation step untouched."""
+    *top logprobs], its rank). A separate forward, like ``embed_prompts``: prompt logprobs cost
+    one extra prefill of the prompt but leave the generation step untouched.
+    ``make_context(num_tokens)``: the forward's context, e.g. a paged prefill into a scratch
+    cache of the engine's KV layout (the worker's choice: an int8 KV cache must be read as
+    generation reads it); default a plain causal forward without cache."""
     result = []
     for ids in prompts:
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         positions = torch.arange(len(ids), dtype=torch.long, device=device)
-        hidden = model(input_ids, positions, ForwardContext.no_cache())
+        ctx = ForwardContext.no_cache() if make_context is None else make_context(len(ids))
+        hidden = model(input_ids, positions, ctx)
+        del ctx  # the scratch cache goes before the logits are computed
         if hidden is None:
             continue  # a pipeline stage before the last: the last one answers
         entries: list[tuple[list[int], list[float], int]] = []

@@ -92,4 +92,6 @@ class Worker:
 
     def prompt_logprobs(self, prompts: list[list[int]], num_top: int) -> list[list]:
         """Logprobs of each prompt token given the ones before it (see worker/pooling.py)."""
-        return prompt_logprobs(self.model_runner.model, prompts, num_top, self.device)
+        runner = self.model_runner
+        return prompt_logprobs(runner.model, prompts, num_top, self.device,
+                               runner.scratch_prefill_context)

@@ -3,8 +3,9 @@
 //
 // Work item = (request, tile of query tokens, range of kv heads[, key partition]). Its rows are
 // the tile's tokens x the query heads of those kv heads; each K/V tile of VLEN keys is loaded
-// (and widened from bf16) once per kv head for all the rows sharing it, then folded into the
-// rows by row_step or lanes_step (attention_tiles.h). Decodes take all kv heads in one item: a
+// (widened from bf16, or dequantized from int8 rows with their per-row scale) once per kv head
+// for all the rows sharing it, then folded into the rows by row_step or lanes_step
+// (attention_tiles.h). Decodes take all kv heads in one item: a
 // key's rows for every head are adjacent in the cache, so the item streams whole blocks instead
 // of picking 128-byte rows out of them (decode is bound by memory latency more than compute).
 // Per row: fp32 scores, online softmax in base 2 (running max, running sum, rescale), fp32
@@ -17,7 +18,7 @@ namespace {
 
 // The item's rows (already in sc.q, row-major) through lanes_step, VLEN rows per group; the
 // results go back to sc.acc / row_max / row_sum, row-major, as row_step leaves them.
-template <typename T, int DC>
+template <typename C, int DC>
 static void run_lanes(const PagedAttentionArgs& a, const WorkItem& w, const Geometry& g,
                       Scratch& sc, const int32_t* table, int first_pos, int key_end) {
   const int d = g.d, heads = w.head_end - w.head_begin, per_head = g.tokens * g.G;
@@ -39,8 +40,8 @@ static void run_lanes(const PagedAttentionArgs& a, const WorkItem& w, const Geom
   for (int kt = w.key_begin; kt < key_end; kt += VLEN) {
     const int n = std::min(VLEN, key_end - kt);
     if (kt + VLEN < key_end)
-      prefetch_kv_tile<T>(a, table, w, kt + VLEN, std::min(VLEN, key_end - kt - VLEN), g);
-    load_kv_tile<T, true>(a, table, w, kt, n, g, sc, kp, vp);
+      prefetch_kv_tile<C>(a, table, w, kt + VLEN, std::min(VLEN, key_end - kt - VLEN), g);
+    load_kv_tile<C, true>(a, table, w, kt, n, g, sc, kp, vp);
     for (int hh = 0; hh < heads; ++hh)
       for (int grp = 0; grp < groups; ++grp) {
         if (sc.lane_pos[grp * VLEN + VLEN - 1] < kt) continue;  // whole tile in their future
@@ -64,7 +65,7 @@ static void run_lanes(const PagedAttentionArgs& a, const WorkItem& w, const Geom
 
 // The item's rows one at a time through row_step, reading sc.q and leaving sc.acc / row_max /
 // row_sum.
-template <typename T, int DC>
+template <typename C, int DC>
 static void run_rows(const PagedAttentionArgs& a, const WorkItem& w, const Geometry& g,
                      Scratch& sc, const int32_t* table, int first_pos, int key_end) {
   const float** kp = sc.kp.data();
@@ -72,8 +73,8 @@ static void run_rows(const PagedAttentionArgs& a, const WorkItem& w, const Geome
   for (int kt = w.key_begin; kt < key_end; kt += VLEN) {
     const int n = std::min(VLEN, key_end - kt);
     if (kt + VLEN < key_end)
-      prefetch_kv_tile<T>(a, table, w, kt + VLEN, std::min(VLEN, key_end - kt - VLEN), g);
-    load_kv_tile<T, false>(a, table, w, kt, n, g, sc, kp, vp);
+      prefetch_kv_tile<C>(a, table, w, kt + VLEN, std::min(VLEN, key_end - kt - VLEN), g);
+    load_kv_tile<C, false>(a, table, w, kt, n, g, sc, kp, vp);
     for (int hh = 0; hh < w.head_end - w.head_begin; ++hh)
       for (int t = std::max(0, kt - first_pos); t < g.tokens; ++t) {
         const int valid = std::min(n, first_pos + t - kt + 1);  // causal: keys <= position
@@ -86,7 +87,8 @@ static void run_rows(const PagedAttentionArgs& a, const WorkItem& w, const Geome
   }
 }
 
-template <typename T, int DC>
+// T: query / output dtype; C: cache element (T, or int8_t for an int8 cache).
+template <typename T, typename C, int DC>
 static void run_item(const PagedAttentionArgs& a, const WorkItem& w, Scratch& sc,
                      float* partial) {
   const int d = DC ? DC : a.head_dim;
@@ -117,9 +119,9 @@ static void run_item(const PagedAttentionArgs& a, const WorkItem& w, Scratch& sc
   // Lanes pay for VLEN rows whatever the count; from half full on they still win (decode
   // 32 x 600 bf16, G=8: 7.8 -> 6.2 ms; 4-token verification, G=3: 10.0 -> 6.5 ms).
   if (tokens * G >= VLEN / 2)
-    run_lanes<T, DC>(a, w, g, sc, table, first_pos, key_end);
+    run_lanes<C, DC>(a, w, g, sc, table, first_pos, key_end);
   else
-    run_rows<T, DC>(a, w, g, sc, table, first_pos, key_end);
+    run_rows<C, DC>(a, w, g, sc, table, first_pos, key_end);
 
   if (partial != nullptr) {  // a key partition: keep (acc, max, sum) for the combine pass
     std::copy_n(sc.acc.data(), g.rows * d, partial);
@@ -220,7 +222,7 @@ static std::vector<WorkItem> plan_work(const PagedAttentionArgs& a) {
   return items;
 }
 
-template <typename T, int DC>
+template <typename T, typename C, int DC>
 static void run_all(const PagedAttentionArgs& a) {
   const std::vector<WorkItem> items = plan_work(a);
   const int G = a.num_heads / a.num_kv_heads;
@@ -238,7 +240,7 @@ static void run_all(const PagedAttentionArgs& a) {
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n; ++i) {
       const WorkItem& w = items[i];
-      run_item<T, DC>(a, w, sc, w.partial_offset >= 0 ? partial.data() + w.partial_offset
+      run_item<T, C, DC>(a, w, sc, w.partial_offset >= 0 ? partial.data() + w.partial_offset
                                                       : nullptr);
     }
     if (partial_size > 0) {
@@ -250,13 +252,19 @@ static void run_all(const PagedAttentionArgs& a) {
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 static void dispatch_dim(const PagedAttentionArgs& a) {
   switch (a.head_dim) {
-    case 64: return run_all<T, 64>(a);
-    case 128: return run_all<T, 128>(a);
-    default: return run_all<T, 0>(a);
+    case 64: return run_all<T, C, 64>(a);
+    case 128: return run_all<T, C, 128>(a);
+    default: return run_all<T, C, 0>(a);
   }
+}
+
+template <typename T>
+static void dispatch_cache(const PagedAttentionArgs& a) {
+  if (a.kv_int8) return dispatch_dim<T, int8_t>(a);
+  return dispatch_dim<T, T>(a);
 }
 
 }  // namespace
@@ -265,8 +273,8 @@ static void dispatch_dim(const PagedAttentionArgs& a) {
 extern "C" int bl_paged_attention(const PagedAttentionArgs* a) {
   if (a->head_dim % VLEN != 0 || a->head_dim <= 0) return 1;
   if (a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads != 0) return 3;
-  if (a->dtype == kFloat32) return dispatch_dim<float>(*a), 0;
-  if (a->dtype == kBFloat16) return dispatch_dim<bf16_t>(*a), 0;
+  if (a->dtype == kFloat32) return dispatch_cache<float>(*a), 0;
+  if (a->dtype == kBFloat16) return dispatch_cache<bf16_t>(*a), 0;
   return 2;
 }
 

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -17,8 +18,8 @@ extern "C" {
 struct PagedAttentionArgs {  // mirrored by kernels/compiled.py; all strides in elements
   void* out;                 // [T, num_heads, head_dim] contiguous
   const void* query;         // [T, num_heads, head_dim], last dim contiguous
-  const void* k_cache;       // [num_blocks, block_size, num_kv_heads, head_dim] contiguous
-  const void* v_cache;
+  const void* k_cache;       // [num_blocks, block_size, num_kv_heads, row] contiguous; row =
+  const void* v_cache;       // head_dim, or head_dim int8 + fp32 scale bytes if kv_int8
   const int32_t* block_tables;     // [num_reqs, block_table_stride]
   const int32_t* query_start_loc;  // [num_reqs + 1]
   const int32_t* seq_lens;         // [num_reqs], including this step's tokens
@@ -27,6 +28,7 @@ struct PagedAttentionArgs {  // mirrored by kernels/compiled.py; all strides in 
   int64_t block_table_stride;
   int32_t num_reqs, num_heads, num_kv_heads, head_dim, block_size, dtype, num_threads;
   float scale;
+  int32_t kv_int8;  // caches hold int8 rows + their fp32 scale (kernels/kv_int8.py)
 };
 }
 
@@ -74,35 +76,55 @@ static inline int item_rows(const WorkItem& w, int G) {
   return (w.head_end - w.head_begin) * (w.q_end - w.q_begin) * G;
 }
 
+// Elements per (slot, kv head) row of a cache of C: the head dim, plus the 4 scale bytes that
+// follow each int8 row.
+template <typename C>
+static inline int row_elems(int d) {
+  return std::is_same_v<C, int8_t> ? d + 4 : d;
+}
+
+// One cache row into fp32: bf16 widened, int8 times its scale (one fp32 multiply per value,
+// as kv_int8.dequantize does).
+template <typename C>
+static inline void widen_row(const C* src, int d, float* dst) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    float s;
+    std::memcpy(&s, src + d, sizeof s);
+    const vfloat vs = splat(s);
+    for (int c = 0; c < d; c += VLEN) storeu(dst + c, loadu(src + c) * vs);
+  } else {
+    for (int c = 0; c < d; c += VLEN) storeu(dst + c, loadu(src + c));
+  }
+}
+
 // Pointers to the K/V rows of keys [kt, kt + n) for every kv head of the item, at
-// kp[hh * VLEN + j]. fp32 caches are read in place; bf16 ones are widened once into the scratch
-// tile (shared by every row of the head), walking each block in address order: a slot's rows
+// kp[hh * VLEN + j]. fp32 caches are read in place; bf16 and int8 ones are widened (int8:
+// dequantized) once into the scratch tile (shared by every row of the head): only the tile in
+// use is ever dequantized, never the cache. Walks each block in address order: a slot's rows
 // for all the item's heads are adjacent, so this streams (15% faster on cold caches than
 // head by head, which hops 128-byte rows at a num_kv_heads stride).
 // kCopy (lanes_step): fp32 rows are copied too and rows n..VLEN-1 zeroed, so each head's tile
 // is one contiguous [VLEN][d] block.
-template <typename T, bool kCopy>
+template <typename C, bool kCopy>
 static inline void load_kv_tile(const PagedAttentionArgs& a, const int32_t* table,
                                 const WorkItem& w, int kt, int n, const Geometry& g,
                                 Scratch& sc, const float** kp, const float** vp) {
-  const T* kc = static_cast<const T*>(a.k_cache);
-  const T* vc = static_cast<const T*>(a.v_cache);
-  const int heads = w.head_end - w.head_begin;
+  const C* kc = static_cast<const C*>(a.k_cache);
+  const C* vc = static_cast<const C*>(a.v_cache);
+  const int heads = w.head_end - w.head_begin, rw = row_elems<C>(g.d);
   int blk = kt / g.bs, off = kt % g.bs;
   for (int j = 0; j < n; ++j) {
-    const int64_t base = ((int64_t(table[blk]) * g.bs + off) * g.kvh + w.head_begin) * g.d;
+    const int64_t base = ((int64_t(table[blk]) * g.bs + off) * g.kvh + w.head_begin) * rw;
     for (int hh = 0; hh < heads; ++hh) {
-      const int64_t src = base + int64_t(hh) * g.d;
-      if constexpr (sizeof(T) == sizeof(float) && !kCopy) {
-        kp[hh * VLEN + j] = reinterpret_cast<const float*>(kc + src);
-        vp[hh * VLEN + j] = reinterpret_cast<const float*>(vc + src);
+      const int64_t src = base + int64_t(hh) * rw;
+      if constexpr (std::is_same_v<C, float> && !kCopy) {
+        kp[hh * VLEN + j] = kc + src;
+        vp[hh * VLEN + j] = vc + src;
       } else {
         float* kd = sc.k.data() + (hh * VLEN + j) * g.d;
         float* vd = sc.v.data() + (hh * VLEN + j) * g.d;
-        for (int c = 0; c < g.d; c += VLEN) {
-          storeu(kd + c, loadu(kc + src + c));
-          storeu(vd + c, loadu(vc + src + c));
-        }
+        widen_row(kc + src, g.d, kd);
+        widen_row(vc + src, g.d, vd);
         kp[hh * VLEN + j] = kd;
         vp[hh * VLEN + j] = vd;
       }
@@ -121,12 +143,12 @@ static inline void load_kv_tile(const PagedAttentionArgs& a, const int32_t* tabl
 // blocks sit at random places, so the hardware prefetcher loses the stream at every block.
 // Into L2, not L1 (prefetcht2): L1-targeted prefetch evicts the tile in use and was slower;
 // this one took decode 32 x 600 bf16 from 3.2 to 2.8 ms on one EPYC core.
-template <typename T>
+template <typename C>
 static inline void prefetch_kv_tile(const PagedAttentionArgs& a, const int32_t* table,
                                     const WorkItem& w, int kt, int n, const Geometry& g) {
   const char* kc = static_cast<const char*>(a.k_cache);
   const char* vc = static_cast<const char*>(a.v_cache);
-  const int64_t head_bytes = int64_t(g.d) * sizeof(T);
+  const int64_t head_bytes = int64_t(row_elems<C>(g.d)) * sizeof(C);
   const int64_t row_bytes = head_bytes * (w.head_end - w.head_begin);
   int blk = kt / g.bs, off = kt % g.bs;
   for (int j = 0; j < n; ++j) {

@@ -23,11 +23,12 @@ struct RotaryArgs {     // mirrored by kernels/compiled.py; strides in elements
 struct CacheWriteArgs {  // mirrored by kernels/compiled.py; strides in elements
   const void* key;       // [tokens, num_kv_heads, head_dim], last dim contiguous
   const void* value;
-  void* k_cache;         // [num_slots, num_kv_heads, head_dim] contiguous
-  void* v_cache;
+  void* k_cache;         // [num_slots, num_kv_heads, row] contiguous (row: head_dim, or
+  void* v_cache;         // head_dim int8 + 4 scale bytes if kv_int8)
   const void* slots;     // [tokens] int64 or int32; negative: skip (padding)
   int64_t k_token_stride, k_head_stride, v_token_stride, v_head_stride, tokens;
   int32_t num_kv_heads, head_dim, element_size, slots_int64, num_threads;
+  int32_t kv_int8;       // quantize each row (kernels/kv_int8.py); element_size: of key/value
 };
 }
 
@@ -135,8 +136,49 @@ extern "C" int bl_silu_and_mul(void* out, const void* x, int64_t x_stride, int64
   return 2;
 }
 
-// 0: done. A copy of whole head rows; a token with a negative slot (padding) is skipped.
+// One row into the int8 format, with the fp32 operations of kv_int8.quantize in its order:
+// scale = amax / 127, q = round_half_even(x * (127 / amax)) clamped; scale bytes after q.
+template <typename S>
+static void quantize_row(const S* src, int d, int8_t* dst) {
+  float amax = 0.0f;
+  for (int c = 0; c < d; ++c) amax = std::max(amax, std::fabs(to_float(src[c])));
+  const float scale = amax / 127.0f;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int c = 0; c < d; ++c) {
+    const float y = std::nearbyint(to_float(src[c]) * inv);  // default mode: half to even
+    dst[c] = int8_t(std::min(127.0f, std::max(-127.0f, y)));
+  }
+  std::memcpy(dst + d, &scale, sizeof scale);
+}
+
+template <typename S>
+static void quantize_rows(const CacheWriteArgs* a) {
+  const int d = a->head_dim;
+  const int64_t slot_bytes = int64_t(d + 4) * a->num_kv_heads;
+  const bool par = a->num_threads > 1 && a->tokens * slot_bytes >= (1 << 18);
+#pragma omp parallel for num_threads(a->num_threads) if (par) schedule(static)
+  for (int64_t t = 0; t < a->tokens; ++t) {
+    const int64_t slot = index_at(a->slots, a->slots_int64, t);
+    if (slot < 0) continue;
+    int8_t* kd = static_cast<int8_t*>(a->k_cache) + slot * slot_bytes;
+    int8_t* vd = static_cast<int8_t*>(a->v_cache) + slot * slot_bytes;
+    const S* ks = static_cast<const S*>(a->key) + t * a->k_token_stride;
+    const S* vs = static_cast<const S*>(a->value) + t * a->v_token_stride;
+    for (int h = 0; h < a->num_kv_heads; ++h) {
+      quantize_row(ks + h * a->k_head_stride, d, kd + h * (d + 4));
+      quantize_row(vs + h * a->v_head_stride, d, vd + h * (d + 4));
+    }
+  }
+}
+
+// 0: done; 2: unsupported source dtype for an int8 cache. A copy of whole head rows (or their
+// quantization); a token with a negative slot (padding) is skipped.
 extern "C" int bl_reshape_and_cache(const CacheWriteArgs* a) {
+  if (a->kv_int8) {
+    if (a->element_size == 4) return quantize_rows<float>(a), 0;
+    if (a->element_size == 2) return quantize_rows<bf16_t>(a), 0;
+    return 2;
+  }
   const int64_t es = a->element_size, row = int64_t(a->head_dim) * es;
   const int64_t slot_bytes = row * a->num_kv_heads;
   const bool par = a->num_threads > 1 && a->tokens * slot_bytes >= (1 << 20);

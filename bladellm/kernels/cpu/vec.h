@@ -64,6 +64,23 @@ static inline vfloat loadu(const bf16_t* p) {
 #endif
 }
 
+// int8 -> fp32 (the int8 KV cache): VLEN bytes sign-extended and converted exactly.
+static inline vfloat loadu(const int8_t* p) {
+#if defined(__AVX512F__)
+  // maskz forms: the plain ones trip GCC 12's -Wmaybe-uninitialized (as in loadu(bf16)).
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return bit_cast<vfloat>(_mm512_maskz_cvtepi32_ps(0xffff, _mm512_maskz_cvtepi8_epi32(0xffff, b)));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return bit_cast<vfloat>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+#else
+  typedef int8_t vbyte __attribute__((vector_size(VLEN)));
+  vbyte b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vfloat);
+#endif
+}
+
 // Round to nearest even exactly as c10::BFloat16 does (NaN -> 0x7fc0), so results match torch.
 static inline void storeu(bf16_t* p, vfloat x) {
   vuint u = bit_cast<vuint>(x);

@@ -88,6 +88,20 @@ def test_memory_check_fails_when_available_memory_is_short(tiny_llama):
     assert bad.status == FAILED and "cannot read --model" in bad.detail
 
 
+def test_memory_check_counts_int8_kv_blocks_with_their_scales(tiny_llama):
+    """--kv_cache_quant int8: the check sizes the pool from the engine's true bytes per block
+    (tiny llama: 2 layers, 2 KV heads, head_dim 16 -> rows of 16 + 4 bytes)."""
+    from bladellm.check.memory import model_memory
+
+    kw = dict(model=tiny_llama, kv_cache_memory="1MiB", block_size=16, dtype="float32")
+    _, fp_bytes, fp_desc = model_memory(EngineConfig.from_kwargs(**kw))
+    _, q_bytes, q_desc = model_memory(EngineConfig.from_kwargs(kv_cache_quant="int8", **kw))
+    per_block = 2 * 2 * 16 * 2 * (16 + 4)
+    assert f"{(1 << 20) // per_block} KV blocks" in q_desc
+    assert q_bytes == (1 << 20) // per_block * per_block
+    assert f"{(1 << 20) // (2 * 2 * 16 * 2 * 16 * 4)} KV blocks" in fp_desc
+
+
 def test_available_memory_reads_meminfo():
     assert available_memory_bytes("MemTotal: 10 kB\nMemAvailable:    2048 kB\n") <= 2048 * 1024
 

@@ -129,7 +129,10 @@ def test_quantization_flag_is_ours_now():
      "--reasoning-parser: this vLLM flag is not supported yet"),
     (["-q", "awq"], "-q: this vLLM flag is not supported yet"),
     (["--no-enable-chunked-prefill"], "chunked prefill cannot be turned off"),
-    (["--kv-cache-dtype", "fp8"], "--kv_cache_quant: 'fp8' is not supported yet"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: invalid value 'fp8': only auto is "
+                                  "supported (fp8 KV caches are not); for a quantized KV cache "
+                                  "use --kv_cache_quant int8"),
+    (["--kv-cache-dtype", "int8"], "--kv-cache-dtype: invalid value 'int8'"),
 ])
 def test_unsupported_vllm_flags_say_so(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
