@@ -1,0 +1,171 @@
+"""GPU paged attention in Triton: one kernel for the whole flat batch, whatever each request's
+query length (decode 1, speculative verification 1 + k, a prefill chunk after a cached prefix).
+
+The contract is the twin's, ``bladellm.kernels.ref.paged_attention`` (attention/backend.py has
+the layout): request r owns query rows ``query_start_loc[r]:query_start_loc[r+1]`` (q_len >= 0;
+0 is a padding request and writes nothing), its context is ``seq_lens[r]`` tokens including
+those, so query j sits at position ``seq_len - q_len + j`` and sees keys ``0..position``. Caches
+are ``[num_blocks, block_size, kvh, d]`` (one half of the engine's ``[2, ...]`` layer tensor);
+position p lives in block ``block_tables[r, p // block_size]`` at offset ``p % block_size``.
+
+One program per (request, query tile, KV head). Its rows are ``BLOCK_Q`` query tokens x the
+``group = nh / kvh`` query heads that share the KV head (padded to a power of two), so a K/V tile
+is read once for the whole GQA group and the dot products have at least 16 rows (tensor cores)
+even for decode. KV tiles of ``BLOCK_N`` positions are gathered in place through the block table
+(per position, so ``BLOCK_N`` and ``block_size`` are independent); scores, the online softmax
+and the accumulator are fp32; the output is rounded to ``out.dtype`` once. The loop stops at the
+last key the tile's last query can see.
+
+Dots take 16-bit q/k/v as they are (fp32 accumulation; the probabilities are rounded to v's
+dtype for the P @ V dot, as flash attention does) and fp32 in IEEE precision (not TF32). Under
+``TRITON_INTERPRET=1`` bfloat16 dots are computed on fp32 copies: the interpreter's bf16
+arithmetic is wrong (numpy has no bf16), so that GPU path is only checked on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr,
+        seq_lens_ptr, scale_log2, num_heads, head_dim, block_size,
+        stride_ot, stride_oh, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch,
+        stride_bt,
+        GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr,
+        PRECISION: tl.constexpr):
+    req = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len  # cached tokens before this step's queries
+
+    ROWS: tl.constexpr = BLOCK_Q * GROUP_P2
+    rows = tl.arange(0, ROWS)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP_P2  # query token within the request
+    head = kv_head * GROUP + rows % GROUP_P2
+    row_ok = (q_idx < q_len) & (rows % GROUP_P2 < GROUP)
+    q_pos = context_len + q_idx
+    dims = tl.arange(0, HEAD_DIM)
+    dim_ok = dims < head_dim
+
+    q = tl.load(q_ptr + (q_start + q_idx).to(tl.int64)[:, None] * stride_qt
+                + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # A finite floor for the running max: rows with nothing visible yet (masked rows, or a
+    # tile entirely in a row's future) keep exp2(-inf - m) = 0 instead of NaN.
+    m_i = tl.full((ROWS,), -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros((ROWS,), dtype=tl.float32)
+    acc = tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32)
+
+    # Keys past the tile's last query position are in every row's future.
+    kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
+    offs_n = tl.arange(0, BLOCK_N)
+    for n0 in range(0, kv_end, BLOCK_N):
+        k_pos = n0 + offs_n
+        k_ok = k_pos < kv_end
+        block = tl.load(block_tables_ptr + req * stride_bt + k_pos // block_size,
+                        mask=k_ok, other=0).to(tl.int64)
+        slot = block * stride_cb + (k_pos % block_size) * stride_cs + kv_head * stride_ch
+        kv_mask = k_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [ROWS, BLOCK_N]
+        visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + q_idx).to(tl.int64)[:, None] * stride_ot
+             + head[:, None] * stride_oh + dims[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def _check(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+           v_cache: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+           seq_lens: torch.Tensor) -> None:
+    if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("query must be [T, nh, d] and the caches [num_blocks, block_size, "
+                         "kvh, d] of one shape")
+    if out.shape != query.shape:
+        raise ValueError(f"out {tuple(out.shape)} must have query's shape {tuple(query.shape)}")
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads of {head_dim} do not fit a cache of "
+                         f"{num_kv_heads} KV heads of {k_cache.shape[3]}")
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16) \
+            or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+        raise ValueError(f"query and caches must share a float dtype, got {query.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
+    if query.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 \
+            or k_cache.stride() != v_cache.stride() or block_tables.stride(1) != 1:
+        raise ValueError("the head dimension (and block table rows) must be contiguous")
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_reqs + 1,) or block_tables.shape[0] < num_reqs:
+        raise ValueError(f"query_start_loc must be [num_reqs + 1] and block_tables have a row "
+                         f"per request ({num_reqs})")
+
+
+def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    *, max_query_len: int | None = None, block_q: int | None = None,
+                    block_n: int = 32) -> None:
+    """Into ``out [T, nh, d]``, as ``ref.paged_attention``. ``max_query_len``: the longest
+    request's query (AttentionMetadata has it); None reads it from ``query_start_loc``, a host
+    sync. ``block_q`` query tokens per program (default: enough for 64 rows with the GQA group,
+    at most the longest query); ``block_n`` keys per KV tile. Tiles below 16 are raised to 16
+    (the GPU dot's minimum)."""
+    _check(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    num_reqs = seq_lens.shape[0]
+    if num_reqs == 0 or query.shape[0] == 0:
+        return
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_query_len <= 0:
+        return
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
+    if block_q is None:
+        block_q = min(max(1, 64 // group_p2), triton.next_power_of_2(max_query_len))
+    block_q = triton.next_power_of_2(max(block_q, triton.cdiv(16, group_p2)))
+    block_n = max(16, triton.next_power_of_2(block_n))
+    # fp32 dots in IEEE precision (the default on NVIDIA would be TF32); 16-bit dots take the
+    # backend's default (None), which every backend accepts.
+    dot_fp32 = query.dtype == torch.float32 or (_INTERPRETING and query.dtype == torch.bfloat16)
+    grid = (num_reqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+        scale * _LOG2E, num_heads, head_dim, k_cache.shape[1],
+        out.stride(0), out.stride(1), query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, BLOCK_N=block_n,
+        HEAD_DIM=max(16, triton.next_power_of_2(head_dim)),
+        DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else None)
