@@ -45,7 +45,8 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, blo
     heads = tl.arange(0, HEADS)[:, None]
     dims = tl.arange(0, HEAD_DIM)[None, :]
     mask = (heads < num_kv_heads) & (dims < head_dim)
-    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + heads * stride_ch + dims
+    dst = ((slot // block_size) * stride_cb + (slot % block_size) * stride_cs
+           + heads * stride_ch + dims)
     k = tl.load(key_ptr + t * stride_kt + heads * stride_kh + dims, mask=mask)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(value_ptr + t * stride_vt + heads * stride_vh + dims, mask=mask)
