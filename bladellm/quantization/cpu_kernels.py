@@ -6,7 +6,8 @@
   dequantized weight up to GEMM rounding.
 * ``AtenInt4Linear`` (4-bit, groups of 32..256 in order, N % 16 == 0): ATen's
   ``_weight_int4pack_mm_for_cpu``, which decodes the weight inside the kernel. On AVX2 it runs
-  one pass over the weight per row of x, so it only pays at decode batch sizes.
+  one pass over the weight per row of x and lost to ``DequantLinear`` even at M = 1: measured
+  (benchmarks/quantized_linear.py), not chosen (``ATEN_INT4_MAX_ROWS``).
 * ``Int8DynamicLinear`` (W8A8): x quantized per token to int8 at call time, an int8 GEMM
   (fbgemm, ``quantized::linear_dynamic``, exact integer sums), the per-channel weight scales
   and per-token x scales applied to the result. ``w8a8_reference`` is its twin.
@@ -27,9 +28,10 @@ from bladellm.quantization.int_weight import IntWeight
 
 logger = logging.getLogger(__name__)
 
-# Rows of x up to which ATen's int4 kernel beats dequantize + GEMM on AVX2 (measured; see
-# docs/quantization.md). Above it the per-row weight decode costs more than one dequantization.
-ATEN_INT4_MAX_ROWS = 1
+# Rows of x up to which ATen's int4 kernel is used. 0: on AVX2 it lost to dequantize + GEMM
+# at every M measured, M = 1 included (docs/quantization.md), so the engine never builds its
+# layout; the class stays for the benchmark and for CPUs where it wins.
+ATEN_INT4_MAX_ROWS = 0
 
 
 def _sorted_columns(w: IntWeight) -> tuple[IntWeight, torch.Tensor | None, int]:
@@ -210,6 +212,6 @@ def choose_w8a8_kernel(w: IntWeight):
 
 def choose_weight_only_kernel(w: IntWeight):
     dequant = DequantLinear(w)
-    if AtenInt4Linear.unsupported(w) is None:
+    if ATEN_INT4_MAX_ROWS > 0 and AtenInt4Linear.unsupported(w) is None:
         return AtenInt4Linear(w, dequant)
     return dequant
