@@ -10,9 +10,9 @@ meaningful with ``--threads 1``).
 
 ``--e2e``: the 88M model with random weights, fp32 and quantized min-max into a W8A8
 (compressed-tensors int-quantized) and a W4A16 (GPTQ 4-bit, group 128) checkpoint by the test
-packers (tests/quant_checkpoints.py); single-stream TBT (one request, 128 output tokens after a
-32-token prompt: (t(129 tokens) - t(1 token)) / 128) and offline throughput (32 requests, 64 in /
-64 out, output tok/s) through ``bladellm.LLM``.
+packers (tests/quant_checkpoints.py); single-stream TBT (one request, T = ``--tbt_tokens`` output
+tokens after a 32-token prompt: (t(T + 1 tokens) - t(1 token)) / T, best of 2) and offline
+throughput (``--num_prompts`` requests, 64 in / 64 out, output tok/s) through ``bladellm.LLM``.
 
     python benchmarks/quantized_linear.py --kernels --threads 1 --clock cpu
     python benchmarks/quantized_linear.py --e2e --threads 2
@@ -102,7 +102,7 @@ def bench_kernels(reps: int, clock) -> None:
             print(f"| {name} ({n}x{k}) | {m} | " + " | ".join(f"{c:.0f}" for c in cols) + " |")
 
 
-def _llm_numbers(model_dir: str) -> tuple[float, float]:
+def _llm_numbers(model_dir: str, tbt_tokens: int, num_prompts: int) -> tuple[float, float]:
     from bladellm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=32)
@@ -117,15 +117,17 @@ def _llm_numbers(model_dir: str) -> tuple[float, float]:
             return time.perf_counter() - t
 
         run([prompt], 8)  # warm-up
-        tbt = min((run([prompt], 129) - run([prompt], 1)) / 128 for _ in range(2))
-        prompts = [torch.randint(10, 8000, (64,), generator=gen).tolist() for _ in range(32)]
-        tput = 32 * 64 / run(prompts, 64)
+        tbt = min((run([prompt], tbt_tokens + 1) - run([prompt], 1)) / tbt_tokens
+                  for _ in range(2))
+        prompts = [torch.randint(10, 8000, (64,), generator=gen).tolist()
+                   for _ in range(num_prompts)]
+        tput = num_prompts * 64 / run(prompts, 64)
         return tbt * 1e3, tput
     finally:
         llm.shutdown()
 
 
-def bench_e2e(workdir: Path) -> None:
+def bench_e2e(workdir: Path, tbt_tokens: int, num_prompts: int) -> None:
     from offline_throughput import make_model_dir
     from quant_checkpoints import quantize_checkpoint
 
@@ -142,7 +144,7 @@ def bench_e2e(workdir: Path) -> None:
     print("|---|---|---|")
     base = None
     for label, d in dirs.items():
-        tbt, tput = _llm_numbers(d)
+        tbt, tput = _llm_numbers(d, tbt_tokens, num_prompts)
         base = base or (tbt, tput)
         print(f"| {label} | {tbt:.2f} ({base[0] / tbt:.2f}x) | {tput:.0f} "
               f"({tput / base[1]:.2f}x) |", flush=True)
@@ -155,6 +157,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--tbt_tokens", type=int, default=128)
+    ap.add_argument("--num_prompts", type=int, default=32)
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "bladellm-quant-88m"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -164,7 +168,7 @@ def main() -> None:
         with torch.inference_mode():
             bench_kernels(args.reps, clock)
     if args.e2e:
-        bench_e2e(Path(args.workdir))
+        bench_e2e(Path(args.workdir), args.tbt_tokens, args.num_prompts)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
   dequantized weight up to GEMM rounding.
 * ``AtenInt4Linear`` (4-bit, groups of 32..256 in order, N % 16 == 0): ATen's
   ``_weight_int4pack_mm_for_cpu``, which decodes the weight inside the kernel. On AVX2 it runs
-  one pass over the weight per row of x, so it only pays at decode batch sizes.
+  one pass over the weight per row of x and lost to ``DequantLinear`` even at M = 1: measured
+  (benchmarks/quantized_linear.py), not chosen (``ATEN_INT4_MAX_ROWS``).
 * ``Int8DynamicLinear`` (W8A8): x quantized per token to int8 at call time, an int8 GEMM
   (fbgemm, ``quantized::linear_dynamic``, exact integer sums), the per-channel weight scales
   and per-token x scales applied to the result. ``w8a8_reference`` is its twin.
@@ -27,9 +28,10 @@ from bladellm.quantization.int_weight import IntWeight
 
 logger = logging.getLogger(__name__)
 
-# Rows of x up to which ATen's int4 kernel beats dequantize + GEMM on AVX2 (measured; see
-# docs/quantization.md). Above it the per-row weight decode costs more than one dequantization.
-ATEN_INT4_MAX_ROWS = 1
+# Rows of x up to which ATen's int4 kernel is used. 0: on AVX2 it lost to dequantize + GEMM
+# at every M measured, M = 1 included (docs/quantization.md), so the engine never builds its
+# layout; the class stays for the benchmark and for CPUs where it wins.
+ATEN_INT4_MAX_ROWS = 0
 
 
 def _sorted_columns(w: IntWeight) -> tuple[IntWeight, torch.Tensor | None, int]:
@@ -56,31 +58,35 @@ class DequantLinear:
         n, k = w.q.shape
         zeros = w.zeros if w.zeros is not None else torch.zeros_like(w.scales, dtype=torch.int16)
         q = w.q.to(torch.int16)
-        if w.bits == 4:  # store unsigned nibbles, two per byte
+        groups = k // self.group_size
+        if w.bits == 4:  # unsigned nibbles, two per byte: column j and j + size/2 of a group
             shift = 8 if int(q.min()) < 0 else 0
             q, zeros = q + shift, zeros + shift
-            if k % 2:
-                raise ValueError(f"4-bit weight with an odd number of input features ({k})")
-            q = q.to(torch.uint8)
-            self.codes = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+            if self.group_size % 2:
+                raise ValueError(f"4-bit weight with odd groups of {self.group_size} columns")
+            half = self.group_size // 2
+            q = q.to(torch.uint8).view(n, groups, self.group_size)
+            self.codes = (q[..., :half] | (q[..., half:] << 4)).contiguous()
         else:  # int8 storage
             shift = -128 if int(q.max()) > 127 else 0
             q, zeros = q + shift, zeros + shift
-            self.codes = q.to(torch.int8).contiguous()
+            self.codes = q.to(torch.int8).view(n, groups, self.group_size).contiguous()
         self.bits, self.shape = w.bits, (n, k)
-        groups = k // self.group_size
         self.scales = w.scales.reshape(n, groups, 1).contiguous()
         self.zeros = zeros.to(torch.float32).reshape(n, groups, 1).contiguous()
 
     def weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantized weight in sorted-column order (the twin's values)."""
+        """The dequantized weight in sorted-column order (the twin's values). Split halves and
+        in-place arithmetic: 6x faster than interleaved nibbles through torch.stack."""
         n, k = self.shape
         if self.bits == 4:
-            q = torch.stack((self.codes & 15, self.codes >> 4), dim=-1)
+            half = self.group_size // 2
+            q = torch.empty(n, k // self.group_size, self.group_size)
+            q[..., :half].copy_(self.codes & 15)
+            q[..., half:].copy_(self.codes >> 4)
         else:
-            q = self.codes
-        q = q.reshape(n, k // self.group_size, self.group_size).to(torch.float32)
-        return ((q - self.zeros) * self.scales).reshape(n, k).to(dtype)
+            q = self.codes.to(torch.float32)
+        return q.sub_(self.zeros).mul_(self.scales).view(n, k).to(dtype)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.perm is not None:
@@ -206,6 +212,6 @@ def choose_w8a8_kernel(w: IntWeight):
 
 def choose_weight_only_kernel(w: IntWeight):
     dequant = DequantLinear(w)
-    if AtenInt4Linear.unsupported(w) is None:
+    if ATEN_INT4_MAX_ROWS > 0 and AtenInt4Linear.unsupported(w) is None:
         return AtenInt4Linear(w, dequant)
     return dequant

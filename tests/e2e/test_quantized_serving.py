@@ -65,11 +65,13 @@ def test_offline_greedy_matches_the_fake_quantized_model(tiny_llama, quantized, 
     assert _generate(model_dir) == _reference_greedy(tiny_llama, fake)
 
 
+@pytest.mark.slow  # ~40 s: two worker processes plus a one-rank run
 def test_tensor_parallel_2_matches_one_rank(quantized):
     model_dir, _ = quantized("gptq", bits=4, group_size=32)
     assert _generate(model_dir, tensor_parallel_size=2) == _generate(model_dir)
 
 
+@pytest.mark.slow  # ~40 s: a server subprocess start
 def test_server_serves_a_w8a8_checkpoint(quantized):
     model_dir, _ = quantized("ct-w8a8")
     srv = ServerProcess(["--model", model_dir, "--served_model_name", "tiny-w8a8",
