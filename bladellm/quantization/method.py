@@ -57,14 +57,19 @@ class QuantLinearMethod(LinearMethodBase):
         expected = (sum(layer.output_partition_sizes), layer.input_size_per_partition)
         if tuple(w.q.shape) != expected:
             raise ValueError(f"{layer.prefix}: unpacked weight {tuple(w.q.shape)} != {expected}")
-        if self.scheme.kind == "w8a8":
+        if w.q.device.type == "cuda":
+            from bladellm.quantization import gpu_kernels
+
+            kernel = (gpu_kernels.TritonW8A8Linear(w) if self.scheme.kind == "w8a8"
+                      else gpu_kernels.TritonWeightOnlyLinear(w))
+        elif self.scheme.kind == "w8a8":
             kernel = cpu_kernels.choose_w8a8_kernel(w)
         else:
             kernel = cpu_kernels.choose_weight_only_kernel(w)
         for name in names:
             delattr(layer, name)
         layer.quant_kernel = kernel
-        for attr in ("codes", "scales", "zeros", "packed", "scales_and_zeros"):
+        for attr in ("codes", "scales", "zeros", "packed", "scales_and_zeros", "wq", "w_scale"):
             for owner, tag in ((kernel, ""), (getattr(kernel, "fallback", None), "fallback_")):
                 t = getattr(owner, attr, None) if owner is not None else None
                 if isinstance(t, torch.Tensor):
