@@ -15,7 +15,7 @@ ON_GPU = torch.cuda.is_available()
 assert ON_GPU or os.environ.get("TRITON_INTERPRET") == "1"
 pytest.importorskip("triton")
 
-from bladellm.kernels import ref  # noqa: E402
+from bladellm.kernels import kv_int8, ref  # noqa: E402
 from bladellm.kernels.triton import attention as ta  # noqa: E402
 
 from kernel_cases import PagedBatch, make_batch  # noqa: E402
@@ -63,6 +63,16 @@ def test_paged_attention_matches_twin(case, dtype):
     got, want = _run_both(b, d ** -0.5, **tiles)
     tol = TOL[dtype]
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kv_cache_matches_twin(dtype):
+    """``--kv_cache_quant int8`` caches (rows of int8 values + fp32 scale) are dequantized as
+    the twin dequantizes them."""
+    b = _to_device(make_batch([1, 6, 3], [13, 6, 21], 4, 2, 16, 4, dtype, seed=6))
+    b.k_cache, b.v_cache = kv_int8.pack(b.k_cache), kv_int8.pack(b.v_cache)
+    got, want = _run_both(b, 0.25, block_n=16)
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
 
 
 def test_max_query_len_given_or_read_agree():
@@ -113,6 +123,6 @@ def test_rejects_mismatched_heads_and_dtypes():
         ta.paged_attention(torch.empty_like(b.query), b.query, b.k_cache, b.v_cache,
                            b.block_tables, b.query_start_loc, b.seq_lens, 0.25)
     b = make_batch([1], [4], 4, 2, 16, 4, torch.float32)
-    with pytest.raises(ValueError, match="share a float dtype"):
+    with pytest.raises(ValueError, match="query's float dtype or be int8"):
         ta.paged_attention(torch.empty_like(b.query), b.query, b.k_cache.half(),
                            b.v_cache.half(), b.block_tables, b.query_start_loc, b.seq_lens, 0.25)

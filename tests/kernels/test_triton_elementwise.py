@@ -74,6 +74,26 @@ def test_reshape_and_cache_matches_twin(dtype, num_kv_heads, head_dim, block_siz
     assert torch.equal(caches[1].view(-1, num_kv_heads, head_dim)[slots], value)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_int8_matches_twin_bit_for_bit(dtype):
+    """``--kv_cache_quant int8`` rows: int8 values, round half to even, the fp32 scale after
+    them; an all-zero row gets scale 0."""
+    num_kv_heads, head_dim, block_size, n = 3, 16, 4, 7
+    qkv = _randn(n, 2 + 2 * num_kv_heads, head_dim, dtype=dtype, seed=12, scale=2.0)
+    key, value = qkv[:, 2:2 + num_kv_heads], qkv[:, 2 + num_kv_heads:]
+    key[0, 1] = 0.0
+    key[1, 0, :3] = torch.tensor([1.0, 0.5, -0.5])  # amax 1: ties at +-63.5 go to +-64
+    key[1, 0, 3:] = 0.25
+    slots = torch.tensor([5, 0, 11, 3, 8, 2, 15], device=DEVICE)
+    caches = torch.randint(-128, 128, (2, 5, block_size, num_kv_heads, head_dim + 4),
+                           dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    caches = caches.to(DEVICE)
+    want = caches.clone()
+    ew.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    ref.reshape_and_cache(key, value, want[0], want[1], slots)
+    assert torch.equal(caches, want)
+
+
 def test_reshape_and_cache_rejects_mismatched_shapes():
     caches = torch.zeros(2, 4, 4, 2, 16)
     with pytest.raises(ValueError, match="do not fit"):

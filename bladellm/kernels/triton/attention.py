@@ -14,7 +14,9 @@ is read once for the whole GQA group and the dot products have at least 16 rows 
 even for decode. KV tiles of ``BLOCK_N`` positions are gathered in place through the block table
 (per position, so ``BLOCK_N`` and ``block_size`` are independent); scores, the online softmax
 and the accumulator are fp32; the output is rounded to ``out.dtype`` once. The loop stops at the
-last key the tile's last query can see.
+last key the tile's last query can see. An int8 cache (``--kv_cache_quant int8``, rows of
+``head_dim`` int8 values + their fp32 scale, ``kernels/kv_int8.py``) is dequantized as tiles are
+read.
 
 Dots take 16-bit q/k/v as they are (fp32 accumulation; the probabilities are rounded to v's
 dtype for the P @ V dot, as flash attention does) and fp32 in IEEE precision (not TF32). Under
@@ -30,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bladellm.kernels import kv_int8
+
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _LOG2E = 1.4426950408889634
 
@@ -41,8 +45,8 @@ def _paged_attention_kernel(
         stride_ot, stride_oh, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch,
         stride_bt,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
-        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr,
-        PRECISION: tl.constexpr):
+        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_INT8: tl.constexpr,
+        DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     req = tl.program_id(0)
     q_tile = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -86,7 +90,14 @@ def _paged_attention_kernel(
         kv_mask = k_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
+        if KV_INT8:  # the row's fp32 scale sits right after its head_dim int8 values
+            k_scale = tl.load((k_cache_ptr + slot + head_dim).to(tl.pointer_type(tl.float32)),
+                              mask=k_ok, other=0.0)
+            v_scale = tl.load((v_cache_ptr + slot + head_dim).to(tl.pointer_type(tl.float32)),
+                              mask=k_ok, other=0.0)
+            k = k.to(tl.float32) * k_scale[:, None]
+            v = v.to(tl.float32) * v_scale[:, None]
+        elif DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [ROWS, BLOCK_N]
@@ -115,13 +126,17 @@ def _check(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
         raise ValueError(f"out {tuple(out.shape)} must have query's shape {tuple(query.shape)}")
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+    int8 = kv_int8.is_int8(k_cache)
+    row = kv_int8.row_width(head_dim) if int8 else head_dim
+    if k_cache.shape[3] != row or num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads of {head_dim} do not fit a cache of "
-                         f"{num_kv_heads} KV heads of {k_cache.shape[3]}")
+                         f"{num_kv_heads} KV heads of rows {k_cache.shape[3]}")
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16) \
-            or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
-        raise ValueError(f"query and caches must share a float dtype, got {query.dtype}, "
-                         f"{k_cache.dtype}, {v_cache.dtype}")
+            or v_cache.dtype != k_cache.dtype or (k_cache.dtype != query.dtype and not int8):
+        raise ValueError(f"the caches must have query's float dtype or be int8, got "
+                         f"{query.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if int8:
+        kv_int8.check_head_dim(head_dim)
     if query.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 \
             or k_cache.stride() != v_cache.stride() or block_tables.stride(1) != 1:
         raise ValueError("the head dimension (and block table rows) must be contiguous")
@@ -159,7 +174,10 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     block_n = max(16, triton.next_power_of_2(block_n))
     # fp32 dots in IEEE precision (the default on NVIDIA would be TF32); 16-bit dots take the
     # backend's default (None), which every backend accepts.
-    dot_fp32 = query.dtype == torch.float32 or (_INTERPRETING and query.dtype == torch.bfloat16)
+    # An int8 cache is dequantized to fp32 (the twin's values), so its dots are fp32 too.
+    int8 = kv_int8.is_int8(k_cache)
+    dot_fp32 = (query.dtype == torch.float32 or int8
+                or (_INTERPRETING and query.dtype == torch.bfloat16))
     grid = (num_reqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
@@ -167,5 +185,5 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, BLOCK_N=block_n,
-        HEAD_DIM=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM=max(16, triton.next_power_of_2(head_dim)), KV_INT8=int8,
         DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else None)

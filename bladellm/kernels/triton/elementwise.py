@@ -1,4 +1,4 @@
-"""GPU elementwise kernels in Triton: KV-cache store, RMSNorm (+ residual add), neox rotary
+"""GPU elementwise kernels in Triton: KV-cache store (float or int8 rows), RMSNorm (+ residual add), neox rotary
 embedding and SiLU-and-mul. Their twins are the reference kernels in ``bladellm/kernels/ref.py``
 (the same contracts: argument order, shapes, in-place behaviour, output dtypes).
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from bladellm.kernels import kv_int8
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
               torch.bfloat16: tl.bfloat16}
@@ -36,32 +38,63 @@ def _round(x, DTYPE: tl.constexpr):
 # ---- KV-cache store ------------------------------------------------------------------------------
 
 @triton.jit
+def _store_row(cache_ptr, row, dims, x, mask, head_ok, head_dim, KV_INT8: tl.constexpr):
+    """Rows ``x [heads, d]`` at ``cache_ptr + row [heads]``; int8: kv_int8's format (absmax per row,
+    round half to even, the fp32 scale after the values), the twin's fp32 operations."""
+    if KV_INT8:
+        x = x.to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        safe = tl.where(amax > 0, amax, 1.0)
+        inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), safe),
+                       0.0)
+        y = x * inv[:, None]
+        q = tl.floor(y + 0.5)  # exact: |y| <= 127
+        q = tl.where((q - y == 0.5) & (q - 2.0 * tl.floor(q * 0.5) != 0.0), q - 1.0, q)
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+        tl.store(cache_ptr + row[:, None] + dims, q.to(tl.int8), mask=mask)
+        scale_ptr = (cache_ptr + row + head_dim).to(tl.pointer_type(tl.float32))
+        tl.store(scale_ptr, tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)),
+                 mask=head_ok)
+    else:
+        tl.store(cache_ptr + row[:, None] + dims, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size,
                      num_kv_heads, head_dim, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch,
-                     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+                     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, KV_INT8: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    heads = tl.arange(0, HEADS)[:, None]
+    heads = tl.arange(0, HEADS)
+    head_ok = heads < num_kv_heads
     dims = tl.arange(0, HEAD_DIM)[None, :]
-    mask = (heads < num_kv_heads) & (dims < head_dim)
-    dst = ((slot // block_size) * stride_cb + (slot % block_size) * stride_cs
-           + heads * stride_ch + dims)
-    k = tl.load(key_ptr + t * stride_kt + heads * stride_kh + dims, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(value_ptr + t * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    mask = head_ok[:, None] & (dims < head_dim)
+    row = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + heads * stride_ch
+    k = tl.load(key_ptr + t * stride_kt + heads[:, None] * stride_kh + dims, mask=mask,
+                other=0.0)
+    _store_row(k_cache_ptr, row, dims, k, mask, head_ok, head_dim, KV_INT8)
+    v = tl.load(value_ptr + t * stride_vt + heads[:, None] * stride_vh + dims, mask=mask,
+                other=0.0)
+    _store_row(v_cache_ptr, row, dims, v, mask, head_ok, head_dim, KV_INT8)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store key/value ``[N, kvh, d]`` (rows may be strided views of a fused qkv output) at flat
-    slots ``slot_mapping [N]`` of caches ``[num_blocks, block_size, kvh, d]``; slot ``s`` is
-    block ``s // block_size``, offset ``s % block_size`` (attention/backend.py). Every slot must
-    be valid (the twin's ``index_copy_`` contract): padding rows are sliced off by the caller."""
-    if key.dim() != 3 or key.shape != value.shape or k_cache.shape != v_cache.shape:
-        raise ValueError("key/value must be [N, kvh, d] and the caches of one shape")
-    if key.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != (key.shape[0],):
+    slots ``slot_mapping [N]`` of caches ``[num_blocks, block_size, kvh, d]`` (or int8
+    ``[..., d + 4]``: each row quantized with its own scale, ``kernels/kv_int8.py``); slot ``s``
+    is block ``s // block_size``, offset ``s % block_size`` (attention/backend.py). Every slot
+    must be valid (the twin's ``index_copy_`` contract): padding rows are sliced off by the
+    caller."""
+    if key.dim() != 3 or key.shape != value.shape or k_cache.shape != v_cache.shape \
+            or k_cache.dtype != v_cache.dtype:
+        raise ValueError("key/value must be [N, kvh, d] and the caches of one shape and dtype")
+    int8 = kv_int8.is_int8(k_cache)
+    if int8:
+        kv_int8.check_head_dim(key.shape[2])
+    row = kv_int8.row_width(key.shape[2]) if int8 else key.shape[2]
+    if (key.shape[1], row) != k_cache.shape[2:] or slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"key {tuple(key.shape)} / slot_mapping {tuple(slot_mapping.shape)} "
                          f"do not fit caches {tuple(k_cache.shape)}")
     if key.stride(2) != 1 or value.stride(2) != 1 or k_cache.stride() != v_cache.stride() \
@@ -74,7 +107,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
         key, value, k_cache, v_cache, slot_mapping, k_cache.shape[1], num_kv_heads, head_dim,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HEADS=triton.next_power_of_2(num_kv_heads), HEAD_DIM=triton.next_power_of_2(head_dim))
+        HEADS=triton.next_power_of_2(num_kv_heads), HEAD_DIM=triton.next_power_of_2(head_dim),
+        KV_INT8=int8)
 
 
 # ---- RMSNorm -------------------------------------------------------------------------------------
