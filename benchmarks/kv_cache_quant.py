@@ -7,7 +7,9 @@
               written to and read back from the (int8) cache. Reports perplexity, mean and max
               |delta logprob| per token and top-1 agreement.
 --capacity    concurrent sequences at one --kv_cache_memory budget: the 88M Llama shape
-              (random weights), --capacity_requests requests of prompt + output tokens that all
+              (random weights) cut to --capacity_layers layers (blocks per byte scale as
+              1 / layers, so 2 layers at 4 MiB hold what 12 layers hold at 24 MiB, at a sixth
+              of the compute), --capacity_requests requests of prompt + output tokens that all
               fit in max_num_seqs; reports the pool's blocks and the peak of running requests.
 --decode      time between tokens of the 88M shape: B requests decoding at a context length
               (they share one prompt, so the prefill is computed once through the prompt
@@ -98,9 +100,10 @@ def perplexity(args) -> dict:
 # ---- capacity ---------------------------------------------------------------------------------
 def capacity(args) -> dict:
     result: dict = {"budget": args.kv_cache_memory, "requests": args.capacity_requests,
-                    "prompt": args.capacity_prompt, "output": args.capacity_output}
+                    "prompt": args.capacity_prompt, "output": args.capacity_output,
+                    "layers": args.capacity_layers}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = _88m_dir(tmp)
+        model_dir = _88m_dir(tmp, args.capacity_layers)
         for dtype in args.capacity_dtypes.split(","):
             for quant in QUANTS:
                 core = _core(model_dir, dtype=dtype, kv_cache_quant=quant,
@@ -120,6 +123,7 @@ def capacity(args) -> dict:
                     "blocks": stats.num_total_blocks, "peak_running": peak,
                     "preemptions": stats.num_preemptions, "steps": steps,
                     "seconds": time.perf_counter() - start}
+                print(f"capacity {dtype}/{quant}: {result[f'{dtype}/{quant}']}", flush=True)
                 core.shutdown()
     return result
 
@@ -137,6 +141,7 @@ def decode(args) -> dict:
             for quant in QUANTS:
                 core = cores[quant] = _core(
                     model_dir, dtype=args.dtype, kv_cache_quant=quant, kv_cache_memory="2GiB",
+                    num_threads=args.num_threads,
                     max_num_seqs=args.batch, max_num_batched_tokens=2048,
                     max_model_len=ctx + args.steps + 64)
                 _add(core, "warm", shared + [9], 1)  # computes the shared prefix once
@@ -156,6 +161,7 @@ def decode(args) -> dict:
                 tbt = statistics.median(times[quant])
                 result[f"ctx{ctx}/{quant}"] = {"tbt_ms": tbt * 1e3,
                                                "tokens_per_s": args.batch / tbt}
+                print(f"decode ctx {ctx} {quant}: {result[f'ctx{ctx}/{quant}']}", flush=True)
                 core.shutdown()
             result[f"ctx{ctx}/speedup"] = (result[f"ctx{ctx}/no_quant"]["tbt_ms"]
                                            / result[f"ctx{ctx}/int8"]["tbt_ms"])
@@ -202,7 +208,8 @@ def main() -> None:
     ap.add_argument("--kernel", action="store_true")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--window", type=int, default=2048)
-    ap.add_argument("--kv_cache_memory", default="24MiB")
+    ap.add_argument("--kv_cache_memory", default="4MiB")
+    ap.add_argument("--capacity_layers", type=int, default=2)
     ap.add_argument("--capacity_dtypes", default="float32,bfloat16")
     ap.add_argument("--capacity_requests", type=int, default=48)
     ap.add_argument("--capacity_prompt", type=int, default=96)
@@ -210,6 +217,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--contexts", default="512,2048")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--num_threads", type=int, default=None, help="engine threads (--decode)")
     ap.add_argument("--kernel_reps", type=int, default=30)
     ap.add_argument("--output_json")
     args = ap.parse_args()

@@ -69,28 +69,33 @@ def test_int8_kv_greedy_close_to_fp32_under_stress(tiny_llama):
     assert worst > 0.0  # the cache really is quantized: the numbers moved
 
 
-def test_int8_look_ahead_equals_int8_normal_decoding(tiny_llama):
-    """Lookahead's tree tokens read their own K/V back from the int8 cache, as a plain decode
-    does, so verification changes nothing: greedy tokens identical."""
+@pytest.fixture(scope="module")
+def int8_greedy(tiny_llama):
+    """Plain int8 decoding of the stress prompts: the reference for the speculative runs."""
     prompts = _prompts(384)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    normal, _ = _run(tiny_llama, prompts, params, kv_cache_quant="int8", num_kv_blocks=64)
+    outs, _ = _run(tiny_llama, prompts, params, kv_cache_quant="int8", num_kv_blocks=64)
+    return prompts, params, [o.token_ids for o in outs]
+
+
+def test_int8_look_ahead_equals_int8_normal_decoding(tiny_llama, int8_greedy):
+    """Lookahead's tree tokens read their own K/V back from the int8 cache, as a plain decode
+    does, so verification changes nothing: greedy tokens identical."""
+    prompts, params, expected = int8_greedy
     la, llm = _run(tiny_llama, prompts, params, kv_cache_quant="int8", num_kv_blocks=64,
                    decode_algo="look_ahead", look_ahead_window_size=3,
                    look_ahead_gram_size=3, guess_set_size=3)
-    assert [o.token_ids for o in la] == [o.token_ids for o in normal]
+    assert [o.token_ids for o in la] == expected
     assert llm.engine.core.scheduler.get_stats().num_spec_draft_tokens > 0
 
 
-def test_int8_sps_self_draft_accepts_everything(tiny_llama):
+def test_int8_sps_self_draft_accepts_everything(tiny_llama, int8_greedy):
     """The draft's own KV cache is int8 too (one block id holds both): a self-draft proposes
     exactly what the target then computes."""
-    prompts = _prompts(384)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    normal, _ = _run(tiny_llama, prompts, params, kv_cache_quant="int8", num_kv_blocks=64)
+    prompts, params, expected = int8_greedy
     sps, llm = _run(tiny_llama, prompts, params, kv_cache_quant="int8", num_kv_blocks=64,
                     decode_algo="sps", draft_model=tiny_llama, gamma=3)
-    assert [o.token_ids for o in sps] == [o.token_ids for o in normal]
+    assert [o.token_ids for o in sps] == expected
     stats = llm.engine.core.scheduler.get_stats()
     assert 0 < stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens
     draft = llm.engine.core.executor.worker.model_runner.spec.proposer
