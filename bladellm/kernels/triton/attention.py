@@ -41,15 +41,17 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr,
-        seq_lens_ptr, scale_log2, num_heads, head_dim, block_size,
+        seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2, num_heads, head_dim,
+        block_size, partition,
         stride_ot, stride_oh, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch,
         stride_bt,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_INT8: tl.constexpr,
-        DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+        DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr):
     req = tl.program_id(0)
     q_tile = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
     q_start = tl.load(query_start_ptr + req)
     q_len = tl.load(query_start_ptr + req + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
@@ -78,12 +80,15 @@ def _paged_attention_kernel(
     l_i = tl.zeros((ROWS,), dtype=tl.float32)
     acc = tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32)
 
-    # Keys past the tile's last query position are in every row's future.
+    # Keys past the tile's last query position are in every row's future. With splits, this
+    # program takes keys [split * partition, (split + 1) * partition) of them (maybe none).
     kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
+    n_start = split * partition
+    n_end = tl.minimum(kv_end, n_start + partition)
     offs_n = tl.arange(0, BLOCK_N)
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(n_start, n_end, BLOCK_N):
         k_pos = n0 + offs_n
-        k_ok = k_pos < kv_end
+        k_ok = k_pos < n_end
         block = tl.load(block_tables_ptr + req * stride_bt + k_pos // block_size,
                         mask=k_ok, other=0).to(tl.int64)
         slot = block * stride_cb + (k_pos % block_size) * stride_cs + kv_head * stride_ch
@@ -110,10 +115,40 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + q_idx).to(tl.int64)[:, None] * stride_ot
-             + head[:, None] * stride_oh + dims[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    token = (q_start + q_idx).to(tl.int64)
+    if NUM_SPLITS == 1:
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+                 + dims[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dim_ok[None, :])
+    else:  # this split's running max (log2 domain), sum and unnormalised sum, for the merge
+        part = (token * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, num_heads, head_dim,
+                         stride_ot, stride_oh, NUM_SPLITS: tl.constexpr,
+                         SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One (token, head): the splits' partial softmaxes rescaled to their common max."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P2)
+    dims = tl.arange(0, HEAD_DIM)
+    part = (token * num_heads + head) * NUM_SPLITS + splits
+    ok = splits < NUM_SPLITS
+    m = tl.load(part_m_ptr + part, mask=ok, other=-1.0e30)
+    l_s = tl.load(part_l_ptr + part, mask=ok, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None],
+                  other=0.0)
+    w = tl.exp2(m - tl.max(m, axis=0))  # a split that saw no key: m = -1e30, weight 0
+    total = tl.sum(l_s * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+             o.to(out_ptr.dtype.element_ty), mask=dims < tl.where(total > 0, head_dim, 0))
 
 
 def _check(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
@@ -150,12 +185,18 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
                     v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     *, max_query_len: int | None = None, block_q: int | None = None,
-                    block_n: int = 32) -> None:
+                    block_n: int = 32, num_splits: int = 1,
+                    max_seq_len: int | None = None) -> None:
     """Into ``out [T, nh, d]``, as ``ref.paged_attention``. ``max_query_len``: the longest
     request's query (AttentionMetadata has it); None reads it from ``query_start_loc``, a host
     sync. ``block_q`` query tokens per program (default: enough for 64 rows with the GQA group,
     at most the longest query); ``block_n`` keys per KV tile. Tiles below 16 are raised to 16
-    (the GPU dot's minimum)."""
+    (the GPU dot's minimum).
+
+    ``num_splits > 1`` (flash decoding): each program takes one of ``num_splits`` equal key
+    ranges of the longest context (``max_seq_len``, read from ``seq_lens`` when None), and a
+    second kernel merges their partial softmaxes, so that a small decode batch over long
+    contexts still fills the GPU. Costs fp32 workspace of ``T * nh * num_splits * (d + 2)``."""
     _check(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or query.shape[0] == 0:
@@ -164,6 +205,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_query_len <= 0:
         return
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -178,12 +221,33 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     int8 = kv_int8.is_int8(k_cache)
     dot_fp32 = (query.dtype == torch.float32 or int8
                 or (_INTERPRETING and query.dtype == torch.bfloat16))
-    grid = (num_reqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    head_dim_p2 = max(16, triton.next_power_of_2(head_dim))
+    num_tokens = query.shape[0]
+    if num_splits > 1:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        partition = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+        # Rows no request owns stay at l = 0, and the merge leaves them alone, as the twin does.
+        part_m = torch.full((num_tokens, num_heads, num_splits), -1.0e30, dtype=torch.float32,
+                            device=query.device)
+        part_l = torch.zeros_like(part_m)
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim_p2,
+                               dtype=torch.float32, device=query.device)
+    else:
+        partition = 1 << 30  # one range: every key
+        part_m = part_l = part_acc = out  # not touched with one split
+    grid = (num_reqs, triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        scale * _LOG2E, num_heads, head_dim, k_cache.shape[1],
+        part_m, part_l, part_acc, scale * _LOG2E, num_heads, head_dim, k_cache.shape[1],
+        partition,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, BLOCK_N=block_n,
-        HEAD_DIM=max(16, triton.next_power_of_2(head_dim)), KV_INT8=int8,
-        DOT_FP32=dot_fp32, PRECISION="ieee" if dot_fp32 else None)
+        HEAD_DIM=head_dim_p2, KV_INT8=int8, DOT_FP32=dot_fp32,
+        PRECISION="ieee" if dot_fp32 else None, NUM_SPLITS=num_splits)
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part_m, part_l, part_acc, num_heads, head_dim, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim_p2)
