@@ -8,12 +8,13 @@ those, so query j sits at position ``seq_len - q_len + j`` and sees keys ``0..po
 are ``[num_blocks, block_size, kvh, d]`` (one half of the engine's ``[2, ...]`` layer tensor);
 position p lives in block ``block_tables[r, p // block_size]`` at offset ``p % block_size``.
 
-One program per (request, query tile, KV head). Its rows are ``BLOCK_Q`` query tokens x the
-``group = nh / kvh`` query heads that share the KV head (padded to a power of two), so a K/V tile
-is read once for the whole GQA group and the dot products have at least 16 rows (tensor cores)
-even for decode. KV tiles of ``BLOCK_N`` positions are gathered in place through the block table
-(per position, so ``BLOCK_N`` and ``block_size`` are independent); scores, the online softmax
-and the accumulator are fp32; the output is rounded to ``out.dtype`` once. The loop stops at the
+One program per (request, query tile, KV head, key split). Its rows are ``BLOCK_Q`` query
+tokens x the ``group = nh / kvh`` query heads that share the KV head (padded to a power of two),
+so a K/V tile is read once for the whole GQA group and the dot products have at least 16 rows
+(tensor cores) even for decode. One split by default; more (flash decoding) add a merge
+kernel. KV tiles of ``BLOCK_N`` positions are gathered in place through the block table (per
+position, so ``BLOCK_N`` and ``block_size`` are independent); scores, the online softmax and
+the accumulator are fp32; the output is rounded to ``out.dtype`` once. The loop stops at the
 last key the tile's last query can see. An int8 cache (``--kv_cache_quant int8``, rows of
 ``head_dim`` int8 values + their fp32 scale, ``kernels/kv_int8.py``) is dequantized as tiles are
 read.
@@ -142,8 +143,9 @@ def _merge_splits_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, num_head
     ok = splits < NUM_SPLITS
     m = tl.load(part_m_ptr + part, mask=ok, other=-1.0e30)
     l_s = tl.load(part_l_ptr + part, mask=ok, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None],
-                  other=0.0)
+    # Only splits that saw a key wrote their accumulator (the workspace is not zeroed).
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                  mask=(ok & (l_s > 0))[:, None], other=0.0)
     w = tl.exp2(m - tl.max(m, axis=0))  # a split that saw no key: m = -1e30, weight 0
     total = tl.sum(l_s * w, axis=0)
     o = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
@@ -198,6 +200,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     second kernel merges their partial softmaxes, so that a small decode batch over long
     contexts still fills the GPU. Costs fp32 workspace of ``T * nh * num_splits * (d + 2)``."""
     _check(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or query.shape[0] == 0:
         return
@@ -205,8 +209,6 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_query_len <= 0:
         return
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -1,6 +1,7 @@
-"""GPU elementwise kernels in Triton: KV-cache store (float or int8 rows), RMSNorm (+ residual add), neox rotary
-embedding and SiLU-and-mul. Their twins are the reference kernels in ``bladellm/kernels/ref.py``
-(the same contracts: argument order, shapes, in-place behaviour, output dtypes).
+"""GPU elementwise kernels in Triton: KV-cache store (float or int8 rows), RMSNorm (+ residual
+add), neox rotary embedding and SiLU-and-mul. Their twins are the reference kernels in
+``bladellm/kernels/ref.py`` (the same contracts: argument order, shapes, in-place behaviour,
+output dtypes).
 
 Rounding follows the twins, which follow transformers: math in fp32, and a rounding to the
 activation dtype wherever torch would round (``_round`` below), so a 16-bit result matches the
