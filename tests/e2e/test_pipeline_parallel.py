@@ -35,7 +35,7 @@ def test_greedy_identical_to_one_rank_under_stress(tiny_model_factory, case):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     llm1 = LLM(model=model_dir, **STRESS)
     prompts = _prompts(llm1.engine.model_info.vocab_size)[:10]
-    want = [o.outputs[0].text for o in llm1.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in llm1.generate(prompts, params, use_tqdm=False)]
     want_plp = llm1.engine.core.prompt_logprobs([prompts[1]], 2)[0]
     want_emb = llm1.embed([prompts[2]])[0].embedding
     llm = LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **STRESS)
