@@ -168,6 +168,11 @@ class _RemoteRanks:
         self.last_seen[rank] = time.monotonic()
         return None, False
 
+    def alive(self) -> set[int]:
+        """Joined ranks heard from within ``REMOTE_SILENCE_S``."""
+        now = time.monotonic()
+        return {r for r, seen in self.last_seen.items() if now - seen <= REMOTE_SILENCE_S}
+
     def check(self, what: str) -> None:
         now = time.monotonic()
         for rank, seen in self.last_seen.items():
@@ -274,7 +279,7 @@ class MultiprocExecutor(Executor):
         # Runs once: at shutdown(), or when the executor is collected / the interpreter exits.
         self._finalizer = weakref.finalize(
             self, _stop_workers, self.procs, self._pub, self._pull, self._codec,
-            self._remote.joined, self._stop_beats, beats, self._ctx, self._ipc_dir)
+            self._remote, self._stop_beats, beats, self._ctx, self._ipc_dir)
         try:
             with process_env(engine_process_env()), _children_allowed():
                 for rank in range(self.num_local):
@@ -455,7 +460,7 @@ class PendingStep:
 
 
 def _stop_workers(procs: list[Any], pub: _Publisher, pull: zmq.Socket, codec: MessageCodec,
-                  remote: dict[int, Any], stop_beats: threading.Event,
+                  remote: _RemoteRanks, stop_beats: threading.Event,
                   beats: threading.Thread | None, ctx: zmq.Context, ipc_dir: str) -> None:
     """The executor's cleanup (a ``weakref.finalize`` callback: it must not hold the executor).
     Remote ranks cannot be killed from here: they confirm that they leave; one that does not
@@ -465,13 +470,25 @@ def _stop_workers(procs: list[Any], pub: _Publisher, pull: zmq.Socket, codec: Me
         beats.join()
     pub.control(SHUTDOWN)
     deadline = time.monotonic() + 5
-    leaving = set(remote)
+    left: set[int] = set()
+
+    def take(timeout_ms: int) -> bool:
+        if not pull.poll(timeout_ms):
+            return False
+        with contextlib.suppress(BadMessageError, ValueError):
+            got_id, rank, _, _ = codec.unpack(pull.recv())
+            if got_id == SHUTDOWN:
+                left.add(rank)
+            elif rank in remote.last_seen:
+                remote.last_seen[rank] = time.monotonic()
+        return True
+
+    while take(0):  # heartbeats not read yet: who is still there
+        pass
+    leaving = remote.alive() - left  # a rank already silent is not waited for
     while leaving and time.monotonic() < deadline:
-        if pull.poll(50):
-            with contextlib.suppress(BadMessageError, ValueError):
-                got_id, rank, _, _ = codec.unpack(pull.recv())
-                if got_id == SHUTDOWN:
-                    leaving.discard(rank)
+        take(50)
+        leaving -= left
     if leaving:
         logger.warning("remote ranks %s did not confirm the shutdown; they leave when they "
                        "notice the engine is gone", sorted(leaving))
