@@ -7,12 +7,12 @@ carries an HMAC-SHA256 of its pickle under a shared secret, and ``unpack`` check
 never loaded. Local ranks (IPC sockets in a private directory) use the same code path with a
 random per-engine key; ranks on other machines use the key in ``--cluster_key_file``.
 
-On TCP the sockets also use ZMQ CURVE (when libzmq has it): the server key pair is derived from
-the shared secret, so only holders of the key can even complete the handshake, and the traffic
-is encrypted. The HMAC stays the guard in front of ``pickle.loads`` either way.
+With ranks on other machines the sockets also use ZMQ CURVE (required then): the server key
+pair is derived from the shared secret, so only holders of the key can even complete the
+handshake, and the traffic is encrypted with per-connection keys, so a recorded message cannot
+be replayed into another connection. The HMAC stays the guard in front of ``pickle.loads``.
 
-What this does not do: it does not stop a key holder, and it does not stop the replay of a
-recorded message within one engine's life beyond the call-id order the workers enforce.
+What this does not do: it does not stop a key holder.
 """
 
 from __future__ import annotations
@@ -68,21 +68,26 @@ class MessageCodec:
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         return self._mac(payload) + payload
 
-    def unpack(self, data: bytes) -> Any:
-        if len(data) <= MAC_BYTES:
-            raise BadMessageError(f"message of {len(data)} bytes has no MAC")
+    def verify(self, data: bytes) -> bool:
+        """Whether ``data`` carries a valid MAC (nothing is unpickled)."""
         view = memoryview(data)
-        if not hmac.compare_digest(bytes(view[:MAC_BYTES]), self._mac(view[MAC_BYTES:])):
-            raise BadMessageError("message with a wrong MAC (another --cluster_key_file, or "
-                                  "not from this engine)")
-        return pickle.loads(view[MAC_BYTES:])
+        return len(data) > MAC_BYTES and hmac.compare_digest(
+            bytes(view[:MAC_BYTES]), self._mac(view[MAC_BYTES:]))
+
+    def unpack(self, data: bytes) -> Any:
+        if not self.verify(data):
+            raise BadMessageError(f"message of {len(data)} bytes without a valid MAC (another "
+                                  "--cluster_key_file, or not from this engine)")
+        return pickle.loads(memoryview(data)[MAC_BYTES:])
 
 
 # ---- ZMQ CURVE on the TCP sockets --------------------------------------------------------------
 
 
-def curve_available() -> bool:
-    return bool(zmq.has("curve"))
+def require_curve() -> None:
+    if not zmq.has("curve"):
+        raise ValueError("--nnodes > 1 needs libzmq built with CURVE (pip's pyzmq wheels are): "
+                         "the node channel is encrypted and replay-proof only with it")
 
 
 def _server_keys(key: bytes) -> tuple[bytes, bytes]:
@@ -93,6 +98,7 @@ def _server_keys(key: bytes) -> tuple[bytes, bytes]:
 
 def make_curve_server(sock: zmq.Socket, key: bytes) -> None:
     """Before ``bind``: peers must know the key-derived public key to connect."""
+    require_curve()
     public, secret = _server_keys(key)
     sock.curve_secretkey = secret
     sock.curve_publickey = public
@@ -101,6 +107,7 @@ def make_curve_server(sock: zmq.Socket, key: bytes) -> None:
 
 def make_curve_client(sock: zmq.Socket, key: bytes) -> None:
     """Before ``connect``: a fresh client key pair, the server's key-derived public key."""
+    require_curve()
     public, secret = zmq.curve_keypair()
     sock.curve_secretkey = secret
     sock.curve_publickey = public

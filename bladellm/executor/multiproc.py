@@ -56,7 +56,7 @@ from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.executor.base import Executor, WorkerDiedError
 from bladellm.executor.channel import (BadMessageError, MessageCodec, make_curve_server,
-                                       read_cluster_key)
+                                       read_cluster_key, require_curve)
 from bladellm.executor.worker_proc import (HEARTBEAT, HEARTBEAT_S, JOIN, SHUTDOWN, START,
                                            WorkerSpec, node_settings, settings_diff,
                                            worker_main)
@@ -231,6 +231,8 @@ class MultiprocExecutor(Executor):
         # Local-only: a fresh secret (the sockets are in a private directory anyway; one code
         # path). Multi-node: the key every node holds.
         key = read_cluster_key(par.cluster_key_file) if multinode else secrets.token_bytes(32)
+        if multinode:
+            require_curve()
         self._codec = MessageCodec(key)
         self.world_size = par.world_size
         self.num_local = par.ranks_per_node

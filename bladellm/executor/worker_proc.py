@@ -9,12 +9,14 @@ messages.
 A rank on the engine's machine is spawned by the executor and dies with it (``PR_SET_PDEATHSIG``
 and a parent check). A rank on another machine (``blade_llm_worker``) cannot be watched that
 way, so both sides send heartbeats: the rank first joins (its settings are compared with the
-engine's, a mismatch is refused), then sends one every ``HEARTBEAT_S`` from a thread, and leaves
-when the engine has been silent for ``ENGINE_SILENCE_S`` (the engine publishes heartbeats too).
+engine's, a mismatch is refused), then a thread sends one every ``HEARTBEAT_S`` and ends the
+process when the engine (which publishes heartbeats too) has been silent for
+``ENGINE_SILENCE_S``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import hashlib
@@ -195,22 +197,37 @@ def _join(link: _Link, settings: dict[str, Any]) -> None:
 
 
 def _heartbeats(spec: WorkerSpec, ctx: zmq.Context, stop: threading.Event) -> None:
-    """A thread (own socket: zmq sockets are not thread-safe) that tells the engine this rank
-    lives, also while the main thread loads the model or runs a long step."""
+    """A remote rank's watchdog thread (own sockets: zmq sockets are not thread-safe). It tells
+    the engine this rank lives, also while the main thread loads the model or runs a long step,
+    and ends the process when the engine has been silent for ``ENGINE_SILENCE_S``: the main
+    thread may be blocked in a collective whose peers are gone, where no loop of its own runs."""
     codec = MessageCodec(spec.key)
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.setsockopt(zmq.SNDHWM, 4)  # nobody reading: drop beats, do not queue them
-    if spec.curve:
-        make_curve_client(push, spec.key)
-    push.connect(spec.result_addr)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    for sock, addr in ((push, spec.result_addr), (sub, spec.bcast_addr)):
+        if spec.curve:
+            make_curve_client(sock, spec.key)
+        sock.connect(addr)
     beat = codec.pack((HEARTBEAT, spec.rank, True, None))
-    while not stop.wait(HEARTBEAT_S):
-        try:
-            push.send(beat, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass
+    heard = next_beat = time.monotonic()
+    while not stop.is_set():
+        now = time.monotonic()
+        if now >= next_beat:
+            with contextlib.suppress(zmq.Again):
+                push.send(beat, flags=zmq.NOBLOCK)
+            next_beat = now + HEARTBEAT_S
+        if sub.poll(200) and codec.verify(sub.recv()):  # verified, never unpickled here
+            heard = time.monotonic()
+        if time.monotonic() - heard > ENGINE_SILENCE_S:
+            logger.error("rank %d: nothing from the engine for %.0f s; leaving", spec.rank,
+                         ENGINE_SILENCE_S)
+            logging.shutdown()
+            os._exit(1)  # the main thread may be stuck in a collective: no clean way out
     push.close()
+    sub.close(linger=0)
 
 
 def _rank_threads(config: EngineConfig, local_world_size: int) -> int:
@@ -290,11 +307,7 @@ def _loop(worker: Any, link: _Link, driver: int) -> int:
         if msg is None:
             if os.getppid() != parent:
                 return 1  # orphaned (no PDEATHSIG on this platform)
-            if link.spec.remote and link.silent_for() > ENGINE_SILENCE_S:
-                logger.error("rank %d: nothing from the engine for %.0f s; leaving", rank,
-                             ENGINE_SILENCE_S)
-                return 1
-            continue
+            continue  # (a remote rank's engine going silent: the heartbeat thread's watch)
         call_id, method, args = msg
         if call_id == SHUTDOWN:
             link.send(SHUTDOWN, True, None)

@@ -70,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, _ = configs_from_namespace(ns)
         rank = global_rank(config.parallel, os.environ)
-        from bladellm.executor.channel import read_cluster_key
+        from bladellm.executor.channel import read_cluster_key, require_curve
 
         key = read_cluster_key(config.parallel.cluster_key_file or "")
+        require_curve()
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable
