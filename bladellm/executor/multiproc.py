@@ -243,6 +243,7 @@ class MultiprocExecutor(Executor):
         self._remote = _RemoteRanks(range(self.num_local, self.world_size), self.num_local,
                                     node_settings(config, resolved))
         self._refused: str | None = None
+        self._announced: set[int] = set()
         self._ipc_dir = tempfile.mkdtemp(prefix="bladellm-workers-")
         bcast_addr = f"ipc://{self._ipc_dir}/bcast"
         result_addr = f"ipc://{self._ipc_dir}/result"
@@ -332,7 +333,9 @@ class MultiprocExecutor(Executor):
         self._pub.control(JOIN, (rank, info.get("pid") if isinstance(info, dict) else None,
                                  refusal))
         if refusal is None:
-            logger.info("worker %s joined", self._remote.where(rank))
+            if rank not in self._announced:  # a rank repeats its join until it is answered
+                self._announced.add(rank)
+                logger.info("worker %s joined", self._remote.where(rank))
         else:
             logger.error("refused worker rank %d from host %s: %s", rank,
                          info.get("host") if isinstance(info, dict) else "?", refusal)

@@ -192,7 +192,7 @@ def _join(link: _Link, settings: dict[str, Any]) -> None:
                                f"{JOIN_TIMEOUT_S:.0f} s (not started, unreachable, or another "
                                f"--cluster_key_file)")
         if now > next_log:
-            logger.info("rank %d: waiting for the engine at %s", rank, link.spec.bcast_addr)
+            logger.info("waiting for the engine at %s", link.spec.bcast_addr)
             next_log = now + 10
 
 

@@ -117,6 +117,7 @@ def got_equal(got: list[list[int]], want: list[list[int]]) -> bool:
     return True
 
 
+@pytest.mark.slow  # ~35 s on 2 shared cores: two engine starts
 def test_node_with_other_settings_is_refused(tiny_llama, cluster):
     node = _start_node(tiny_llama, cluster, "--max_num_seqs", "7")
     try:
@@ -130,6 +131,7 @@ def test_node_with_other_settings_is_refused(tiny_llama, cluster):
         _stop(node)
 
 
+@pytest.mark.slow  # ~35 s on 2 shared cores: two engine starts
 def test_killed_remote_rank_fails_the_engine(tiny_llama, cluster):
     node = _start_node(tiny_llama, cluster)
     try:
