@@ -201,6 +201,33 @@ class ParallelConfig:
         default=None,
         metadata={"help": "torch.distributed rendezvous of the worker ranks (e.g. "
                           "tcp://HOST:PORT); default a free local port. World size > 1 only."})
+    nnodes: int = field(
+        default=1,
+        metadata={"help": "Machines the worker ranks run on: this one (node 0, the engine) runs "
+                          "ranks 0..L-1 (L = world size / nnodes), each other node k runs ranks "
+                          "k*L..k*L+L-1 under blade_llm_worker (e.g. launched by torchrun); "
+                          "needs --master_addr, --master_port, --cluster_key_file. See "
+                          "docs/parallel.md, Multi-node."})
+    node_rank: int = field(
+        default=0,
+        metadata={"help": "This machine's node index, 0..nnodes-1: 0 for blade_llm_server / "
+                          "LLM (the engine), 1.. for blade_llm_worker."})
+    master_addr: str | None = field(
+        default=None,
+        metadata={"help": "--nnodes > 1: the engine machine's address every node reaches. "
+                          "torch.distributed rendezvous at MASTER_ADDR:MASTER_PORT; the engine "
+                          "also listens on MASTER_PORT+1 (steps) and MASTER_PORT+2 (answers, "
+                          "heartbeats)."})
+    master_port: int | None = field(
+        default=None,
+        metadata={"help": "--nnodes > 1: first of the three TCP ports on --master_addr (see "
+                          "there); must differ from torchrun's own --master-port."})
+    cluster_key_file: str | None = field(
+        default=None,
+        metadata={"help": "--nnodes > 1: file holding the secret shared by all nodes (at least "
+                          "16 bytes, not readable by other users; e.g. openssl rand -hex 32). "
+                          "Every message between nodes is authenticated with it (HMAC-SHA256, "
+                          "checked before unpickling) and encrypted (ZMQ CURVE)."})
     num_threads: int | None = field(
         default=None,
         metadata={"help": "CPU: torch threads for the engine core; default OMP_NUM_THREADS "
@@ -227,6 +254,30 @@ class ParallelConfig:
                "--pipeline_parallel_size > 1")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
                f"must be >= 1, got {self.num_threads}")
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        _check(self.nnodes >= 1, "nnodes", f"must be >= 1, got {self.nnodes}")
+        _check(0 <= self.node_rank < self.nnodes, "node_rank",
+               f"must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}")
+        if self.nnodes == 1:
+            for name in ("master_addr", "master_port", "cluster_key_file"):
+                _check(getattr(self, name) is None, name, "only used with --nnodes > 1")
+            return
+        _check(self.world_size % self.nnodes == 0, "nnodes",
+               f"must divide the world size (--tensor_parallel_size x --pipeline_parallel_size "
+               f"= {self.world_size}) so every node runs as many ranks, got {self.nnodes}")
+        _check(bool(self.master_addr), "master_addr", "required with --nnodes > 1")
+        _check(self.master_port is not None and 1 <= self.master_port <= 65533, "master_port",
+               f"required with --nnodes > 1, in 1..65533 (it and the next two ports are used), "
+               f"got {self.master_port}")
+        _check(bool(self.cluster_key_file), "cluster_key_file", "required with --nnodes > 1")
+        _check(self.distributed_init_method is None, "distributed_init_method",
+               "not used with --nnodes > 1: the rendezvous is tcp://MASTER_ADDR:MASTER_PORT")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
     @property
     def world_size(self) -> int:

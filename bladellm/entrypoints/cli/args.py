@@ -121,18 +121,21 @@ def _engine_sections() -> dict[str, type]:
             if dataclasses.is_dataclass(hints[f.name])}
 
 
-def _all_groups() -> list[tuple[str, str, list[_FlagSpec]]]:
+def _all_groups(with_server: bool = True) -> list[tuple[str, str, list[_FlagSpec]]]:
     groups = [(name, klass.__name__, _section_specs(name, klass))
               for name, klass in _engine_sections().items()]
     groups.append(("", "EngineConfig", _section_specs("", EngineConfig)))
-    groups.append(("server", "ServerConfig", _section_specs("server", ServerConfig)))
+    if with_server:
+        groups.append(("server", "ServerConfig", _section_specs("server", ServerConfig)))
     return groups
 
 
-def make_parser(prog: str = "blade_llm_server") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, description="BladeLLM OpenAI-compatible HTTP server.",
-        allow_abbrev=False)
+def make_parser(prog: str = "blade_llm_server", with_server: bool = True,
+                description: str = "BladeLLM OpenAI-compatible HTTP server."
+                ) -> argparse.ArgumentParser:
+    """``with_server=False``: the engine's flags only (``blade_llm_worker``, which builds the
+    same ``EngineConfig`` from the same flags but serves no HTTP)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     # bladellm's own version, not the HTTP server module's helper: importing that module pulls
     # in FastAPI and the serving stack (3.6 s on 2 cores) before blade_llm_server has started
     # the engine core, which is what the early start is there to overlap.
@@ -140,7 +143,7 @@ def make_parser(prog: str = "blade_llm_server") -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {bladellm.__version__}")
     seen: dict[str, str] = {}
-    for _, title, specs in _all_groups():
+    for _, title, specs in _all_groups(with_server):
         group = parser.add_argument_group(title)
         for spec in specs:
             names = [spec.flag]
