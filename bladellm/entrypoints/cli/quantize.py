@@ -77,6 +77,10 @@ def config_from_args(ns: argparse.Namespace) -> QuantizeConfig:
 
 
 def check_paths(cfg: QuantizeConfig) -> None:
+    from bladellm.quantization.calib import load_calibration_texts
+
+    if cfg.calib_data:
+        load_calibration_texts(cfg.calib_data)  # a missing file fails before any work
     model_dir = os.path.expanduser(cfg.model)
     if not os.path.isdir(model_dir):
         raise ValueError(f"--model: {cfg.model} is not a directory")
