@@ -138,3 +138,25 @@ def test_act_order_g_idx(tiny_llama, calib_file, tmp_path):
         for n, qw in result.items():
             assert torch.equal(t[f"model.layers.{i}.{n}.g_idx"], qw.g_idx)
             assert torch.bincount(qw.g_idx.long()).tolist() == [32] * (qw.g_idx.numel() // 32)
+
+
+def test_benchmark_dequantizer_matches_reference(tiny_llama, calib_file, tmp_path):
+    """benchmarks/quant_accuracy.py scores checkpoints through its own vectorized unpacker: it
+    must read exactly what the tests' reference reads (asym 8-bit with act-order here)."""
+    import importlib.util
+
+    from .reference import dequantize_gptq
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    spec = importlib.util.spec_from_file_location(
+        "quant_accuracy", os.path.join(root, "benchmarks", "quant_accuracy.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg, _ = quantize(tiny_llama, str(tmp_path / "q"), "gptq", calib_file, bit=8, sym=False,
+                      act_order=True)
+    t = read_checkpoint(cfg.output_dir)
+    with open(os.path.join(cfg.output_dir, "config.json")) as f:
+        qcfg = json.load(f)["quantization_config"]
+    for n in LINEAR_NAMES:
+        p = f"model.layers.1.{n}"
+        assert torch.equal(bench.dequantize_linear(t, p, qcfg), dequantize_gptq(t, p, 8))
