@@ -32,14 +32,18 @@ def make_parser() -> argparse.ArgumentParser:
 
     add("--model", required=True, help="Source model directory (safetensors).")
     add("--output_dir", required=True, help="Directory to write the quantized checkpoint to.")
-    add("--quant_algo", required=True, choices=QUANT_ALGOS,
-        help="minmax: round to nearest; gptq; awq; smoothquant: W8A8 int8; smoothquant+: "
-             "smoothing with a searched strength, then 4-bit weight-only.")
-    add("--bit", type=int, default=None, choices=[4, 8],
-        help="Weight bits (default 4; 8 for smoothquant).")
+    add("--quant_algo", default="minmax", choices=QUANT_ALGOS,
+        help="minmax (default): round to nearest, no calibration; gptq; awq; smoothquant: "
+             "W8A8 int8; smoothquant+: smoothing with a searched strength, then weight-only.")
+    add("--quant_mode", default=None, choices=["weight_only_quant", "act_and_weight_quant"],
+        help="The product's flag, implied by --quant_algo (act_and_weight_quant for "
+             "smoothquant, weight_only_quant otherwise); a contradicting value is an error.")
+    add("--bit", type=int, default=8, choices=[4, 8], help="Weight bits (default 8).")
     add("--group_size", type=int, default=None,
         help="Input features per quantization group, -1 for one per output channel "
-             "(default 128; -1 for smoothquant).")
+             "(default -1; 64 with --block_wise_quant).")
+    add("--block_wise_quant", action="store_true",
+        help="The product's flag: group-wise weights with --group_size 64.")
     sym = p.add_mutually_exclusive_group()
     sym.add_argument("--sym", dest="sym", action="store_true", default=True,
                      help="Symmetric weights, zero point 2^(bit-1) (default).")
@@ -65,11 +69,19 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(ns: argparse.Namespace) -> QuantizeConfig:
-    w8a8 = ns.quant_algo == "smoothquant"
+    mode = "act_and_weight_quant" if ns.quant_algo == "smoothquant" else "weight_only_quant"
+    if ns.quant_mode is not None and ns.quant_mode != mode:
+        raise ValueError(f"--quant_mode {ns.quant_mode}: --quant_algo {ns.quant_algo} is "
+                         f"{mode}")
+    group_size = ns.group_size
+    if ns.block_wise_quant:
+        if group_size not in (None, 64):
+            raise ValueError(f"--block_wise_quant means --group_size 64, got --group_size "
+                             f"{group_size}")
+        group_size = 64
     return QuantizeConfig(
-        model=ns.model, output_dir=ns.output_dir, quant_algo=ns.quant_algo,
-        bit=ns.bit if ns.bit is not None else (8 if w8a8 else 4),
-        group_size=ns.group_size if ns.group_size is not None else (-1 if w8a8 else 128),
+        model=ns.model, output_dir=ns.output_dir, quant_algo=ns.quant_algo, bit=ns.bit,
+        group_size=-1 if group_size is None else group_size,
         sym=ns.sym, act_order=ns.act_order, calib_data=ns.calib_data,
         calib_data_max_len=ns.calib_data_max_len, num_calib_samples=ns.num_calib_samples,
         cpu_offload=ns.cpu_offload, alpha=ns.alpha, damp_percent=ns.damp_percent,

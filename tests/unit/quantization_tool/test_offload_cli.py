@@ -50,6 +50,22 @@ def test_cli_writes_checkpoint(tiny_llama, calib_file, tmp_path, capsys):
     assert main(args + ["--overwrite"]) == 0
 
 
+def test_cli_product_defaults(tiny_llama, tmp_path):
+    """The product's documented defaults: minmax, 8 bit, per channel, weight only; its
+    --quant_mode and --block_wise_quant flags are accepted."""
+    out = tmp_path / "q"
+    assert main(["--model", tiny_llama, "--output_dir", str(out)]) == 0
+    with open(out / "config.json") as f:
+        qc = json.load(f)["quantization_config"]
+    assert (qc["meta"]["quant_algo"], qc["bits"], qc["group_size"]) == ("minmax", 8, -1)
+    out2 = tmp_path / "q2"
+    assert main(["--model", tiny_llama, "--output_dir", str(out2), "--quant_mode",
+                 "weight_only_quant", "--block_wise_quant", "--bit", "4"]) == 0
+    with open(out2 / "config.json") as f:
+        qc = json.load(f)["quantization_config"]
+    assert (qc["bits"], qc["group_size"]) == (4, 64)
+
+
 def _args(model: str, out: str, *extra: str) -> list[str]:
     return ["--model", model, "--output_dir", out, *extra]
 
@@ -67,6 +83,9 @@ def _args(model: str, out: str, *extra: str) -> list[str]:
     (["--quant_algo", "smoothquant", "--alpha", "1.5", "--calib_data", "x y"], "--alpha"),
     (["--quant_algo", "gptq", "--num_calib_samples", "0", "--calib_data", "x y"],
      "--num_calib_samples"),
+    (["--quant_algo", "gptq", "--quant_mode", "act_and_weight_quant", "--calib_data", "x y"],
+     "--quant_mode"),
+    (["--block_wise_quant", "--group_size", "32"], "--block_wise_quant"),
 ])
 def test_cli_errors_name_the_flag(extra, flag, tiny_llama, tmp_path):
     with pytest.raises(ValueError, match=flag):
