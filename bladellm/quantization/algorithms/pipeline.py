@@ -155,11 +155,11 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
         layer = source.load_layer(i)
         check_shapes(cfg, layer)
         result = algo.quantize_layer(layer, inputs)
-        handles = _install_quantized(layer, result)
-        if inputs is not None and i + 1 < num_layers:
+        if inputs is not None and i + 1 < num_layers:  # the next layer sees this one quantized
+            handles = _install_quantized(layer, result)
             inputs = LayerInputs(run_layer(layer, inputs), inputs.kwargs)
-        for h in handles:
-            h.remove()
+            for h in handles:
+                h.remove()
         out.write_shard(_layer_tensors(cfg, layer, f"{LAYER_PREFIX}{i}.", result, dtype))
         del result
         source.release_layer(i)
