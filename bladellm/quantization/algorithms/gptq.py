@@ -12,7 +12,11 @@ original column to the group of its position in that order.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from bladellm.quantization.algorithms.base import LayerResult
+from bladellm.quantization.algorithms.layer_io import (SEQUENTIAL_GROUPS, LayerInputs,
+                                                        input_hooks, linear, run_layer)
 from bladellm.quantization.algorithms.quantizer import (GroupQuantSpec, QuantizedWeight,
                                                          find_params, quantize_to_int)
 
@@ -110,11 +114,9 @@ class GPTQ:
                  act_order: bool = False) -> None:
         self.spec, self.percdamp, self.act_order = spec, percdamp, act_order
 
-    def quantize_layer(self, layer, inputs):
-        from bladellm.quantization.algorithms.layer_io import (SEQUENTIAL_GROUPS, input_hooks,
-                                                                linear, run_layer)
-
-        result = {}
+    def quantize_layer(self, layer: nn.Module, inputs: LayerInputs | None) -> LayerResult:
+        assert inputs is not None
+        result: LayerResult = {}
         for group in SEQUENTIAL_GROUPS:
             hessians = {n: HessianAccumulator(linear(layer, n).in_features) for n in group}
             with input_hooks(layer, group, lambda n, x: hessians[n].add_batch(x)):

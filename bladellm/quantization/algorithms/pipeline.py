@@ -110,7 +110,7 @@ def check_shapes(cfg: QuantizeConfig, layer: nn.Module) -> None:
                              f"({module.in_features}) of {name}")
 
 
-def _layer_tensors(cfg: QuantizeConfig, layer: nn.Module, prefix: str, result: LayerResult,
+def _layer_tensors(layer: nn.Module, prefix: str, result: LayerResult,
                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from bladellm.quantization.writer import pack_gptq, pack_int8
 
@@ -160,7 +160,7 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
             inputs = LayerInputs(run_layer(layer, inputs), inputs.kwargs)
             for h in handles:
                 h.remove()
-        out.write_shard(_layer_tensors(cfg, layer, f"{LAYER_PREFIX}{i}.", result, dtype))
+        out.write_shard(_layer_tensors(layer, f"{LAYER_PREFIX}{i}.", result, dtype))
         del result
         source.release_layer(i)
     rest = source.non_layer_names()
