@@ -1,0 +1,168 @@
+"""``blade_llm_quantize``: quantize a float checkpoint offline (docs/quantization_tool.md).
+
+    blade_llm_quantize --model /models/llama --output_dir /models/llama-gptq \\
+        --quant_algo gptq --bit 4 --group_size 128 --calib_data calib.txt
+
+Weight-only results (minmax, gptq, awq, smoothquant+) are written in the GPTQ checkpoint format
+(AutoGPTQ / GPTQModel v1 layout); smoothquant's W8A8 in compressed-tensors ``int-quantized``
+(llm-compressor's layout). The algorithms live in ``bladellm/quantization/algorithms``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from bladellm.quantization.algorithms.config import QUANT_ALGOS, QuantizeConfig
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="blade_llm_quantize", allow_abbrev=False,
+        description="Quantize a Hugging Face checkpoint (Llama family, safetensors) to a GPTQ "
+                    "or compressed-tensors checkpoint that blade_llm_server, vLLM and SGLang "
+                    "load.")
+
+    def add(flag: str, **kw) -> None:
+        names = [flag] + ([flag.replace("_", "-")] if "_" in flag else [])
+        p.add_argument(*names, **kw)
+
+    add("--model", required=True, help="Source model directory (safetensors).")
+    add("--output_dir", required=True, help="Directory to write the quantized checkpoint to.")
+    add("--quant_algo", default="minmax", choices=QUANT_ALGOS,
+        help="minmax (default): round to nearest, no calibration; gptq; awq; smoothquant: "
+             "W8A8 int8; smoothquant+: smoothing with a searched strength, then weight-only.")
+    add("--quant_mode", default=None, choices=["weight_only_quant", "act_and_weight_quant"],
+        help="The product's flag, implied by --quant_algo (act_and_weight_quant for "
+             "smoothquant, weight_only_quant otherwise); a contradicting value is an error.")
+    add("--bit", type=int, default=8, choices=[4, 8], help="Weight bits (default 8).")
+    add("--group_size", type=int, default=None,
+        help="Input features per quantization group, -1 for one per output channel "
+             "(default -1; 64 with --block_wise_quant).")
+    add("--block_wise_quant", action="store_true",
+        help="The product's flag: group-wise weights with --group_size 64.")
+    sym = p.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="sym", action="store_true", default=True,
+                     help="Symmetric weights, zero point 2^(bit-1) (default).")
+    sym.add_argument("--no-sym", "--no_sym", "--asym", dest="sym", action="store_false",
+                     help="Asymmetric weights with a zero point per group.")
+    add("--act_order", action="store_true",
+        help="gptq: quantize columns by decreasing Hessian diagonal (desc_act, writes g_idx).")
+    add("--calib_data", default=None,
+        help="Calibration text: a .txt file (one sample per paragraph, or per line), a .jsonl "
+             "file with a 'text' field per line, or the text itself.")
+    add("--calib_data_max_len", type=int, default=512, help="Tokens per calibration sample.")
+    add("--num_calib_samples", type=int, default=128, help="Number of calibration samples.")
+    add("--cpu_offload", action="store_true",
+        help="Hold one decoder layer in memory at a time (read from the safetensors files "
+             "when needed) instead of the whole model.")
+    add("--alpha", type=float, default=None,
+        help="smoothquant: migration strength (default 0.5).")
+    add("--damp_percent", type=float, default=0.01,
+        help="gptq: dampening added to the Hessian diagonal, relative to its mean.")
+    add("--no_awq_clip", action="store_true", help="awq: skip the weight clipping search.")
+    add("--overwrite", action="store_true", help="Write into a non-empty --output_dir.")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> QuantizeConfig:
+    mode = "act_and_weight_quant" if ns.quant_algo == "smoothquant" else "weight_only_quant"
+    if ns.quant_mode is not None and ns.quant_mode != mode:
+        raise ValueError(f"--quant_mode {ns.quant_mode}: --quant_algo {ns.quant_algo} is "
+                         f"{mode}")
+    group_size = ns.group_size
+    if ns.block_wise_quant:
+        if group_size not in (None, 64):
+            raise ValueError(f"--block_wise_quant means --group_size 64, got --group_size "
+                             f"{group_size}")
+        group_size = 64
+    return QuantizeConfig(
+        model=ns.model, output_dir=ns.output_dir, quant_algo=ns.quant_algo, bit=ns.bit,
+        group_size=-1 if group_size is None else group_size,
+        sym=ns.sym, act_order=ns.act_order, calib_data=ns.calib_data,
+        calib_data_max_len=ns.calib_data_max_len, num_calib_samples=ns.num_calib_samples,
+        cpu_offload=ns.cpu_offload, alpha=ns.alpha, damp_percent=ns.damp_percent,
+        awq_clip=not ns.no_awq_clip, overwrite=ns.overwrite)
+
+
+def check_paths(cfg: QuantizeConfig) -> None:
+    from bladellm.quantization.calib import load_calibration_texts
+
+    if cfg.calib_data:
+        load_calibration_texts(cfg.calib_data)  # a missing file fails before any work
+    model_dir = os.path.expanduser(cfg.model)
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"--model: {cfg.model} is not a directory")
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--model: cannot read {path}: {e}") from e
+    if raw.get("quantization_config"):
+        raise ValueError(f"--model: {cfg.model} is already quantized (quantization_config); "
+                         f"start from the float checkpoint")
+    _check_group_size(cfg, raw)
+    if os.path.isfile(cfg.output_dir):
+        raise ValueError(f"--output_dir: {cfg.output_dir} is a file")
+    if os.path.isdir(cfg.output_dir) and os.listdir(cfg.output_dir):
+        if not cfg.overwrite:
+            raise ValueError(f"--output_dir: {cfg.output_dir} is not empty; pass --overwrite "
+                             f"to replace it")
+        _remove_previous_output(cfg.output_dir)
+
+
+def _check_group_size(cfg: QuantizeConfig, raw: dict) -> None:
+    """Early, from config.json (the layers are checked again when loaded)."""
+    if cfg.group_size == -1:
+        return
+    hidden = raw.get("hidden_size")
+    heads = raw.get("num_attention_heads")
+    head_dim = raw.get("head_dim") or (hidden // heads if hidden and heads else None)
+    dims = {"hidden_size": hidden, "intermediate_size": raw.get("intermediate_size"),
+            "num_attention_heads * head_dim": heads * head_dim if heads and head_dim else None}
+    for what, dim in dims.items():
+        if dim and dim % cfg.group_size:
+            raise ValueError(f"--group_size {cfg.group_size} does not divide the input features "
+                             f"of the model's linears ({what} = {dim})")
+
+
+def _remove_previous_output(output_dir: str) -> None:
+    """The index first: a half-rewritten checkpoint must not look loadable."""
+    from bladellm.quantization.writer import INDEX_FILE
+
+    index = os.path.join(output_dir, INDEX_FILE)
+    if os.path.exists(index):
+        os.remove(index)
+    for name in os.listdir(output_dir):
+        if name.endswith(".safetensors"):
+            os.remove(os.path.join(output_dir, name))
+
+
+def run(argv: list[str] | None = None):
+    """Parse, validate and quantize; returns the report. ValueError names the bad flag."""
+    from bladellm.quantization.algorithms.pipeline import quantize_checkpoint
+
+    cfg = config_from_args(make_parser().parse_args(argv))
+    check_paths(cfg)
+    return quantize_checkpoint(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        report = run(argv)
+    except ValueError as exc:
+        print(f"blade_llm_quantize: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {report.output_dir}: {report.num_layers} layers, {report.weight_bytes} bytes "
+          f"of weights, {report.num_calib_samples} calibration samples "
+          f"({report.num_calib_tokens} tokens), {report.seconds:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The float model being quantized, whole in memory or one decoder layer at a time.
+
+Without ``cpu_offload`` the model is ``AutoModelForCausalLM.from_pretrained`` (float32). With it,
+the model is built on the meta device and only the embedding (plus the rotary embedding, which
+is computed, not stored) is materialized; ``load_layer(i)`` reads layer ``i``'s tensors from the
+safetensors files and ``release_layer(i)`` sends it back to meta, so memory peaks at about one
+layer plus the embedding and the calibration activations. Both paths compute in float32 from the
+same tensors, so they quantize to the same bits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+LAYER_PREFIX = "model.layers."
+
+
+def weight_files(model_dir: str) -> dict[str, str]:
+    """Tensor name -> safetensors file of ``model_dir``."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(model_dir, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(model_dir, "model.safetensors")
+    if not os.path.isfile(single):
+        raise ValueError(f"--model: {model_dir} has no model.safetensors or "
+                         f"model.safetensors.index.json (only safetensors checkpoints are read)")
+    with safe_open(single, "pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def read_tensors(files: dict[str, str], names: list[str]) -> dict[str, torch.Tensor]:
+    by_file: dict[str, list[str]] = {}
+    for n in names:
+        by_file.setdefault(files[n], []).append(n)
+    out = {}
+    for path, ns in by_file.items():
+        with safe_open(path, "pt") as f:
+            for n in ns:
+                out[n] = f.get_tensor(n)
+    return out
+
+
+class ModelSource:
+    def __init__(self, model_dir: str, cpu_offload: bool) -> None:
+        import transformers
+
+        self.model_dir, self.cpu_offload = model_dir, cpu_offload
+        self.files = weight_files(model_dir)
+        self.config = transformers.AutoConfig.from_pretrained(model_dir)
+        if cpu_offload:
+            with torch.device("meta"):
+                model = transformers.AutoModelForCausalLM.from_config(
+                    self.config, dtype=torch.float32, attn_implementation="sdpa")
+            inner = model.model
+            inner.rotary_emb = type(inner.rotary_emb)(config=self.config)  # a computed buffer
+            self._materialize(inner.embed_tokens, "model.embed_tokens.")
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32, attn_implementation="sdpa")
+        model.eval()
+        self.model = model
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.model.layers
+
+    def source_dtype(self) -> torch.dtype:
+        name = next(n for n in self.files if n.startswith(LAYER_PREFIX) and n.endswith("weight"))
+        with safe_open(self.files[name], "pt") as f:
+            return f.get_tensor(name).dtype
+
+    def _materialize(self, module: nn.Module, prefix: str) -> None:
+        module.to_empty(device="cpu")
+        names = [prefix + k for k in module.state_dict()]
+        missing = [n for n in names if n not in self.files]
+        if missing:
+            raise ValueError(f"--model: {self.model_dir} lacks tensors {missing[:4]}")
+        tensors = read_tensors(self.files, names)
+        module.load_state_dict({n[len(prefix):]: t.float() for n, t in tensors.items()})
+
+    def load_layer(self, i: int) -> nn.Module:
+        layer = self.layers[i]
+        if self.cpu_offload:
+            self._materialize(layer, f"{LAYER_PREFIX}{i}.")
+        return layer
+
+    def release_layer(self, i: int) -> None:
+        if self.cpu_offload:
+            self.layers[i].to("meta")
+
+    def non_layer_names(self) -> list[str]:
+        return sorted(n for n in self.files if not n.startswith(LAYER_PREFIX))

@@ -1,0 +1,101 @@
+"""Per-input-channel scales migrated between a layer's operations (SmoothQuant, AWQ, SQ+).
+
+A ``SmoothGroup`` is an operation ``prev`` (an RMSNorm or a linear) whose output feeds the
+``linears``. Scaling input channel ``j`` of every linear by ``s_j`` and dividing channel ``j`` of
+``prev``'s output by ``s_j`` leaves the float layer unchanged, and moves quantization difficulty
+between activations and weights. ``inspect`` names the submodule whose output measures a
+candidate's error (attention for q/k/v, the MLP for gate/up, the linear itself otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from bladellm.quantization.algorithms.layer_io import (LayerInputs, call_submodule,
+                                                        capture_inputs, linear)
+from bladellm.quantization.algorithms.quantizer import GroupQuantSpec, fake_quantize_groups
+
+
+@dataclass(frozen=True)
+class SmoothGroup:
+    prev: str
+    linears: tuple[str, ...]
+    inspect: str
+
+
+ATTN_IN = SmoothGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj",
+                                          "self_attn.v_proj"), "self_attn")
+ATTN_OUT = SmoothGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj")
+MLP_IN = SmoothGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp")
+MLP_OUT = SmoothGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj")
+
+
+def applicable_groups(layer: nn.Module, groups: tuple[SmoothGroup, ...]) -> list[SmoothGroup]:
+    """Drop v_proj -> o_proj when their channels do not line up one to one (grouped-query
+    attention repeats v's heads), as AutoAWQ does."""
+    keep = []
+    for g in groups:
+        if g is ATTN_OUT and linear(layer, g.prev).out_features != \
+                linear(layer, g.linears[0]).in_features:
+            continue
+        keep.append(g)
+    return keep
+
+
+@torch.no_grad()
+def apply_scales(layer: nn.Module, group: SmoothGroup, scales: torch.Tensor) -> None:
+    prev = layer.get_submodule(group.prev)
+    if isinstance(prev, nn.Linear):
+        prev.weight.data.div_(scales.unsqueeze(1))
+        if prev.bias is not None:
+            prev.bias.data.div_(scales)
+    else:  # RMSNorm: y = w * x / rms(x)
+        prev.weight.data.div_(scales)
+    for n in group.linears:
+        linear(layer, n).weight.data.mul_(scales.unsqueeze(0))
+
+
+def input_absmax(xs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([x.reshape(-1, x.shape[-1]).abs().amax(0) for x in xs]).amax(0).float()
+
+
+def input_absmean(xs: list[torch.Tensor]) -> torch.Tensor:
+    flat = torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]).float()
+    return flat.abs().mean(0)
+
+
+def weight_absmax(layer: nn.Module, group: SmoothGroup) -> torch.Tensor:
+    ws = torch.cat([linear(layer, n).weight.data for n in group.linears])
+    return ws.abs().amax(0).float()
+
+
+@torch.no_grad()
+def search_scales(layer: nn.Module, group: SmoothGroup, inputs: LayerInputs,
+                  xs: list[torch.Tensor], candidates: list[torch.Tensor],
+                  spec: GroupQuantSpec) -> tuple[int, list[float]]:
+    """Index of the candidate scales whose weight fake-quantization (``Q(W*s)/s``) gives the
+    smallest mean squared error of ``group.inspect``'s output against the float layer, and
+    the error of every candidate. The layer is left as it was."""
+    lins = [linear(layer, n) for n in group.linears]
+    originals = [lin.weight.data.clone() for lin in lins]
+    reference = [call_submodule(layer, group.inspect, x, kw) for x, kw in zip(xs, inputs.kwargs)]
+    losses = []
+    for s in candidates:
+        for lin, w in zip(lins, originals):
+            lin.weight.data = fake_quantize_groups(w * s, spec) / s
+        err = sum(float((call_submodule(layer, group.inspect, x, kw) - ref).pow(2).sum())
+                  for x, kw, ref in zip(xs, inputs.kwargs, reference))
+        losses.append(err / sum(r.numel() for r in reference))
+    for lin, w in zip(lins, originals):
+        lin.weight.data = w
+    best = min(range(len(losses)), key=losses.__getitem__)
+    return best, losses
+
+
+def group_inputs(layer: nn.Module, group: SmoothGroup,
+                 inputs: LayerInputs) -> list[torch.Tensor]:
+    """Inputs of the group's linears (they share one) with the layer as it is now."""
+    return capture_inputs(layer, inputs, (group.linears[0],))[group.linears[0]]
