@@ -1,7 +1,7 @@
 """``blade_llm_split``: a checkpoint split per TP rank serves the same greedy tokens as the
 original at world size 1 (fp32), each rank reading only its own shard (about 1/T of the
-weights); a split served with another degree, or a quantized source, is refused with a
-``ValueError`` naming the flag."""
+weights); a quantized checkpoint splits as its packed shards; a split served with another degree
+is refused with a ``ValueError`` naming the flag."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from bladellm import LLM, SamplingParams
 from bladellm.entrypoints.cli.split import main as split_main, split_checkpoint
@@ -123,16 +124,27 @@ def test_mismatched_degree_refused(uneven_split, tp):
         LLM(model=out, tensor_parallel_size=tp, **OPTS)
 
 
-def test_quantized_source_refused(tiny_llama, tmp_path):
-    import shutil
+def test_quantized_split_T2_serves_the_unsplit_tokens(tiny_llama, tmp_path):
+    """A GPTQ 4-bit g32 checkpoint split for T=2: each rank holds its packed shard (column
+    shards on whole output columns, row shards on whole groups), serving it at T=2 gives the
+    unsplit checkpoint's tokens at T=1."""
+    from quant_checkpoints import quantize_checkpoint
+    from safetensors import safe_open
 
-    src = tmp_path / "quant"
-    shutil.copytree(tiny_llama, src)
-    cfg = json.load(open(src / "config.json"))
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
-    json.dump(cfg, open(src / "config.json", "w"))
-    with pytest.raises(ValueError, match="quantized"):
-        split_checkpoint(str(src), str(tmp_path / "out"), 2)
+    src = tmp_path / "gptq"
+    quantize_checkpoint(tiny_llama, src, "gptq", bits=4, group_size=32)
+    out = str(tmp_path / "gptq-T2")
+    manifest = split_checkpoint(str(src), out, 2)
+    with safe_open(os.path.join(out, "rank_1", "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        qweight = f.get_tensor("model.layers.0.mlp.down_proj.qweight")
+    assert "model.layers.0.self_attn.qkv_proj.qweight" in names
+    assert not any(n.endswith("proj.weight") for n in names)  # packed, not dequantized
+    assert qweight.dtype == torch.int32 and qweight.shape[0] == 64 // 8  # half of K = 128
+    full = _weights_bytes(str(src))
+    assert all(r["bytes"] < 0.7 * full for r in manifest["ranks"])
+    prompts, want = _original_greedy(str(src))
+    assert _greedy(out, 2, prompts) == want
 
 
 def test_bad_inputs_refused(uneven_split, tmp_path):

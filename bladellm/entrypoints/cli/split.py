@@ -81,15 +81,9 @@ def _check_source(model_dir: str) -> None:
     path = os.path.join(model_dir, "config.json")
     try:
         with open(path) as f:
-            raw = json.load(f)
+            json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"--model: cannot read {path}: {e}") from e
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?") \
-            if isinstance(raw["quantization_config"], dict) else "?"
-        raise ValueError(f"--model: {model_dir} is a quantized checkpoint (quantization_config, "
-                         f"quant_method {method!r}); blade_llm_split supports float checkpoints "
-                         f"only for now")
 
 
 def _prepare_output(output_dir: str, overwrite: bool) -> None:
@@ -139,6 +133,7 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
                                        find_weight_files, load_checkpoint_files,
                                        split_rank_dir, split_state_dict)
     from bladellm.model.registry import get_model_class
+    from bladellm.quantization import get_quant_config
 
     tp = tensor_parallel_size
     if tp < 1:
@@ -165,13 +160,16 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
     source_bytes = sum(os.path.getsize(p) for p in files)
     torch_dtype = _checkpoint_dtype(hf_config, dtype)
     _prepare_output(output_dir, overwrite)
+    # A quantized checkpoint is split as its packed tensors (each rank's shard on group and
+    # pack boundaries, as a rank would load it); the rank unpacks them when it loads the split.
+    quant_config = get_quant_config(hf_config)
     model_cls = get_model_class(hf_config)
     attn_backend = get_attn_backend("torch", "cpu")  # construction only: nothing runs
     ranks = []
     for rank in range(tp * pp):  # the workers' rank order: pp_rank * tp + tp_rank
         start = time.perf_counter()
         with tp_shape_for_split(rank % tp, tp, rank // tp, pp), torch.device("cpu"):
-            shard = model_cls(hf_config, torch_dtype, attn_backend)
+            shard = model_cls(hf_config, torch_dtype, attn_backend, quant_config)
             load_checkpoint_files(shard, files)
         state = split_state_dict(shard)
         del shard
