@@ -36,6 +36,9 @@ def parse_size(value: int | str) -> int:
     return int(float(text))
 
 
+ATTN_BACKENDS = ("auto", "paged", "torch", "triton")
+
+
 @dataclass
 class ModelConfig:
     model: str = field(
@@ -63,8 +66,9 @@ class ModelConfig:
     attn_cls: str = field(
         default="auto",
         metadata={"help": "Attention backend: auto / paged (paged-attention kernels compiled "
-                          "for this CPU's ISA; the PyTorch reference if they cannot be built) "
-                          "or torch (the plain-PyTorch reference twins)."})
+                          "for this CPU's ISA; the PyTorch reference if they cannot be built), "
+                          "torch (the plain-PyTorch reference twins) or triton (the Triton "
+                          "kernels: CUDA devices; on a CPU only under TRITON_INTERPRET=1)."})
     revision: str | None = field(
         default=None,
         metadata={"help": "For a hub model id: the branch, tag or commit to serve (default: "
@@ -93,8 +97,9 @@ class ModelConfig:
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len",
                f"must be positive, got {self.max_model_len}")
-        _check(self.attn_cls in ("auto", "paged", "torch"), "attn_cls",
-               f"unknown attention backend {self.attn_cls!r}; supported: auto, paged, torch")
+        _check(self.attn_cls in ATTN_BACKENDS, "attn_cls",
+               f"unknown attention backend {self.attn_cls!r}; supported: "
+               f"{', '.join(ATTN_BACKENDS)}")
         _check(self.model_hub in ("huggingface", "modelscope"), "model_hub",
                f"must be huggingface or modelscope, got {self.model_hub!r}")
         _check(self.load_format in ("auto", "safetensors", "pt", "gguf", "dummy"), "load_format",
@@ -311,8 +316,9 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         _check(self.model is None or bool(self.model), "draft.model", "must not be empty")
-        _check(self.attn_cls in ("auto", "paged", "torch"), "draft.attn_cls",
-               f"unknown attention backend {self.attn_cls!r}; supported: auto, paged, torch")
+        _check(self.attn_cls in ATTN_BACKENDS, "draft.attn_cls",
+               f"unknown attention backend {self.attn_cls!r}; supported: "
+               f"{', '.join(ATTN_BACKENDS)}")
         _check(self.dtype in _DTYPES, "draft.dtype",
                f"must be one of {_DTYPES}, got {self.dtype!r}")
 

@@ -26,12 +26,13 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-KERNELS_MODES = ("auto", "ref")
+KERNELS_MODES = ("auto", "ref", "triton")
 
 
 def kernels_mode() -> str:
     """``BLADELLM_KERNELS``: ``auto`` compiles the CPU kernels for this machine's ISA (falling
-    back to the reference if that fails), ``ref`` always uses the plain-PyTorch reference."""
+    back to the reference if that fails), ``ref`` always uses the plain-PyTorch reference,
+    ``triton`` the Triton kernels (GPU; on a CPU only under ``TRITON_INTERPRET=1``)."""
     value = os.environ.get("BLADELLM_KERNELS", "auto").strip().lower() or "auto"
     if value not in KERNELS_MODES:
         raise ValueError(f"BLADELLM_KERNELS={value!r} is not one of {', '.join(KERNELS_MODES)}")

@@ -4,6 +4,7 @@ The choice is made once per process by ``get_kernels()`` and logged in one line:
 ``BLADELLM_KERNELS=ref`` forces the reference; otherwise the kernels are compiled on first use
 into ``BLADELLM_CACHE_DIR`` (a later start loads the cached library in milliseconds), and if
 that is impossible (no compiler, a build error) one warning is logged and the reference is used.
+``BLADELLM_KERNELS=triton`` selects the Triton set (``triton_set.py``: GPU, or the interpreter).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def load_kernels(mode: str | None = None, cache_root: Path | None = None,
     if mode == "ref":
         logger.info("CPU kernels: reference (BLADELLM_KERNELS=ref; ISA %s)", isa)
         return Kernels()
+    if mode == "triton":
+        return _triton_kernels()
     root = envs.cache_dir() if cache_root is None else cache_root
     try:
         built = build_library(isa, root)
@@ -44,6 +47,24 @@ def load_kernels(mode: str | None = None, cache_root: Path | None = None,
     logger.info("CPU kernels: compiled %s (%s, %.2f s)", isa,
                 "cache hit" if built.cache_hit else f"built {built.path.name}", built.seconds)
     return kernels
+
+
+def _triton_kernels() -> Kernels:
+    import os
+
+    import torch
+
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise ValueError("BLADELLM_KERNELS=triton: the triton package is not installed") from None
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("BLADELLM_KERNELS=triton: Triton kernels need a CUDA device; on a CPU "
+                         "they run only under TRITON_INTERPRET=1 (slow, for tests)")
+    from bladellm.kernels.triton_set import TritonKernels
+
+    logger.info("kernels: triton%s", "" if torch.cuda.is_available() else " (interpreter)")
+    return TritonKernels()
 
 
 @functools.lru_cache(maxsize=1)

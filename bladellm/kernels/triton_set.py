@@ -1,0 +1,64 @@
+"""``TritonKernels``: the kernel set of the GPU path. The Triton kernels (``kernels/triton``) where
+they exist: paged attention, the KV store, RMSNorm (+ residual), rotary, SiLU-and-mul; the
+reference methods elsewhere (``linear`` is ``F.linear``, i.e. cuBLAS on a GPU; LoRA and the
+grammar bitmask run as torch ops on the tensors' device).
+
+Selected with ``BLADELLM_KERNELS=triton``: on a CUDA device, or on a CPU under
+``TRITON_INTERPRET=1`` (tests: the whole model through the Triton kernels without a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bladellm.kernels.interface import Kernels
+
+
+class TritonKernels(Kernels):
+    name = "triton"
+
+    def paged_attention(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        scale: float) -> None:
+        from bladellm.kernels.triton.attention import paged_attention
+
+        paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                        scale)
+
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        from bladellm.kernels.triton.elementwise import reshape_and_cache
+
+        reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from bladellm.kernels.triton.elementwise import rms_norm
+
+        return rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from bladellm.kernels.triton.elementwise import fused_add_rms_norm
+
+        return fused_add_rms_norm(x, residual, weight, eps)
+
+    def rotary_embedding(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
+                         rotary_dim: int, *, inplace: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        from bladellm.kernels.triton.elementwise import rotary_embedding
+
+        return rotary_embedding(positions, q, k, cos_cache, sin_cache, head_dim, rotary_dim,
+                                inplace=inplace)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        from bladellm.kernels.triton.elementwise import silu_and_mul
+
+        return silu_and_mul(x)
+
+    def describe(self) -> str:
+        return "triton"
+
+    def __reduce__(self) -> tuple:
+        return (TritonKernels, ())
