@@ -35,6 +35,7 @@ SOURCES = {
     "norm.cpp": ["-ffp-contract=off"],
     "elementwise.cpp": ["-ffp-contract=off"],
     "linear.cpp": ["-ffp-contract=fast"],
+    "linear_int4.cpp": ["-ffp-contract=fast"],
     "lora.cpp": ["-ffp-contract=fast"],
     "sampling.cpp": ["-ffp-contract=off"],
 }

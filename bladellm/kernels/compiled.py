@@ -107,8 +107,14 @@ def _torch_sum_lanes(lib: ctypes.CDLL) -> int:
     return 8
 
 
+# Largest M the compiled 4-bit kernel takes; above it dequantize + one BLAS GEMM is faster
+# (benchmarks/quantized_linear.py).
+INT4_MAX_ROWS = 8
+
+
 class CompiledKernels(Kernels):
     name = "compiled"
+    int4_max_rows = INT4_MAX_ROWS
 
     def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
         self.isa = isa
@@ -127,6 +133,9 @@ class CompiledKernels(Kernels):
         self._linear = self._bind(lib.bl_linear, [c_void_p, c_void_p, c_void_p, c_void_p,
                                                   c_int64, c_int64, c_int64, c_int64, c_int64,
                                                   c_int32, c_int32])
+        self._linear_int4 = self._bind(lib.bl_linear_int4, [
+            c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64,
+            c_int64, c_int64, c_int64, c_int64, c_int32])
         self._token_bitmask = self._bind(lib.bl_apply_token_bitmask, [
             c_void_p, c_int64, c_int64, c_int64, c_void_p, c_int64, c_void_p, c_int64])
         self.linear_dpbf16 = bool(lib.bl_linear_dpbf16())
@@ -310,6 +319,29 @@ class CompiledKernels(Kernels):
                                logits.shape[1], rows.data_ptr(), len(rows), bitmask.data_ptr(),
                                bitmask.shape[1]) != 0:
             raise IndexError(f"apply_token_bitmask: a row is outside [0, {logits.shape[0]})")
+
+    def linear_int4(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor, bias: torch.Tensor | None, group: int) -> torch.Tensor:
+        K = x.shape[-1]
+        rows = x.reshape(-1, K) if K else x
+        M = rows.shape[0]
+        n = codes.shape[0]
+        if (x.dtype != torch.float32 or not x.is_cpu or M > INT4_MAX_ROWS or rows.stride(-1) != 1
+                or not codes.is_contiguous() or codes.dtype != torch.uint8
+                or codes.shape[1] * 2 != K or not scales.is_contiguous()
+                or not zeros.is_contiguous() or scales.dtype != torch.float32
+                or zeros.dtype != torch.float32 or group % 2 or K % group
+                or (bias is not None and (bias.dtype != torch.float32
+                                          or not bias.is_contiguous()))):
+            return super().linear_int4(x, codes, scales, zeros, bias, group)
+        out = torch.empty(M, n, dtype=torch.float32)
+        rc = self._linear_int4(out.data_ptr(), rows.data_ptr(), codes.data_ptr(),
+                               scales.data_ptr(), zeros.data_ptr(),
+                               bias.data_ptr() if bias is not None else None, M, n, K, group,
+                               rows.stride(0), out.stride(0), torch.get_num_threads())
+        if rc:
+            return super().linear_int4(x, codes, scales, zeros, bias, group)
+        return out.reshape(*x.shape[:-1], n)
 
     def pack_linear_weight(self, weight: torch.Tensor) -> object | None:
         """The weight reordered for oneDNN (a second copy: the small-M kernel reads the

@@ -18,6 +18,9 @@ class Kernels:
 
     name: str = "ref"
     isa: str = "none"
+    # Rows of x up to which ``linear_int4`` beats dequantize + GEMM (0: never; the reference
+    # is that GEMM).
+    int4_max_rows: int = 0
 
     def paged_attention(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -52,6 +55,12 @@ class Kernels:
         """F.linear. ``packed``: what ``pack_linear_weight(weight)`` returned for this weight
         (made once at load time); the reference ignores it."""
         return ref.linear(x, weight, bias)
+
+    def linear_int4(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor, bias: torch.Tensor | None, group: int) -> torch.Tensor:
+        """Weight-only 4-bit linear (``ref.linear_int4``: codes uint8 ``[N, K / 2]``, two
+        columns of a group per byte; fp32 scales and zeros ``[N, K / group]``)."""
+        return ref.linear_int4(x, codes, scales, zeros, bias, group)
 
     def lora_sgmv(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                   order: torch.Tensor, seg_start: torch.Tensor, seg_slot: torch.Tensor,

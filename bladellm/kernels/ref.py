@@ -176,3 +176,20 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     if bool((rows < 0).any()) or bool((rows >= logits.shape[0]).any()):
         raise IndexError(f"apply_token_bitmask: a row is outside [0, {logits.shape[0]})")
     logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def unpack_int4_groups(codes: torch.Tensor, group: int) -> torch.Tensor:
+    """uint8 ``[N, K / 2]`` codes, byte j of each group of ``group`` columns holding column j
+    (low nibble) and column ``group / 2 + j`` (high nibble) -> their values ``[N, K]``."""
+    n, half_k = codes.shape
+    c = codes.view(n, half_k // (group // 2), group // 2)
+    return torch.cat((c & 15, c >> 4), dim=-1).reshape(n, 2 * half_k)
+
+
+def linear_int4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                bias: torch.Tensor | None, group: int) -> torch.Tensor:
+    """``x @ ((q - z) * s).T + bias`` for 4-bit codes in the layout of ``unpack_int4_groups``,
+    scales and zeros ``[N, K / group]`` (fp32)."""
+    q = unpack_int4_groups(codes, group).to(torch.float32)
+    w = (q - zeros.repeat_interleave(group, dim=1)) * scales.repeat_interleave(group, dim=1)
+    return torch.nn.functional.linear(x, w.to(x.dtype), bias)

@@ -91,6 +91,17 @@ class DequantLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
+        if self.bits == 4 and x.dtype == torch.float32:
+            # Decode sizes: the compiled kernel reads the 4-bit codes directly (the kernel set
+            # hands larger M, or anything it cannot take, to the twin: dequantize + GEMM).
+            from bladellm.kernels import get_kernels
+
+            kernels = get_kernels()
+            if x.numel() // max(x.shape[-1], 1) <= kernels.int4_max_rows:
+                n, k = self.shape
+                return kernels.linear_int4(x, self.codes.view(n, k // 2),
+                                           self.scales.view(n, -1), self.zeros.view(n, -1),
+                                           bias, self.group_size)
         return F.linear(x, self.weight(x.dtype), bias)
 
     def nbytes(self) -> int:
