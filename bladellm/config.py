@@ -231,8 +231,10 @@ class ParallelConfig:
         default=None,
         metadata={"help": "--nnodes > 1: file holding the secret shared by all nodes (at least "
                           "16 bytes, not readable by other users; e.g. openssl rand -hex 32). "
-                          "Every message between nodes is authenticated with it (HMAC-SHA256, "
-                          "checked before unpickling) and encrypted (ZMQ CURVE)."})
+                          "Every step and answer between the engine and the nodes is "
+                          "authenticated with it (HMAC-SHA256, checked before unpickling) and "
+                          "encrypted (ZMQ CURVE); torch.distributed's own traffic (rendezvous, "
+                          "gloo collectives) is not: run the nodes on a private network."})
     num_threads: int | None = field(
         default=None,
         metadata={"help": "CPU: torch threads for the engine core; default OMP_NUM_THREADS "

@@ -185,8 +185,11 @@ class EngineCore:
         logger.error("step failed; failing its %d requests:\n%s",
                      len(sched.num_scheduled_tokens), "".join(traceback.format_exception(exc)))
         req_ids = list(sched.num_scheduled_tokens)
-        # The workers must forget them too (their blocks are freed by the scheduler).
-        self.executor.drop_requests(req_ids)
+        # The workers must forget them too (their blocks are freed by the scheduler), and, if
+        # the step never reached them (it failed before it was published), the finished and
+        # preempted requests it was to tell them about (dropping is idempotent).
+        self.executor.drop_requests(sorted(set(req_ids) | sched.finished_req_ids
+                                           | sched.preempted_req_ids))
         return ModelRunnerOutput(
             req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
             errored={r: f"{type(exc).__name__}: {exc}" for r in req_ids})

@@ -243,6 +243,7 @@ class MultiprocExecutor(Executor):
         self._remote = _RemoteRanks(range(self.num_local, self.world_size), self.num_local,
                                     node_settings(config, resolved))
         self._refused: str | None = None
+        self._started = False  # every rank joined and answered: later refusals are not fatal
         self._announced: set[int] = set()
         self._ipc_dir = tempfile.mkdtemp(prefix="bladellm-workers-")
         bcast_addr = f"ipc://{self._ipc_dir}/bcast"
@@ -339,7 +340,9 @@ class MultiprocExecutor(Executor):
         else:
             logger.error("refused worker rank %d from host %s: %s", rank,
                          info.get("host") if isinstance(info, dict) else "?", refusal)
-            if fatal and self._refused is None:
+            # Fatal only while the engine starts; later a stray process (a mistyped
+            # --node_rank, a changed flag) is refused and logged, the running ranks go on.
+            if fatal and self._refused is None and not self._started:
                 self._refused = f"worker rank {rank}: {refusal}"
 
     def _check_alive(self, what: str) -> None:
@@ -377,6 +380,7 @@ class MultiprocExecutor(Executor):
         self._last_ping = pings[-1]
         for ping in pings:
             self._answers.pop(ping, None)
+        self._started = True
 
     # ---- calls ----------------------------------------------------------------------------------
     def _gather(self, call_id: int, timeout_s: float | None = None,
@@ -384,14 +388,18 @@ class MultiprocExecutor(Executor):
         """Every rank's answer to ``call_id`` in rank order; raises on a failed or dead rank."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         out_of_step_at = None  # set once a rank failed while others are still busy
+        next_check = time.monotonic() + _POLL_MS / 1000
         while True:
             got = self._answers.get(call_id, {})
             pending = set(range(self.world_size)) - set(got)
             errors = {rank: value for rank, (ok, value) in got.items() if not ok}
             if not pending:
                 break
-            if self._receive(_POLL_MS):
+            # Liveness and time-outs are checked on a clock, not only when the socket is
+            # quiet: with many remote ranks, heartbeats alone may keep it busy.
+            if self._receive(_POLL_MS) and time.monotonic() < next_check:
                 continue
+            next_check = time.monotonic() + _POLL_MS / 1000
             if errors:
                 first = min(errors)
                 if call_id == START:  # report the cause now, not the exit of the failed rank

@@ -331,6 +331,6 @@ def _loop(worker: Any, link: _Link, driver: int) -> int:
             # traceback or file paths in it; those go to this rank's log.
             logger.exception("rank %d: %s failed", rank, method)
             value, ok = f"{type(exc).__name__}: {exc}", False
-        if method == "execute_model" and rank != driver:
+        if method == "execute_model" and rank != driver and ok:
             value = None  # the driver samples; the others only confirm they ran
         link.send(call_id, ok, value)

@@ -27,13 +27,19 @@ class TritonWeightOnlyLinear:
         w, self.perm, self.group_size = _sorted_columns(w)
         self.bits = w.bits
         q = w.q.to(torch.int32)
+        offset = 1 << (w.bits - 1)
         if w.zeros is None:  # signed codes, zero point 0 -> unsigned codes, implied zero
-            q = q + (1 << (w.bits - 1))
+            q = q + offset
             self.zeros = None
         else:
-            self.zeros = w.zeros.t().to(torch.int32).contiguous()
+            zeros = w.zeros.to(torch.int32)
+            if int(q.min()) < 0:  # signed codes with zero points (compressed-tensors asym)
+                q, zeros = q + offset, zeros + offset
+            self.zeros = zeros.t().contiguous()
         self.packed = pack_wna16(q.t().contiguous(), w.bits)
-        self.scales = w.scales.t().contiguous()
+        # fp32 once here: the kernel reads scales as fp32 (no per-call cast, no rounding of
+        # the checkpoint's scales to a 16-bit activation dtype).
+        self.scales = w.scales.t().to(torch.float32).contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from bladellm.kernels.triton.quant_gemm import wna16_gemm
@@ -41,8 +47,8 @@ class TritonWeightOnlyLinear:
         rows = x.reshape(-1, x.shape[-1])
         if self.perm is not None:
             rows = rows.index_select(-1, self.perm)
-        y = wna16_gemm(rows, self.packed, self.scales.to(x.dtype), self.zeros, self.bits,
-                       self.group_size, bias)
+        y = wna16_gemm(rows, self.packed, self.scales, self.zeros, self.bits, self.group_size,
+                       bias)
         return y.reshape(*x.shape[:-1], -1)
 
 

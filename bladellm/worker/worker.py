@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -64,8 +65,15 @@ class Worker:
                     / (1 << 30),
                     self.config.cache.kv_cache_memory)
 
+    def _pipeline_call(self, num_forwards: int) -> contextlib.AbstractContextManager:
+        """Pipeline parallelism: keep the stage-to-stage stream in step if this call fails
+        (``StageChannel.call``); nothing at pipeline size 1."""
+        channel = getattr(getattr(self.model_runner.model, "model", None), "channel", None)
+        return channel.call(num_forwards) if channel is not None else contextlib.nullcontext()
+
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(sched)
+        with self._pipeline_call(0 if sched.is_empty else 1):
+            return self.model_runner.execute_model(sched)
 
     def drop_requests(self, req_ids: list[str]) -> None:
         self.model_runner.drop_requests(req_ids)
@@ -88,10 +96,15 @@ class Worker:
 
     def embed(self, prompts: list[list[int]], pooling: str) -> list[list[float]]:
         """Pooled hidden states of each prompt (the embeddings path, apart from the step)."""
-        return embed_prompts(self.model_runner.model, prompts, pooling, self.device)
+        with self._pipeline_call(len(prompts)):
+            return embed_prompts(self.model_runner.model, prompts, pooling, self.device)
 
     def prompt_logprobs(self, prompts: list[list[int]], num_top: int) -> list[list]:
         """Logprobs of each prompt token given the ones before it (see worker/pooling.py)."""
         runner = self.model_runner
-        return prompt_logprobs(runner.model, prompts, num_top, self.device,
-                               runner.scratch_prefill_context)
+        # An int8 KV cache must be read as generation reads it: a paged prefill into a scratch
+        # cache of that layout. Otherwise a plain forward without a cache (no extra memory).
+        quantized_kv = self.config.cache.kv_cache_quant != "no_quant"
+        with self._pipeline_call(len(prompts)):
+            return prompt_logprobs(runner.model, prompts, num_top, self.device,
+                                   runner.scratch_prefill_context if quantized_kv else None)

@@ -125,3 +125,67 @@ def test_server_pp2_streams_the_offline_tokens(tiny_llama):
     while any(_alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in workers if _alive(p)]
+
+
+_INJECT = '''
+import json, sys
+sys.path.insert(0, {tests!r})
+import bladellm.model.models.llama as L
+
+_forward = L.LlamaModel.forward
+
+
+def forward(self, input_ids, positions, ctx):
+    # Stage {stage} fails every forward that holds token 77 (spawned workers re-run this).
+    if self.start_layer == {start} and bool((input_ids == 77).any()):
+        raise RuntimeError("injected failure")
+    return _forward(self, input_ids, positions, ctx)
+
+
+L.LlamaModel.forward = forward
+
+
+def main():
+    from bladellm import LLM, SamplingParams
+    llm = LLM(model={model!r}, pipeline_parallel_size=3, dtype="float32")
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([[77, 6, 7], [5, 6, 7], [8, 9, 10], [11, 12, 13]], sp, use_tqdm=False)
+    again = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
+    plp = llm.engine.core.prompt_logprobs([[5, 6, 7, 8]], 1)
+    llm.shutdown()
+    print(json.dumps({{"finish": [o.outputs[0].finish_reason for o in outs],
+                      "tokens": [o.outputs[0].token_ids for o in outs],
+                      "again": again[0].outputs[0].token_ids, "plp": len(plp[0])}}))
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.mark.parametrize("stage, start", [(0, 0), (1, 1)])
+def test_a_step_failing_on_one_stage_fails_its_requests_not_the_engine(tiny_model_factory,
+                                                                       tmp_path, stage, start):
+    """A forward that raises on the first or a middle stage (3 stages of one layer each): that
+    micro-batch's requests finish with an error, the other micro-batches (in flight at the
+    same time) and later requests get the world-size-1 tokens, and no stage waits forever."""
+    import json
+    import subprocess
+    import sys
+
+    model = tiny_model_factory("llama", num_hidden_layers=3)
+    llm1 = LLM(model=model, dtype="float32")
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm1.generate([[5, 6, 7], [8, 9, 10], [11, 12, 13]],
+                                                          sp, use_tqdm=False)]
+    script = tmp_path / "inject.py"
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script.write_text(_INJECT.format(tests=tests, stage=stage, start=start, model=model))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(tests))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["finish"][0] == "error"
+    ok = [t for t, f in zip(got["tokens"], got["finish"]) if f != "error"]
+    assert ok and all(t in want for t in ok)
+    assert got["again"] == want[0] and got["plp"] == 3

@@ -118,7 +118,8 @@ class LlamaModel(nn.Module):
         self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
         self.start_layer, self.end_layer = pipeline_stages(
             hf_config.num_hidden_layers, pp.world_size)[pp.rank_in_group]
-        self.channel = StageChannel(pp) if pp.world_size > 1 else None
+        self.channel = (StageChannel(pp, hf_config.hidden_size, dtype)
+                        if pp.world_size > 1 else None)
         self.hidden_size, self.dtype = hf_config.hidden_size, dtype
         self.embed_tokens = VocabParallelEmbedding(
             hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype) \
@@ -147,8 +148,7 @@ class LlamaModel(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             assert self.channel is not None
-            hidden, residual = self.channel.recv(input_ids.shape[0], self.hidden_size,
-                                                 self.dtype, input_ids.device)
+            hidden, residual = self.channel.recv(input_ids.shape[0], input_ids.device)
         for layer in self.layers[self.start_layer:self.end_layer]:
             hidden, residual = layer(positions, hidden, residual, ctx)
         if not self.is_last_stage:

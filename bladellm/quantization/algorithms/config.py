@@ -71,6 +71,18 @@ class QuantizeConfig:
             raise ValueError(f"--num_calib_samples: must be >= 1, got {self.num_calib_samples}")
         if not 0.0 < self.damp_percent < 1.0:
             raise ValueError(f"--damp_percent: must be in (0, 1), got {self.damp_percent}")
+        # A flag the chosen algorithm would not use is refused, never silently ignored.
+        defaults = {f: QuantizeConfig.__dataclass_fields__[f].default
+                    for f in ("damp_percent", "awq_clip", "calib_data_max_len",
+                              "num_calib_samples")}
+        if algo != "gptq" and self.damp_percent != defaults["damp_percent"]:
+            raise ValueError(f"--damp_percent: only gptq dampens a Hessian, not {algo}")
+        if algo != "awq" and self.awq_clip != defaults["awq_clip"]:
+            raise ValueError(f"--no_awq_clip: only awq searches a weight clipping, not {algo}")
+        if algo not in CALIBRATED_ALGOS:
+            for flag in ("calib_data_max_len", "num_calib_samples"):
+                if getattr(self, flag) != defaults[flag]:
+                    raise ValueError(f"--{flag}: {algo} uses no calibration data")
         if os.path.abspath(self.output_dir) == os.path.abspath(os.path.expanduser(self.model)):
             raise ValueError("--output_dir must differ from --model")
 

@@ -45,9 +45,14 @@ def _inverse_hessian_factor(H: torch.Tensor, percdamp: float) -> torch.Tensor:
     damp = percdamp * torch.mean(torch.diag(H))
     idx = torch.arange(H.shape[0])
     H[idx, idx] += damp
-    L = torch.linalg.cholesky(H)
-    Hinv = torch.cholesky_inverse(L)
-    return torch.linalg.cholesky(Hinv, upper=True)
+    try:
+        L = torch.linalg.cholesky(H)
+        Hinv = torch.cholesky_inverse(L)
+        return torch.linalg.cholesky(Hinv, upper=True)
+    except torch.linalg.LinAlgError as exc:  # an error the CLI reports, not a traceback
+        raise ValueError(f"--damp_percent {percdamp}: the calibration Hessian is not positive "
+                         f"definite even after dampening ({exc}); raise --damp_percent or "
+                         f"check the calibration data for non-finite activations") from None
 
 
 def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, spec: GroupQuantSpec, *,

@@ -35,6 +35,9 @@ CASES = {
     "4bit-act-order": dict(bits=4, group=32, zeros=True, act_order=True),
     "8bit-g32-unsigned": dict(bits=8, group=32, zeros=True),
     "8bit-channel-signed": dict(bits=8, group=128, zeros=False, signed=True),
+    # compressed-tensors asymmetric: signed codes and signed zero points
+    "4bit-g32-signed-zeros": dict(bits=4, group=32, zeros=True, signed=True),
+    "8bit-g64-signed-zeros": dict(bits=8, group=64, zeros=True, signed=True),
 }
 
 

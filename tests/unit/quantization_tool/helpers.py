@@ -25,8 +25,9 @@ class Recording:
 
 def quantize(model: str, out: str, algo: str, calib: str | None, *, algorithm=None,
              **kw) -> tuple[QuantizeConfig, Recording]:
-    kw.setdefault("calib_data_max_len", 32)
-    kw.setdefault("num_calib_samples", 6)
+    if algo != "minmax":  # minmax refuses calibration flags
+        kw.setdefault("calib_data_max_len", 32)
+        kw.setdefault("num_calib_samples", 6)
     if algo == "smoothquant":
         kw.setdefault("bit", 8)
         kw.setdefault("group_size", -1)
