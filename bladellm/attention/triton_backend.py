@@ -13,25 +13,6 @@ import torch
 from bladellm.attention.paged_backend import PagedAttentionBackend
 
 
-class TritonAttentionKernels:
-    """The two kernels ``PagedAttentionBackend`` calls, from ``kernels/triton``."""
-
-    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        from bladellm.kernels.triton.elementwise import reshape_and_cache
-
-        reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
-
-    def paged_attention(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float) -> None:
-        from bladellm.kernels.triton.attention import paged_attention
-
-        paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                        scale)
-
-
 def make_triton_backend(device: str | torch.device) -> PagedAttentionBackend:
     """Refuses a device Triton cannot run on (a CPU without the interpreter) or a missing
     triton, naming ``--attn_cls``."""
@@ -44,4 +25,7 @@ def make_triton_backend(device: str | torch.device) -> PagedAttentionBackend:
         raise ValueError(f"--attn_cls triton: Triton kernels need a CUDA device (this engine "
                          f"runs on {torch.device(device).type}); on a CPU they run only under "
                          f"TRITON_INTERPRET=1 (slow, for tests)")
-    return PagedAttentionBackend(TritonAttentionKernels(), "triton")
+    from bladellm.kernels.triton_set import TritonKernels
+
+    # Only its attention and KV store are used here (the layers keep the start-up kernel set).
+    return PagedAttentionBackend(TritonKernels(), "triton")
