@@ -67,7 +67,7 @@ class ModelConfig:
         default="auto",
         metadata={"help": "Attention backend: auto / paged (paged-attention kernels compiled "
                           "for this CPU's ISA; the PyTorch reference if they cannot be built), "
-                          "torch (the plain-PyTorch reference twins) or triton (the Triton "
+                          "torch (the PyTorch reference twins) or triton (the Triton "
                           "kernels: CUDA devices; on a CPU only under TRITON_INTERPRET=1)."})
     revision: str | None = field(
         default=None,
@@ -312,7 +312,8 @@ class DraftConfig:
                           "sharing the tokenizer). 'demo' is the built-in SmolLM2 135M."})
     attn_cls: str = field(
         default="auto",
-        metadata={"help": "Attention backend of the draft model: auto, paged or torch."})
+        metadata={"help": "Attention backend of the draft model: auto, paged, torch or triton "
+                          "(see --attn_cls)."})
     dtype: str = field(
         default="auto", metadata={"help": "Draft model dtype (see --dtype)."})
 

@@ -67,7 +67,7 @@ def test_too_little_memory_and_a_taken_port_fail_with_exit_1(tiny_llama, capsys)
 
 
 def test_flags_the_engine_rejects_fail_but_the_rest_still_runs(tiny_llama, capsys):
-    rc = main(["--model", tiny_llama, "--port", "0", "--pipeline_parallel_size", "2"])
+    rc = main(["--model", tiny_llama, "--port", "0", "--pipeline_parallel_size", "0"])
     lines, (_, _, n_fail) = _report(capsys.readouterr().out)
     assert lines[0].startswith("flags FAILED --pipeline_parallel_size")
     assert any(line.startswith("memory ") for line in lines)
