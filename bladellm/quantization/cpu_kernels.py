@@ -74,6 +74,13 @@ class DequantLinear:
         self.bits, self.shape = w.bits, (n, k)
         self.scales = w.scales.reshape(n, groups, 1).contiguous()
         self.zeros = zeros.to(torch.float32).reshape(n, groups, 1).contiguous()
+        # Looked up once, not per call: the process's kernel set and the 2-D views of the
+        # codes, scales and zeros that its 4-bit kernel takes.
+        from bladellm.kernels import get_kernels
+
+        self.kernels = get_kernels()
+        self.int4_args = ((self.codes.view(n, k // 2), self.scales.view(n, groups),
+                           self.zeros.view(n, groups)) if w.bits == 4 else ())
 
     def weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight in sorted-column order (the twin's values). Split halves and
@@ -91,17 +98,11 @@ class DequantLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
-        if self.bits == 4 and x.dtype == torch.float32:
-            # Decode sizes: the compiled kernel reads the 4-bit codes directly (the kernel set
-            # hands larger M, or anything it cannot take, to the twin: dequantize + GEMM).
-            from bladellm.kernels import get_kernels
-
-            kernels = get_kernels()
-            if x.numel() // max(x.shape[-1], 1) <= kernels.int4_max_rows:
-                n, k = self.shape
-                return kernels.linear_int4(x, self.codes.view(n, k // 2),
-                                           self.scales.view(n, -1), self.zeros.view(n, -1),
-                                           bias, self.group_size)
+        if (self.bits == 4 and x.dtype == torch.float32
+                and x.numel() // max(x.shape[-1], 1) <= self.kernels.int4_max_rows):
+            # Decode sizes: the compiled kernel reads the 4-bit codes directly; larger M is
+            # dequantize + one GEMM (below).
+            return self.kernels.linear_int4(x, *self.int4_args, bias, self.group_size)
         return F.linear(x, self.weight(x.dtype), bias)
 
     def nbytes(self) -> int:
