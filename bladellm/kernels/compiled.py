@@ -26,6 +26,9 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 LINEAR_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4}
 LINEAR_MAX_ROWS_PACKED = {torch.float32: 4, torch.bfloat16: 2}
 LINEAR_MAX_ROWS_BF16_NO_DPBF16 = 2  # bf16 widened to fp32 FMAs (AVX2 / AVX-512 without BF16)
+# fp32 activations on the weight's exact bf16 copy (_PackedLinear.narrow): half the bytes of
+# the fp32 kernel, which is bound by streaming them up to a few rows.
+LINEAR_MAX_ROWS_NARROW = 8
 
 
 class _PagedAttentionArgs(ctypes.Structure):
@@ -63,12 +66,31 @@ class _CacheWriteArgs(ctypes.Structure):
 
 
 class _PackedLinear:
-    """A weight reordered for oneDNN, and the weight it was made from (by identity)."""
+    """Load-time forms of one weight, and the weight they were made from (by identity):
+    ``onednn``, the weight reordered for oneDNN's batched GEMM; ``narrow``, for an fp32 weight
+    whose every value is exactly a bf16 one (a bf16 checkpoint served in fp32), its bf16 copy,
+    which the small-M kernel streams at half the bytes with a bit-identical result. Either may
+    be None."""
 
-    __slots__ = ("onednn", "weight")
+    __slots__ = ("onednn", "narrow", "weight")
 
-    def __init__(self, onednn: torch.Tensor, weight: torch.Tensor) -> None:
-        self.onednn, self.weight = onednn, weight
+    def __init__(self, onednn: torch.Tensor | None, narrow: torch.Tensor | None,
+                 weight: torch.Tensor) -> None:
+        self.onednn, self.narrow, self.weight = onednn, narrow, weight
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.onednn, self.narrow)
+                   if t is not None)
+
+
+def exact_bf16_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` (fp32) in bf16 when that loses nothing (every value is a bf16 value), else
+    None."""
+    if weight.dtype != torch.float32:
+        return None
+    narrow = weight.to(torch.bfloat16)
+    return narrow if torch.equal(narrow.to(torch.float32), weight) else None
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -133,6 +155,9 @@ class CompiledKernels(Kernels):
         self._linear = self._bind(lib.bl_linear, [c_void_p, c_void_p, c_void_p, c_void_p,
                                                   c_int64, c_int64, c_int64, c_int64, c_int64,
                                                   c_int32, c_int32])
+        self._linear_wbf16 = self._bind(lib.bl_linear_wbf16, [
+            c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64,
+            c_int32])
         self._linear_int4 = self._bind(lib.bl_linear_int4, [
             c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64,
             c_int64, c_int64, c_int64, c_int64, c_int32])
@@ -346,23 +371,36 @@ class CompiledKernels(Kernels):
     def pack_linear_weight(self, weight: torch.Tensor) -> object | None:
         """The weight reordered for oneDNN (a second copy: the small-M kernel reads the
         original), which runs M above the kernel's crossover 1.2-2x faster than F.linear
-        (bf16, M 4..32; about even from M = 64). None where oneDNN cannot take it."""
+        (bf16, M 4..32; about even from M = 64); and, for an fp32 weight of exact bf16 values,
+        the bf16 copy the small-M kernel reads instead of the original (``_PackedLinear``).
+        None where neither applies."""
         if (weight.dtype not in _DTYPES or not weight.is_cpu or weight.dim() != 2
                 or not weight.is_contiguous()):
             return None
         try:
-            return _PackedLinear(torch.ops.mkldnn._reorder_linear_weight(weight, 16), weight)
+            onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
         except (RuntimeError, AttributeError):
+            onednn = None
+        narrow = exact_bf16_copy(weight)
+        if onednn is None and narrow is None:
             return None
+        return _PackedLinear(onednn, narrow, weight)
+
+    def packed_bytes(self, packed: object | None) -> int:
+        return packed.nbytes if isinstance(packed, _PackedLinear) else 0
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                packed: object | None = None) -> torch.Tensor:
         dtype = x.dtype
         if isinstance(packed, _PackedLinear) and packed.weight is not weight:
             packed = None  # made for another weight (the layer's weight was replaced)
-        max_rows = (self.linear_max_rows if packed is None
-                    else self.linear_max_rows_packed).get(dtype)
         K = x.shape[-1]
+        if packed is not None and packed.narrow is not None and dtype == torch.float32:
+            out = self._linear_narrow(x, packed.narrow, bias, K)
+            if out is not None:
+                return out
+        max_rows = (self.linear_max_rows if packed is None or packed.onednn is None
+                    else self.linear_max_rows_packed).get(dtype)
         if (max_rows is None or weight.dtype != dtype or not x.is_cpu or weight.dim() != 2
                 or weight.shape[1] != K or not weight.is_contiguous() or x.stride(-1) != 1
                 or (bias is not None and (bias.dtype != dtype or not bias.is_contiguous()))):
@@ -374,7 +412,7 @@ class CompiledKernels(Kernels):
         else:
             return super().linear(x, weight, bias, packed)
         if M > max_rows or M == 0 or K == 0:
-            if packed is not None and M > 0 and x.dim() >= 2 and (
+            if packed is not None and packed.onednn is not None and M > 0 and x.dim() >= 2 and (
                     bias is None or bias.dtype == dtype):
                 return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
             return super().linear(x, weight, bias, packed)
@@ -383,4 +421,27 @@ class CompiledKernels(Kernels):
         self._linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(),
                      None if bias is None else bias.data_ptr(), M, N, K, x_stride, N,
                      _DTYPES[dtype], torch.get_num_threads())
+        return out
+
+    def _linear_narrow(self, x: torch.Tensor, narrow: torch.Tensor, bias: torch.Tensor | None,
+                       K: int) -> torch.Tensor | None:
+        """fp32 x times the exact bf16 copy of its weight, or None where the kernel does not
+        take the call (too many rows, a layout it cannot read): the caller goes on as usual."""
+        if (not x.is_cpu or narrow.shape[1] != K or x.stride(-1) != 1 or K == 0
+                or (bias is not None and (bias.dtype != torch.float32
+                                          or not bias.is_contiguous()))):
+            return None
+        if x.dim() == 2:
+            M, x_stride = x.shape[0], x.stride(0)
+        elif x.dim() == 1 or x.is_contiguous():
+            M, x_stride = x.numel() // K, K
+        else:
+            return None
+        if M == 0 or M > LINEAR_MAX_ROWS_NARROW:
+            return None
+        N = narrow.shape[0]
+        out = torch.empty((*x.shape[:-1], N), dtype=torch.float32)
+        self._linear_wbf16(out.data_ptr(), x.data_ptr(), narrow.data_ptr(),
+                           None if bias is None else bias.data_ptr(), M, N, K, x_stride, N,
+                           torch.get_num_threads())
         return out

@@ -72,6 +72,10 @@ class Kernels:
         """A load-time form of ``weight`` that makes ``linear`` faster, or None (none needed)."""
         return None
 
+    def packed_bytes(self, packed: object | None) -> int:
+        """Memory held by what ``pack_linear_weight`` returned."""
+        return 0
+
     def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor,
                             bitmask: torch.Tensor) -> None:
         """Ban, in place, the tokens a packed grammar bitmask bans (structured output)."""

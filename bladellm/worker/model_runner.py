@@ -18,6 +18,7 @@ from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from bladellm.model.checkpoint import ResolvedModel
 from bladellm.model.forward_context import ForwardContext
+from bladellm.model.layers.embedding import ParallelLMHead
 from bladellm.model.layers.linear import UnquantizedLinearMethod
 from bladellm.platforms.cpu_defaults import model_weight_bytes, total_memory_bytes
 from bladellm.sample.sampler import Sampler, SamplerOutput
@@ -84,27 +85,39 @@ class ModelRunner:
         return getattr(getattr(self.spec, "proposer", None), "bytes_per_block", 0)
 
     def _prepack_weights(self) -> int:
-        """Let each linear layer keep its kernels' load-time weight layout (on CPU: a oneDNN
-        reordered copy that runs batched GEMMs 1.2-2x faster; the small-M kernel reads the
-        original). The copy doubles linear-weight memory, so it is made only while it takes at
-        most a quarter of the memory the weights leave. Returns the bytes it added."""
+        """Let each linear layer and the LM head keep its kernels' load-time weight forms (on
+        CPU: a oneDNN reordered copy that runs batched GEMMs 1.2-2x faster, and for fp32
+        weights that are exact bf16 values a bf16 copy that halves what a decode step streams;
+        ``CompiledKernels.pack_linear_weight``). The copies take up to 1.5x the linear weights'
+        memory, so they are made only while that is at most a quarter of the memory the weights
+        leave. Returns the bytes they added."""
+        from bladellm.kernels import get_kernels
+
         # Quantized layers were unpacked into their kernels' layout by the loader already.
         layers = [m for m in self.model.modules()
                   if isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod)]
-        extra = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+        heads = [m for m in self.model.modules() if isinstance(m, ParallelLMHead)]
+        packable = layers + heads
+        extra = sum(m.weight.numel() * m.weight.element_size()
+                    * (1.5 if m.weight.dtype == torch.float32 else 1.0) for m in packable)
         spare = total_memory_bytes() - model_weight_bytes(self.model)
-        if not layers or extra > spare // 4:
-            if layers:
-                logger.info("linear weights not prepacked: a copy (%.0f MiB) would exceed a "
-                            "quarter of the spare memory", extra / (1 << 20))
+        if not packable or extra > spare // 4:
+            if packable:
+                logger.info("linear weights not prepacked: the copies (%.0f MiB) would exceed "
+                            "a quarter of the spare memory", extra / (1 << 20))
             return 0
         for m in layers:
             m.quant_method.process_weights_after_loading(m)
-        added = sum(m.weight.numel() * m.weight.element_size() for m in layers
-                    if getattr(m, "packed_weight", None) is not None)
-        logger.info("prepacked %d linear weights for batched GEMMs (+%.0f MiB)",
-                    sum(getattr(m, "packed_weight", None) is not None for m in layers),
-                    added / (1 << 20))
+        for h in heads:
+            h.process_weights_after_loading()
+        kernels = get_kernels()
+        packs = [getattr(m, "packed_weight", None) for m in packable]
+        added = sum(kernels.packed_bytes(p) for p in packs)
+        narrow = sum(getattr(p, "narrow", None) is not None for p in packs)
+        logger.info("prepacked %d of %d linear weights (+%.0f MiB)%s",
+                    sum(p is not None for p in packs), len(packable), added / (1 << 20),
+                    f"; {narrow} fp32 weights hold only bf16 values: small batches read their "
+                    f"bf16 copy (half the bytes, same results)" if narrow else "")
         return added
 
     # ---- KV cache -------------------------------------------------------------------------------

@@ -169,3 +169,38 @@ def test_failed_step_fails_its_requests_not_the_engine(tiny_llama):
     # The engine keeps serving afterwards.
     again = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]
     assert again.error is None and len(again.outputs[0].token_ids) == 8
+
+
+def test_bf16_checkpoint_served_in_fp32_identical_to_transformers(tiny_model_factory, tmp_path):
+    """A checkpoint whose weights are all bf16 values (as a bf16 checkpoint is) served at
+    --dtype float32: small batches read the weights' exact bf16 copies, and greedy tokens are
+    still those of transformers in fp32, under the stress configuration."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(tiny_model_factory("llama"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    model_dir = tmp_path / "bf16-values"
+    model.save_pretrained(model_dir, safe_serialization=True)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(f, model_dir / f.name)
+    llm = LLM(model=str(model_dir), dtype="float32", block_size=4, max_num_batched_tokens=32,
+              max_num_seqs=8, num_kv_blocks=48, max_model_len=160,
+              debug_block_accounting=True)
+    runner = llm.engine.core.executor.worker.model_runner
+    head = runner.model.lm_head.packed_weight
+    if head is not None:  # compiled kernels: the copies exist and are bf16
+        assert head.narrow is not None and head.narrow.dtype == torch.bfloat16
+        assert all(m.packed_weight.narrow is not None for m in runner.model.modules()
+                   if hasattr(m, "quant_method"))
+    prompts = _prompts(llm.engine.model_info.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    expected = _hf_greedy(str(model_dir), prompts, MAX_TOKENS)
+    for i, (out, exp) in enumerate(zip(outs, expected)):
+        assert out.outputs[0].token_ids == exp, f"prompt {i} (len {len(prompts[i])})"
+    assert llm.engine.core.scheduler.get_stats().num_used_blocks == 0

@@ -80,6 +80,50 @@ def test_linear_with_packed_weight(compiled, dtype):
         check_close(compiled.linear(x, w, None, packed), x, w, None)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_exact_bf16_copy_is_bit_identical(compiled, shape, bias):
+    """An fp32 weight of exact bf16 values (a bf16 checkpoint served in fp32) gets a bf16 copy
+    that small batches stream instead: the products are those of the fp32 kernel, bit for
+    bit (widening bf16 is exact and the FMA order is the same), and within GEMM rounding of
+    F.linear at every M, the kernel's and oneDNN's alike."""
+    from bladellm.kernels.compiled import LINEAR_MAX_ROWS_NARROW
+
+    N, K = shape
+    w = randn(N, K, dtype=torch.bfloat16, seed=1).float()
+    b = randn(N, dtype=torch.float32, seed=2) if bias else None
+    packed = compiled.pack_linear_weight(w)
+    assert packed.narrow is not None and packed.narrow.dtype == torch.bfloat16
+    assert compiled.packed_bytes(packed) >= w.numel() * 2
+    for M in sorted({1, 2, 3, 4, 5, LINEAR_MAX_ROWS_NARROW, LINEAR_MAX_ROWS_NARROW + 1, 33}):
+        x = randn(M, K, dtype=torch.float32, seed=M)
+        got = compiled.linear(x, w, b, packed)
+        check_close(got, x, w, b)
+        if M <= min(LINEAR_MAX_ROWS_NARROW, compiled.linear_max_rows[torch.float32]):
+            assert torch.equal(got, compiled.linear(x, w, b))  # the fp32 kernel, no copy
+
+
+def test_linear_no_bf16_copy_of_inexact_weights(compiled):
+    """A weight with any value bf16 cannot hold keeps no bf16 copy (it would change results);
+    a bf16 weight needs none."""
+    w = randn(64, 32, dtype=torch.bfloat16, seed=1).float()
+    w[5, 7] += 2 ** -20
+    packed = compiled.pack_linear_weight(w)
+    assert packed is None or packed.narrow is None
+    packed = compiled.pack_linear_weight(w.to(torch.bfloat16))
+    assert packed is None or packed.narrow is None
+
+
+def test_stale_bf16_copy_is_not_used(compiled):
+    """A packed form made for another weight (the layer's weight was replaced, e.g. by a
+    LoRA merge) is ignored."""
+    w = randn(64, 32, dtype=torch.bfloat16, seed=1).float()
+    packed = compiled.pack_linear_weight(w)
+    other = randn(64, 32, dtype=torch.float32, seed=9)
+    x = randn(1, 32, dtype=torch.float32)
+    check_close(compiled.linear(x, other, None, packed), x, other, None)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_views_and_leading_dims(compiled, dtype):
     w = randn(96, 80, dtype=dtype, seed=1)

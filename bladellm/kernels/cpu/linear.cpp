@@ -9,6 +9,11 @@
 //
 // bf16 with AVX512_BF16: vdpbf16ps multiplies pairs of bf16 exactly and adds them into fp32
 // lanes (32 K elements per instruction). Elsewhere bf16 is widened to fp32 and FMA'd.
+//
+// fp32 activations with bf16 weights (bl_linear_wbf16): an fp32 model whose weights are all
+// exactly bf16 values (a bf16 checkpoint served in fp32 on a CPU without native bf16) keeps a
+// bf16 copy for this kernel. Widening is exact and the FMA sequence is the fp32 kernel's, so
+// the result is bit for bit the fp32 kernel's while half the bytes are streamed.
 // Compiled with -ffp-contract=fast (acc += x * w is an FMA); the summation order differs from
 // oneDNN's/MKL's like any two GEMMs do.
 #include <algorithm>
@@ -53,8 +58,8 @@ static inline void write_out(T* out, int64_t out_stride, const T* bias, int64_t 
 }
 
 // Portable path: VLEN-lane vectors (bf16 widened), scalar tail over K % VLEN.
-template <class T, int RR, int MM>
-static inline void tile_generic(const T* x, int64_t xs, const T* w, int64_t K,
+template <class TX, class TW, int RR, int MM>
+static inline void tile_generic(const TX* x, int64_t xs, const TW* w, int64_t K,
                                 float (*sums)[R]) {
   vfloat acc[MM][RR];
   for (int m = 0; m < MM; ++m)
@@ -63,7 +68,7 @@ static inline void tile_generic(const T* x, int64_t xs, const T* w, int64_t K,
   for (; k + VLEN <= K; k += VLEN) {
     vfloat wv[RR];
     for (int r = 0; r < RR; ++r) {
-      if (k % (64 / sizeof(T)) == 0) prefetch(w + r * K + k + kPrefetchRows * K);
+      if (k % (64 / sizeof(TW)) == 0) prefetch(w + r * K + k + kPrefetchRows * K);
       wv[r] = loadu(w + r * K + k);
     }
     for (int m = 0; m < MM; ++m) {
@@ -74,8 +79,10 @@ static inline void tile_generic(const T* x, int64_t xs, const T* w, int64_t K,
   for (int m = 0; m < MM; ++m)
     for (int r = 0; r < RR; ++r) {
       float s = hsum(acc[m][r]);
+      // An explicit FMA: whether the compiler contracts this line must not depend on the
+      // weight type (the bf16-copy path is bit for bit the fp32 one).
       for (int64_t kk = k; kk < K; ++kk)
-        s += to_float(x[m * xs + kk]) * to_float(w[r * K + kk]);
+        s = __builtin_fmaf(to_float(x[m * xs + kk]), to_float(w[r * K + kk]), s);
       sums[m][r] = s;
     }
 }
@@ -106,39 +113,40 @@ static inline void tile_dpbf16(const bf16_t* x, int64_t xs, const bf16_t* w, int
 }
 #endif
 
-template <class T, int RR, int MM>
-static inline void tile(const T* x, int64_t xs, const T* w, int64_t K, float (*sums)[R]) {
+template <class TX, class TW, int RR, int MM>
+static inline void tile(const TX* x, int64_t xs, const TW* w, int64_t K, float (*sums)[R]) {
 #if defined(__AVX512BF16__)
-  if constexpr (sizeof(T) == 2) {
+  if constexpr (sizeof(TX) == 2 && sizeof(TW) == 2) {
     tile_dpbf16<RR, MM>(x, xs, w, K, sums);
     return;
   }
 #endif
-  tile_generic<T, RR, MM>(x, xs, w, K, sums);
+  tile_generic<TX, TW, RR, MM>(x, xs, w, K, sums);
 }
 
-template <class T, int RR>
-static inline void block(T* out, int64_t out_stride, const T* x, int64_t xs, const T* w,
+// T: activation, output and bias type; TW: weight type.
+template <class T, class TW, int RR>
+static inline void block(T* out, int64_t out_stride, const T* x, int64_t xs, const TW* w,
                          const T* bias, int64_t M, int64_t K, int64_t n0) {
   float sums[MT][R];
   for (int64_t m0 = 0; m0 < M; m0 += MT) {
     int mm = int(std::min<int64_t>(MT, M - m0));
     const T* xm = x + m0 * xs;
     if constexpr (MT >= 4) {
-      if (mm == 4) { tile<T, RR, 4>(xm, xs, w, K, sums); goto done; }
-      if (mm == 3) { tile<T, RR, 3>(xm, xs, w, K, sums); goto done; }
+      if (mm == 4) { tile<T, TW, RR, 4>(xm, xs, w, K, sums); goto done; }
+      if (mm == 3) { tile<T, TW, RR, 3>(xm, xs, w, K, sums); goto done; }
     }
     if (mm >= 2)
-      tile<T, RR, 2>(xm, xs, w, K, sums);
+      tile<T, TW, RR, 2>(xm, xs, w, K, sums);
     else
-      tile<T, RR, 1>(xm, xs, w, K, sums);
+      tile<T, TW, RR, 1>(xm, xs, w, K, sums);
     [[maybe_unused]] done:;
     write_out(out + m0 * out_stride, out_stride, bias, n0, RR, mm, sums);
   }
 }
 
-template <class T>
-static void linear(T* out, int64_t out_stride, const T* x, int64_t xs, const T* w,
+template <class T, class TW>
+static void linear(T* out, int64_t out_stride, const T* x, int64_t xs, const TW* w,
                    const T* bias, int64_t M, int64_t N, int64_t K, int num_threads) {
   const int64_t full = N / R;
   const int64_t blocks = full + (N % R ? 1 : 0);
@@ -147,10 +155,10 @@ static void linear(T* out, int64_t out_stride, const T* x, int64_t xs, const T* 
   for (int64_t b = 0; b < blocks; ++b) {
     int64_t n0 = b * R;
     if (b < full) {
-      block<T, R>(out, out_stride, x, xs, w + n0 * K, bias, M, K, n0);
+      block<T, TW, R>(out, out_stride, x, xs, w + n0 * K, bias, M, K, n0);
     } else {
       for (int64_t n = n0; n < N; ++n)
-        block<T, 1>(out, out_stride, x, xs, w + n * K, bias, M, K, n);
+        block<T, TW, 1>(out, out_stride, x, xs, w + n * K, bias, M, K, n);
     }
   }
 }
@@ -173,6 +181,14 @@ int bl_linear(void* out, const void* x, const void* w, const void* bias, int64_t
            num_threads);
   else
     return 1;
+  return 0;
+}
+
+// fp32 x, bias and out; w: [N, K] bf16 (see the top of the file). Returns 0.
+int bl_linear_wbf16(float* out, const float* x, const bf16_t* w, const float* bias, int64_t M,
+                    int64_t N, int64_t K, int64_t x_stride, int64_t out_stride,
+                    int32_t num_threads) {
+  linear(out, out_stride, x, x_stride, w, bias, M, N, K, num_threads);
   return 0;
 }
 

@@ -54,6 +54,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary; ``tie_to`` shares the embedding's weight."""
 
+    # The kernels' load-time form of the weight (``process_weights_after_loading``), or None.
+    packed_weight: object | None = None
+
     def __init__(self, num_embeddings: int, embedding_dim: int, *, params_dtype: torch.dtype,
                  bias: bool = False, prefix: str = "") -> None:
         super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype, prefix=prefix)
@@ -77,11 +80,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is applied through compute_logits, not called")
 
+    def process_weights_after_loading(self) -> None:
+        """Once, after every weight is loaded (and tied): what the linear layers keep too
+        (``UnquantizedLinearMethod.process_weights_after_loading``)."""
+        from bladellm.kernels import get_kernels
+
+        self.packed_weight = get_kernels().pack_linear_weight(self.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 [N, vocab] (matmul in the model dtype, like transformers)."""
         from bladellm.kernels import get_kernels
 
-        logits = get_kernels().linear(hidden, self.weight, self.bias)
+        logits = get_kernels().linear(hidden, self.weight, self.bias, self.packed_weight)
         if self.tp_size > 1:
             logits = tp_all_gather(logits, -1, self.shard_sizes)
         return logits[..., :self.num_embeddings].float()
