@@ -169,35 +169,53 @@ def w8a8_reference(x: torch.Tensor, w: IntWeight, bias: torch.Tensor | None) -> 
 class Int8DynamicLinear:
     """W8A8 through fbgemm's int8 GEMM with per-token activation scales, exact.
 
-    fbgemm quantizes its input per tensor (uint8; scale and zero point from the min and max) and
-    on AVX2 (no VNNI) adds pairs of u8 x s8 products in 16 bits with saturation, so codes above
-    127 can overflow. Both are sidestepped: x is quantized per token here to integers in
-    [-127, 127] and split into its positive and negative parts, each in [0, 127] (a pair of
-    products then stays below 2**15); the rows [x+; x-; 0 ... 255] make fbgemm's scale exactly
-    1 and its zero point 0, so its codes are our integers. ``y = (x+ @ W) - (x- @ W)``, scaled
-    per token and per channel; the pad row's output is dropped. Bit-exact integer sums, like
-    the twin (``w8a8_reference``), for one GEMM over 2M+1 rows."""
+    fbgemm quantizes its input per tensor (uint8; scale and zero point from the min and max).
+    x is quantized per token here to integers in [-127, 127], and a pad row fixes that min and
+    max so that fbgemm's scale is exactly 1 and its codes are our integers (shifted by its zero
+    point); the pad row's output is dropped, the result scaled per token and per channel.
+    Bit-exact integer sums, like the twin (``w8a8_reference``).
+
+    ``split`` (the default without AVX-512 VNNI): fbgemm's AVX2 / plain AVX-512 kernels add
+    pairs of u8 x s8 products in 16 bits with saturation, so codes above 127 can overflow. x is
+    split into its positive and negative parts, each in [0, 127] (a pair of products then stays
+    below 2**15), stacked as rows [x+; x-; 0 ... 255] (zero point 0), and
+    ``y = (x+ @ W) - (x- @ W)``: one GEMM over 2M + 1 rows.
+    Without ``split`` (AVX-512 VNNI: ``vpdpbusd`` accumulates u8 x s8 products in 32 bits, no
+    saturation): rows [x; -128 127 0 ...], zero point 128, one GEMM over M + 1 rows, half the
+    work."""
 
     name = "fbgemm-int8"
 
-    def __init__(self, w: IntWeight) -> None:
+    def __init__(self, w: IntWeight, split: bool = True) -> None:
         if w.num_groups != 1 or w.zeros is not None:
             raise ValueError("W8A8 needs symmetric per-channel weights")
         n, k = w.q.shape
+        if not split and k < 2:
+            raise ValueError("W8A8 without split needs at least 2 input features")
         qw = torch._make_per_channel_quantized_tensor(
             w.q.to(torch.int8), w.scales[:, 0].to(torch.float64),
             torch.zeros(n, dtype=torch.int64), 0)
         self.packed = torch.ops.quantized.linear_prepack(qw, None)
+        self.split = split
         self.pad = torch.zeros(1, k)
-        self.pad[0, -1] = 255.0
+        if split:
+            self.pad[0, -1] = 255.0
+        else:
+            self.pad[0, 0], self.pad[0, 1] = -128.0, 127.0
+            self.name = "fbgemm-int8-vnni"
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         m = rows.shape[0]
         xq, xs = quantize_per_token(rows)
-        stacked = torch.cat((xq.clamp(min=0), (-xq).clamp_(min=0), self.pad))
-        y = torch.ops.quantized.linear_dynamic(stacked, self.packed, False)
-        y = ((y[:m] - y[m:2 * m]) * xs).to(x.dtype).reshape(*x.shape[:-1], -1)
+        if self.split:
+            stacked = torch.cat((xq.clamp(min=0), (-xq).clamp_(min=0), self.pad))
+            y = torch.ops.quantized.linear_dynamic(stacked, self.packed, False)
+            y = y[:m] - y[m:2 * m]
+        else:
+            y = torch.ops.quantized.linear_dynamic(torch.cat((xq, self.pad)), self.packed,
+                                                   False)[:m]
+        y = (y * xs).to(x.dtype).reshape(*x.shape[:-1], -1)
         return y + bias if bias is not None else y
 
 
@@ -218,8 +236,20 @@ def has_fbgemm() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def choose_w8a8_kernel(w: IntWeight):
-    return Int8DynamicLinear(w) if has_fbgemm() else Int8ReferenceLinear(w)
+def int8_gemm_accumulates_in_32_bits(flags: frozenset[str] | None = None) -> bool:
+    """Whether fbgemm's int8 GEMM runs on AVX-512 VNNI here (``vpdpbusd``: no 16-bit
+    saturation, so ``Int8DynamicLinear`` needs no split)."""
+    if flags is None:
+        from bladellm.platforms.cpu import detect_cpu
+
+        flags = detect_cpu().flags
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+
+
+def choose_w8a8_kernel(w: IntWeight, flags: frozenset[str] | None = None):
+    if not has_fbgemm():
+        return Int8ReferenceLinear(w)
+    return Int8DynamicLinear(w, split=not int8_gemm_accumulates_in_32_bits(flags))
 
 
 def choose_weight_only_kernel(w: IntWeight):

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from bladellm.quantization import cpu_kernels
 from bladellm.quantization.cpu_kernels import (AtenInt4Linear, DequantLinear, Int8DynamicLinear,
+                                               choose_w8a8_kernel,
+                                               int8_gemm_accumulates_in_32_bits,
                                                choose_weight_only_kernel, has_fbgemm,
                                                quantize_per_token, w8a8_reference)
 from bladellm.quantization.int_weight import IntWeight, dequantize, unpack_int32
@@ -94,6 +96,29 @@ def test_w8a8_kernel_is_exact_against_the_twin(rows):
     want = w8a8_reference(x, w, bias)
     got = Int8DynamicLinear(w)(x, bias)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.skipif(not has_fbgemm() or not int8_gemm_accumulates_in_32_bits(),
+                    reason="needs fbgemm on AVX-512 VNNI (32-bit accumulation)")
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_w8a8_vnni_kernel_without_split_is_exact(rows):
+    """On VNNI the full-range codes go in as they are (zero point 128): still exact."""
+    w = _weight(96, 512, bits=8, group=512, zeros=False, signed=True)
+    x = torch.randn(rows, 512)
+    x[:, :4] *= 50
+    bias = torch.randn(96)
+    kernel = Int8DynamicLinear(w, split=False)
+    torch.testing.assert_close(kernel(x, bias), w8a8_reference(x, w, bias), atol=1e-3,
+                               rtol=1e-5)
+
+
+@pytest.mark.skipif(not has_fbgemm(), reason="this torch build has no fbgemm")
+def test_w8a8_kernel_choice_follows_the_isa():
+    w = _weight(32, 64, bits=8, group=64, zeros=False, signed=True)
+    avx2 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"})
+    assert choose_w8a8_kernel(w, avx2).split
+    vnni = choose_w8a8_kernel(w, avx2 | {"avx512_vnni"})
+    assert not vnni.split and vnni.name == "fbgemm-int8-vnni"
 
 
 def test_w8a8_twin_quantizes_activations_per_token():
