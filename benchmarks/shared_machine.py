@@ -35,6 +35,8 @@ POLICIES = {
     "old": ({}, "all"),                                   # before: all CPUs, libgomp spins
     "new": (None, None),                                  # engine_process_env() + defaults
     "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, "all"),
+    "spin100k": ({"GOMP_SPINCOUNT": "100000"}, "all"),
+    "spin30k": ({"GOMP_SPINCOUNT": "30000"}, "all"),
     "spin10k": ({"GOMP_SPINCOUNT": "10000"}, "all"),
     "spin1k": ({"GOMP_SPINCOUNT": "1000"}, "all"),
     "passive-bind": ({"OMP_WAIT_POLICY": "PASSIVE", "OMP_PROC_BIND": "close",

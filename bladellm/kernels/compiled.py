@@ -26,9 +26,17 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 LINEAR_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4}
 LINEAR_MAX_ROWS_PACKED = {torch.float32: 4, torch.bfloat16: 2}
 LINEAR_MAX_ROWS_BF16_NO_DPBF16 = 2  # bf16 widened to fp32 FMAs (AVX2 / AVX-512 without BF16)
-# fp32 activations on the weight's exact bf16 copy (_PackedLinear.narrow): half the bytes of
-# the fp32 kernel, which is bound by streaming them up to a few rows.
-LINEAR_MAX_ROWS_NARROW = 8
+# AVX2 (8-lane FMAs, where oneDNN's fp32 GEMM is relatively weaker): with the weights streamed
+# from DRAM as in a decode step (SmolLM2-135M's 120 linears, 2 threads, AMD EPYC AVX2), the
+# kernel beat the prepacked oneDNN GEMM 1.3-1.7x at M = 8-16 and 1.2-1.3x at M = 24, lost at
+# M = 32 (0.8x).
+LINEAR_MAX_ROWS_PACKED_AVX2_FP32 = 16
+# fp32 activations on the weight's exact bf16 copy (_PackedLinear.narrow): the fp32 kernel's
+# arithmetic on half its bytes, so at least as far as the fp32 kernel goes: 16 on AVX2 (as
+# LINEAR_MAX_ROWS_PACKED_AVX2_FP32, measured there); 8 elsewhere (not measured on AVX-512, where
+# the fp32 kernel stops at 4 against oneDNN).
+LINEAR_MAX_ROWS_NARROW = {"avx2": 16}
+LINEAR_MAX_ROWS_NARROW_DEFAULT = 8
 
 
 class _PagedAttentionArgs(ctypes.Structure):
@@ -173,6 +181,10 @@ class CompiledKernels(Kernels):
         if not self.linear_dpbf16:
             for table in (self.linear_max_rows, self.linear_max_rows_packed):
                 table[torch.bfloat16] = min(table[torch.bfloat16], LINEAR_MAX_ROWS_BF16_NO_DPBF16)
+        if isa == "avx2":
+            self.linear_max_rows_packed[torch.float32] = LINEAR_MAX_ROWS_PACKED_AVX2_FP32
+        self.linear_max_rows_narrow = LINEAR_MAX_ROWS_NARROW.get(isa,
+                                                                 LINEAR_MAX_ROWS_NARROW_DEFAULT)
 
     @staticmethod
     def _bind(fn, argtypes: list) -> ctypes._CFuncPtr:
@@ -437,7 +449,7 @@ class CompiledKernels(Kernels):
             M, x_stride = x.numel() // K, K
         else:
             return None
-        if M == 0 or M > LINEAR_MAX_ROWS_NARROW:
+        if M == 0 or M > self.linear_max_rows_narrow:
             return None
         N = narrow.shape[0]
         out = torch.empty((*x.shape[:-1], N), dtype=torch.float32)

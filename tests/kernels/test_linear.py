@@ -87,19 +87,18 @@ def test_linear_exact_bf16_copy_is_bit_identical(compiled, shape, bias):
     that small batches stream instead: the products are those of the fp32 kernel, bit for
     bit (widening bf16 is exact and the FMA order is the same), and within GEMM rounding of
     F.linear at every M, the kernel's and oneDNN's alike."""
-    from bladellm.kernels.compiled import LINEAR_MAX_ROWS_NARROW
-
     N, K = shape
     w = randn(N, K, dtype=torch.bfloat16, seed=1).float()
     b = randn(N, dtype=torch.float32, seed=2) if bias else None
     packed = compiled.pack_linear_weight(w)
     assert packed.narrow is not None and packed.narrow.dtype == torch.bfloat16
     assert compiled.packed_bytes(packed) >= w.numel() * 2
-    for M in sorted({1, 2, 3, 4, 5, LINEAR_MAX_ROWS_NARROW, LINEAR_MAX_ROWS_NARROW + 1, 33}):
+    top = compiled.linear_max_rows_narrow
+    for M in sorted({1, 2, 3, 4, 5, top, top + 1, 33}):
         x = randn(M, K, dtype=torch.float32, seed=M)
         got = compiled.linear(x, w, b, packed)
         check_close(got, x, w, b)
-        if M <= min(LINEAR_MAX_ROWS_NARROW, compiled.linear_max_rows[torch.float32]):
+        if M <= min(top, compiled.linear_max_rows[torch.float32]):
             assert torch.equal(got, compiled.linear(x, w, b))  # the fp32 kernel, no copy
 
 
