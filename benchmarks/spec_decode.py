@@ -40,7 +40,14 @@ def make_draft(path: str, layers: int) -> str:
     resolved = resolve_model(ModelConfig(model="demo", dtype="float32"))
     cfg = resolved.hf_config
     tensors = {}
-    for name, t in resolved.gguf.iter_hf_weights(torch.float32):
+    if resolved.gguf is not None:
+        weights = resolved.gguf.iter_hf_weights(torch.float32)
+    else:  # the GGUF's dense copy (model/gguf_cache.py) resolves as a safetensors directory
+        from safetensors.torch import load_file
+
+        weights = ((n, t.float()) for n, t in
+                   load_file(os.path.join(resolved.path, "model.safetensors")).items())
+    for name, t in weights:
         if ".layers." in name and int(name.split(".layers.")[1].split(".")[0]) >= layers:
             continue
         tensors[name] = t.contiguous()

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_SPEC_POLICIES = ("cost", "always")
+# --spec_step_overhead default: a decode step's fixed cost in extra-token units, measured on the
+# demo model (SmolLM2-135M, fp32) on a 2-vCPU AVX2 AMD EPYC (docs/speculative.md, "Cost rule").
+SPEC_STEP_OVERHEAD = 14.0
 # bladellm.quantization.QUANTIZATION_CHOICES (config.py imports nothing of the engine)
 _QUANTIZATION = ("auto", "gptq", "awq", "compressed-tensors")
 
@@ -348,6 +352,22 @@ class SpeculativeConfig:
                                      "tokens."})
     guess_set_size: int = field(
         default=4, metadata={"help": "look_ahead: most n-grams verified per step G (1..16)."})
+    spec_policy: str = field(
+        default="cost",
+        metadata={"help": "sps / look_ahead: cost (grant proposals, and run the sps draft, "
+                          "only where the expected accepted tokens pay for the extra query "
+                          "tokens, LM-head rows and draft forwards in the step: see "
+                          "docs/speculative.md) or always (every request speculates every step "
+                          "within the token budget, e.g. to test the verification path).",
+                  "choices": _SPEC_POLICIES})
+    spec_step_overhead: float = field(
+        default=SPEC_STEP_OVERHEAD,
+        metadata={"help": "sps / look_ahead with --spec_policy cost: a step's fixed cost in "
+                          "units of one extra query token with its LM-head row (step cost = "
+                          "overhead + tokens). Default measured on the demo model on a 2-vCPU "
+                          "AVX2 CPU; a GPU's is far larger (extra tokens are nearly free). "
+                          "0 < value <= 100000."})
+
     def __post_init__(self) -> None:
         _check(self.decode_algo in _DECODE_ALGOS, "decode_algo",
                f"unknown algorithm {self.decode_algo!r}; supported: {', '.join(_DECODE_ALGOS)}")
@@ -358,6 +378,19 @@ class SpeculativeConfig:
                f"must be in 2..8, got {self.look_ahead_gram_size}")
         _check(1 <= self.guess_set_size <= 16, "guess_set_size",
                f"must be in 1..16, got {self.guess_set_size}")
+        _check(self.spec_policy in _SPEC_POLICIES, "spec_policy",
+               f"unknown policy {self.spec_policy!r}; supported: {', '.join(_SPEC_POLICIES)}")
+        _check(isinstance(self.spec_step_overhead, (int, float))
+               and 0 < self.spec_step_overhead <= 100000, "spec_step_overhead",
+               f"must be a number in (0, 100000], got {self.spec_step_overhead!r}")
+        # The cost knobs steer speculation only: given without it (or with the cost rule off)
+        # they would be silently ignored.
+        if self.spec_policy != "cost" or not self.enabled:
+            _check(self.spec_step_overhead == SPEC_STEP_OVERHEAD, "spec_step_overhead",
+                   "only used with --decode_algo sps / look_ahead and --spec_policy cost")
+        if not self.enabled:
+            _check(self.spec_policy == "cost", "spec_policy",
+                   "only used with --decode_algo sps / look_ahead")
 
     @property
     def enabled(self) -> bool:

@@ -63,15 +63,17 @@ class GrammarMatcher(Protocol):
 class SpecStats:
     """Per-request speculation counters and the acceptance estimate behind the fallback rule."""
 
-    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accept_rate",
-                 "skip_steps")
+    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "ev_accepted",
+                 "ev_proposed", "draft_known")
 
     def __init__(self) -> None:
         self.num_drafts = 0  # steps that verified a proposal
         self.num_draft_tokens = 0  # proposed tokens verified
         self.num_accepted_tokens = 0  # of those, accepted
-        self.accept_rate = 1.0  # running estimate of accepted / proposed (optimistic start)
-        self.skip_steps = 0  # steps left without speculation (fallback to plain decoding)
+        # Fading evidence behind the acceptance estimate (core/spec_decode.estimate).
+        self.ev_accepted = 0.0
+        self.ev_proposed = 0.0
+        self.draft_known = 0  # sps: tokens the draft had seen when it last ran for the request
 
 
 class Request:

@@ -58,6 +58,9 @@ class SchedulerOutput:
     # req_id -> query tokens of a look_ahead tree (Jacobi window + guesses) this step.
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     scheduled_spec_tree: dict[str, int] = field(default_factory=dict)
+    # sps: requests the draft proposes for at the end of this step (the cost rule's choice; the
+    # draft does not run for the others, nor at all when this is empty).
+    spec_propose: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

@@ -1,5 +1,5 @@
 """The scheduler's side of speculative decoding: granting proposals, rolling back rejections,
-and the per-request fallback to plain decoding (docs/speculative.md).
+and the cost rule that decides, per step, which proposals run (docs/speculative.md).
 
 Pure Python, like the rest of ``core/``. The runner proposes (a chain of tokens for sps / n-gram
 lookup, or a look_ahead tree of query tokens) at the end of a step; the scheduler grants it the
@@ -14,55 +14,117 @@ from dataclasses import dataclass
 
 from bladellm.request import Request
 
-# Fallback rules (docs/speculative.md).
-# 1. Acceptance: a request's estimate is an exponential moving average of accepted / proposed
-#    tokens; below FALLBACK_RATE it decodes plainly for FALLBACK_STEPS steps, then probes again.
-# 2. Cost: a step of T query tokens takes about a + b*T (fitted online, ``StepCostModel``).
-#    A step of R query tokens in which D requests emit a token gives D / (a + b*R) tokens per
-#    second; adding K proposal tokens that yield g*K accepted tokens raises that iff
-#    g > D*b / (a + b*R): the more the batch already fills the machine, the more a proposal
-#    token must be worth. A request speculates only when its
-#    expected accepted tokens per proposal query token clear that bar.
-EMA_WEIGHT = 0.3
-FALLBACK_RATE = 0.15
-FALLBACK_STEPS = 8
-PROBE_RATE = 0.3  # estimate a probing request restarts from
+# The cost rule (docs/speculative.md, "Cost rule").
+#
+# Cost model: a step costs ``overhead + tokens`` in units of one query token with its LM-head
+# row (the linear part of a + b*T, scaled by b; ``overhead`` = a/b is --spec_step_overhead). A
+# query token without an LM-head row (look_ahead window levels below the last) costs
+# ``1 - lm_head_share``; an sps draft forward costs ``draft_ratio`` times the target's per token
+# and per fixed overhead (its share of the weights a step reads). Both shares come from the
+# models' shapes (``model_costs``).
+#
+# Acceptance estimate: accepted / proposed tokens with a Beta-style prior (PRIOR_WEIGHT
+# pseudo-tokens at the engine-wide rate, which itself starts at PRIOR_RATE): a new request
+# starts at the rate the engine has been seeing, its own evidence takes over as it verifies,
+# and all evidence fades (EVIDENCE_DECAY per verification, IDLE_DECAY per step without one), so
+# a request that stopped speculating drifts back to the prior and is tried again only when
+# the prior clears the bar, i.e. at low load.
+#
+# Grant: with D requests emitting a token in a step that costs C, a set S of proposals with
+# expected accepted tokens g_i and cost k_i (plus, for sps, the draft's fixed cost F if S is
+# not empty) gives (D + sum g) / (C + sum k + F) tokens per unit of cost. The best S is a
+# prefix of the proposals sorted by g_i / k_i; ``choose`` takes the best prefix, or none when
+# plain decoding is faster. Grants are summed: each one raises the cost of the next.
+PRIOR_RATE = 0.5
+PRIOR_WEIGHT = 4.0
+EVIDENCE_DECAY = 0.7
+IDLE_DECAY = 0.97
 
 
-class StepCostModel:
-    """Least-squares fit of step seconds = a + b * tokens over recent steps (exponentially
-    forgotten), from the scheduler's own clock around each executed step."""
+@dataclass(frozen=True)
+class SpecCosts:
+    """What the scheduler needs to price speculation, in units of one target query token with
+    its LM-head row."""
 
-    DECAY = 0.98
-    # Prior until the fit has spread: 10 extra tokens double a one-token step's cost.
-    PRIOR_B_OVER_A = 0.1
+    step_overhead: float  # a step's fixed cost (--spec_step_overhead)
+    lm_head_share: float = 0.0  # of a query token's cost, its LM-head row
+    draft_ratio: float = 0.0  # sps: a draft forward's cost / the target's (per token and fixed)
+    always: bool = False  # --spec_policy always: grant everything within the budget
+
+
+def approx_params(hf_config) -> tuple[float, float]:
+    """Multiply-adds per token of (the decoder layers, the LM head), from a config's shapes."""
+    c = getattr(hf_config, "text_config", None) or hf_config
+    hidden = c.hidden_size
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    inter = getattr(c, "intermediate_size", None) or 4 * hidden
+    experts = getattr(c, "num_experts_per_tok", None) or 1
+    moe_inter = getattr(c, "moe_intermediate_size", None) or inter
+    mlp = 3 * hidden * (moe_inter * experts if experts > 1 else inter)
+    attn = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    return float(c.num_hidden_layers * (attn + mlp)), float(hidden * c.vocab_size)
+
+
+def model_costs(config, target_hf_config, draft_hf_config=None) -> SpecCosts:
+    """The cost rule's constants for a target (and sps draft) model."""
+    spec = config.speculative
+    body, head = approx_params(target_hf_config)
+    draft_ratio = 0.0
+    if draft_hf_config is not None:
+        d_body, d_head = approx_params(draft_hf_config)
+        draft_ratio = (d_body + d_head) / (body + head)
+    return SpecCosts(step_overhead=spec.spec_step_overhead, lm_head_share=head / (body + head),
+                     draft_ratio=draft_ratio, always=spec.spec_policy == "always")
+
+
+def estimate(req: Request, prior: float) -> float:
+    """Expected accepted / proposed tokens of the request's next proposal."""
+    s = req.spec_stats
+    return (s.ev_accepted + PRIOR_WEIGHT * prior) / (s.ev_proposed + PRIOR_WEIGHT)
+
+
+@dataclass
+class Candidate:
+    key: object
+    gain: float  # expected accepted tokens
+    cost: float  # extra step cost (target tokens, LM-head rows, per-request draft work)
+
+
+def choose(cands: list[Candidate], emitting: int, base_cost: float,
+           fixed: float = 0.0) -> list[Candidate]:
+    """The best prefix of ``cands`` sorted by gain per cost: the set of proposals that
+    maximizes the step's expected tokens per unit of cost (empty: plain decoding wins)."""
+    order = sorted((c for c in cands if c.gain > 0), key=lambda c: c.gain / max(c.cost, 1e-9),
+                   reverse=True)
+    best_n, best = 0, emitting / base_cost
+    gain, cost = float(emitting), base_cost + fixed
+    for n, c in enumerate(order, 1):
+        gain += c.gain
+        cost += c.cost
+        if gain / cost > best:
+            best_n, best = n, gain / cost
+    return order[:best_n]
+
+
+class GlobalRate:
+    """The engine-wide acceptance rate: the prior of every request's estimate."""
 
     def __init__(self) -> None:
-        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.accepted = self.proposed = 0.0
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = self.DECAY
-        self.sw = self.sw * d + 1.0
-        self.sx = self.sx * d + tokens
-        self.sy = self.sy * d + seconds
-        self.sxx = self.sxx * d + tokens * tokens
-        self.sxy = self.sxy * d + tokens * seconds
+    @property
+    def rate(self) -> float:
+        return (self.accepted + PRIOR_WEIGHT * PRIOR_RATE) / (self.proposed + PRIOR_WEIGHT)
 
-    def b_over_a(self) -> float:
-        var = self.sxx * self.sw - self.sx * self.sx
-        if self.sw < 8 or var <= 1e-9 * max(self.sxx * self.sw, 1.0):
-            return self.PRIOR_B_OVER_A
-        b = (self.sxy * self.sw - self.sx * self.sy) / var
-        a = (self.sy - b * self.sx) / self.sw
-        if a <= 0:
-            return 1.0  # cost grows faster than linearly from zero: speculation rarely pays
-        return max(b, 0.0) / a
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.accepted = self.accepted * EVIDENCE_DECAY + num_accepted
+        self.proposed = self.proposed * EVIDENCE_DECAY + num_proposed
 
-    def min_gain(self, step_tokens: int, num_emitting: int) -> float:
-        """Accepted tokens a proposal query token must bring for speculation to pay, in a step
-        of ``step_tokens`` query tokens where ``num_emitting`` requests emit a token."""
-        ratio = self.b_over_a()
-        return max(num_emitting, 1) * ratio / (1.0 + ratio * max(step_tokens, 1))
+    def idle(self) -> None:
+        self.accepted *= IDLE_DECAY
+        self.proposed *= IDLE_DECAY
 
 
 @dataclass
@@ -78,20 +140,12 @@ class SpecGrant:
 NO_GRANT = SpecGrant([], 0)
 
 
-def grant(req: Request, budget: int, max_model_len: int, min_gain: float = 0.0,
-          tree_guess_len: int = 0) -> SpecGrant:
-    """What of the request's proposal runs this step. Called only when all of its own tokens
-    are scheduled (the step reaches its end), with ``budget`` the tokens left after them;
-    ``min_gain``: the cost rule's bar (accepted tokens per proposal query token)."""
-    stats = req.spec_stats
+def grant(req: Request, budget: int, max_model_len: int) -> SpecGrant:
+    """The request's proposal trimmed to the step: ``budget`` is the tokens left after its own
+    ones (all scheduled); accepted tokens plus the target's own one may not pass
+    ``max_tokens`` nor the context. Whether it pays was decided before (``choose``)."""
     if not (req.spec_token_ids or req.spec_tree_size) or budget <= 0:
         return NO_GRANT
-    if stats.skip_steps > 0:
-        stats.skip_steps -= 1
-        if stats.skip_steps == 0:
-            stats.accept_rate = PROBE_RATE
-        return NO_GRANT
-    # Accepted tokens plus the target's own one may not pass max_tokens (nor the context).
     room = req.max_tokens - req.num_output_tokens - 1
     if room <= 0:
         return NO_GRANT
@@ -99,12 +153,8 @@ def grant(req: Request, budget: int, max_model_len: int, min_gain: float = 0.0,
         size = req.spec_tree_size
         if size > budget or req.num_tokens + size > max_model_len:
             return NO_GRANT
-        if stats.accept_rate * min(tree_guess_len, room) < min_gain * size:
-            return NO_GRANT
         return SpecGrant([], size)
     k = min(len(req.spec_token_ids), budget, room)
-    if stats.accept_rate < min_gain:
-        return NO_GRANT
     return SpecGrant(req.spec_token_ids[:k], 0)
 
 
@@ -133,13 +183,25 @@ def grammar_cut(req: Request, spec: SpecGrant) -> SpecGrant:
 
 
 def record(req: Request, num_proposed: int, num_accepted: int) -> None:
-    """Update the request's counters and acceptance estimate after a verification."""
+    """Update the request's counters and its evidence after a verification."""
     if num_proposed <= 0:
         return
     stats = req.spec_stats
     stats.num_drafts += 1
     stats.num_draft_tokens += num_proposed
     stats.num_accepted_tokens += num_accepted
-    stats.accept_rate += EMA_WEIGHT * (num_accepted / num_proposed - stats.accept_rate)
-    if stats.accept_rate < FALLBACK_RATE:
-        stats.skip_steps = FALLBACK_STEPS
+    evidence(req, num_proposed, num_accepted)
+
+
+def evidence(req: Request, num_proposed: int, num_accepted: int) -> None:
+    """Fold one proposal's outcome into the request's acceptance estimate."""
+    stats = req.spec_stats
+    stats.ev_accepted = stats.ev_accepted * EVIDENCE_DECAY + num_accepted
+    stats.ev_proposed = stats.ev_proposed * EVIDENCE_DECAY + num_proposed
+
+
+def idle(req: Request) -> None:
+    """A step in which the request verified nothing: its evidence fades toward the prior."""
+    stats = req.spec_stats
+    stats.ev_accepted *= IDLE_DECAY
+    stats.ev_proposed *= IDLE_DECAY

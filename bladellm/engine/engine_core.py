@@ -12,6 +12,7 @@ import traceback
 from collections import deque
 
 from bladellm.config import EngineConfig
+from bladellm.core import spec_decode
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.core.scheduler import Scheduler
 from bladellm.executor import WorkerDiedError, get_executor_class
@@ -24,20 +25,23 @@ from bladellm.request import Request
 logger = logging.getLogger(__name__)
 
 
-def _check_draft(config: EngineConfig, resolved: ResolvedModel) -> None:
+def _check_draft(config: EngineConfig, resolved: ResolvedModel):
+    """The sps draft's HF config, after checking that it shares the target's vocabulary."""
     from bladellm.model.checkpoint import resolve_model
     from bladellm.spec_decode.draft_model import check_draft_vocab, draft_model_config
 
     draft = resolve_model(draft_model_config(config, resolved.max_model_len))
     check_draft_vocab(resolved.hf_config, draft.hf_config, draft.path)
+    return draft.hf_config
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
         self.config = config
         self.max_model_len = resolved.max_model_len
+        draft_hf_config = None
         if config.speculative.decode_algo == "sps":
-            _check_draft(config, resolved)  # before any weights load
+            draft_hf_config = _check_draft(config, resolved)  # before any weights load
         self.executor = get_executor_class(config)(config, resolved)
         try:
             num_blocks = self.executor.determine_num_blocks()
@@ -46,8 +50,15 @@ class EngineCore:
             self.scheduler = Scheduler(
                 config.scheduler, config.cache, num_blocks, self.max_model_len,
                 speculative=config.speculative,
+                spec_costs=(spec_decode.model_costs(config, resolved.hf_config, draft_hf_config)
+                            if config.speculative.enabled else None),
                 max_loras=config.lora.max_loras if self.lora_enabled else None)
             self.num_blocks = num_blocks
+            if self.scheduler.spec_costs is not None:
+                c = self.scheduler.spec_costs
+                logger.info("speculation: --spec_policy %s, step overhead %.1f tokens, LM-head "
+                            "share %.2f, draft/target cost %.2f", config.speculative.spec_policy,
+                            c.step_overhead, c.lm_head_share, c.draft_ratio)
             self.guided = GuidedRequests(config, resolved, self.scheduler)
             # Published steps not finished yet (pipeline parallelism), oldest first.
             self.batch_queue: deque[tuple[SchedulerOutput, StepHandle | Exception]] = deque()

@@ -7,9 +7,10 @@ of a step, a request that proposes first catches the draft up on every token sin
 last ran for it (``_valid``: all known tokens are final, so this is exact; a new, resumed or
 preempted request catches up from position 0, which also covers prompt-cache hits), then takes
 ``gamma`` single-token steps whose KV lands in the positions the scheduler reserved
-(``Scheduler.num_lookahead_slots``). A request whose proposals the scheduler declines (the
-fallback rule) stops proposing except every ``PROBE_EVERY`` steps, so plain decoding does not
-pay for the draft. The draft's KV only ever affects acceptance, never the emitted tokens.
+(``Scheduler.num_lookahead_slots``). The draft runs only for the requests the scheduler's cost
+rule picked (``SchedulerOutput.spec_propose``), not at all in a step where it picked none; a
+request left out catches up lazily, in one batched forward, the next time it is picked. The
+draft's KV only ever affects acceptance, never the emitted tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from bladellm.worker.sampling_rows import step_generator
 logger = logging.getLogger(__name__)
 
 _DRAFT_SALT = 0x2545F4914F6CDD1D  # seeded requests: the draft's draws use their own generator
-PROBE_EVERY = 8  # steps between proposals of a request whose proposals were declined
 
 
 def draft_model_config(config: EngineConfig, max_model_len: int) -> ModelConfig:
@@ -68,7 +68,6 @@ class DraftModelProposer:
         self.kv_caches: list[torch.Tensor] = []
         self._probs: dict[str, torch.Tensor] = {}  # req -> [k, V] draft distributions
         self._valid: dict[str, int] = {}  # req -> the draft's KV is right below this position
-        self._idle: dict[str, int] = {}  # req -> steps since it last proposed
         logger.info("draft model %s (%s, %d layers), gamma %d", resolved.architecture,
                     self.dtype, self.num_layers, self.gamma)
 
@@ -90,7 +89,6 @@ class DraftModelProposer:
     def drop(self, req_id: str) -> None:
         self._probs.pop(req_id, None)
         self._valid.pop(req_id, None)
-        self._idle.pop(req_id, None)
 
     def logit_rows(self) -> dict[str, list[int]]:
         return {}
@@ -98,18 +96,9 @@ class DraftModelProposer:
     def propose(self, sched, inputs, ib, emitted: dict[str, list[int]], extra_logits
                 ) -> tuple[dict[str, list[int]], dict[str, int]]:
         self._probs = {}
-        reqs = []
-        for r, toks in emitted.items():
-            if not toks:
-                continue
-            # A request whose proposal the scheduler declined (fallback) proposes again only
-            # every PROBE_EVERY steps: the draft costs nothing while plain decoding pays more.
-            idle = self._idle.get(r, PROBE_EVERY)
-            if r in sched.scheduled_spec_tokens or idle >= PROBE_EVERY:
-                reqs.append(r)
-                self._idle[r] = 0
-            else:
-                self._idle[r] = idle + 1
+        # Only the requests the cost rule picked: the others' draft KV stays where it is and
+        # catches up when they are next picked.
+        reqs = [r for r, toks in emitted.items() if toks and r in sched.spec_propose]
         if not reqs:
             return {}, {}
         rows = np.array([ib.row_of[r] for r in reqs], np.int64)

@@ -84,7 +84,7 @@ def test_int8_look_ahead_equals_int8_normal_decoding(tiny_llama, int8_greedy):
     prompts, params, expected = int8_greedy
     la, llm = _run(tiny_llama, prompts, params, kv_cache_quant="int8", num_kv_blocks=64,
                    decode_algo="look_ahead", look_ahead_window_size=3,
-                   look_ahead_gram_size=3, guess_set_size=3)
+                   look_ahead_gram_size=3, guess_set_size=3, spec_policy="always")
     assert [o.token_ids for o in la] == expected
     assert llm.engine.core.scheduler.get_stats().num_spec_draft_tokens > 0
 
@@ -94,7 +94,8 @@ def test_int8_sps_self_draft_accepts_everything(tiny_llama, int8_greedy):
     exactly what the target then computes."""
     prompts, params, expected = int8_greedy
     sps, llm = _run(tiny_llama, prompts, params, kv_cache_quant="int8", num_kv_blocks=64,
-                    decode_algo="sps", draft_model=tiny_llama, gamma=3)
+                    decode_algo="sps", draft_model=tiny_llama, gamma=3,
+                    spec_policy="always")  # the cost rule never runs a self-draft
     assert [o.token_ids for o in sps] == expected
     stats = llm.engine.core.scheduler.get_stats()
     assert 0 < stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens

@@ -54,8 +54,8 @@ async def test_streaming_chat_with_speculation(tiny_model_factory, algo):
     model = tiny_model_factory("llama")
     expected_text, expected = _normal_output(model)
     extra = ("--decode_algo", algo)
-    if algo == "sps":
-        extra += ("--draft.model", model, "--gamma", "3")
+    if algo == "sps":  # the cost rule would (rightly) never run a self-draft
+        extra += ("--draft.model", model, "--gamma", "3", "--spec_policy", "always")
     srv = _serve(model, *extra)
     try:
         text, completion_tokens = await _stream_chat(srv.url)

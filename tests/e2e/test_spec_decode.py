@@ -2,10 +2,15 @@
 
 Stress configuration as in test_offline_llm: prompt cache on, chunked prefill forced (a token
 budget smaller than most prompts), a KV pool small enough to force preemption, and the block
-accounting checked after every step.
+accounting checked after every step. ``--spec_policy always`` makes every request speculate
+on every step (the cost rule would rightly never run a self-draft), which is the harder test of
+exactness; the cost rule's own choices are checked for look_ahead too.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import re
 
 import pytest
 
@@ -38,7 +43,7 @@ def normal_greedy(tiny_llama):
 def test_sps_self_draft_accepts_everything(tiny_llama, normal_greedy):
     prompts, params, expected = normal_greedy
     outs, stats = _run(tiny_llama, prompts, params, decode_algo="sps", draft_model=tiny_llama,
-                       gamma=3)
+                       gamma=3, spec_policy="always")
     assert outs == expected
     assert stats.num_spec_draft_tokens > 0
     assert stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens
@@ -50,18 +55,56 @@ def test_sps_random_smaller_draft_greedy_identical(tiny_llama, tiny_model_factor
     prompts, params, expected = normal_greedy
     draft = tiny_model_factory("qwen2", seed=7, num_hidden_layers=1)
     outs, stats = _run(tiny_llama, prompts, params, decode_algo="sps", draft_model=draft,
-                       gamma=4)
+                       gamma=4, spec_policy="always")
     assert outs == expected
     assert stats.num_spec_draft_tokens > 0
     assert stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens  # it disagrees
 
 
-def test_look_ahead_greedy_identical(tiny_llama, normal_greedy):
+@pytest.mark.parametrize("policy", ["always", "cost"])
+def test_look_ahead_greedy_identical(tiny_llama, normal_greedy, policy):
     prompts, params, expected = normal_greedy
     outs, stats = _run(tiny_llama, prompts, params, decode_algo="look_ahead",
-                       look_ahead_window_size=3, look_ahead_gram_size=3, guess_set_size=3)
+                       look_ahead_window_size=3, look_ahead_gram_size=3, guess_set_size=3,
+                       spec_policy=policy)
     assert outs == expected
-    assert stats.num_spec_draft_tokens > 0
+    if policy == "always":
+        assert stats.num_spec_draft_tokens > 0
+
+
+def test_sps_cost_rule_greedy_identical(tiny_llama, tiny_model_factory, normal_greedy,
+                                        monkeypatch):
+    """The cost rule picks which requests the draft runs for, so a request's draft KV skips
+    steps and catches up lazily when it is picked again: still the target's tokens. The
+    random draft is priced as nearly free so that the rule starts it, stops it once its record
+    is poor and, its evidence fading fast here, tries it again a few steps later."""
+    from bladellm.core import spec_decode
+
+    monkeypatch.setattr(spec_decode, "IDLE_DECAY", 0.5)
+    prompts, params, expected = normal_greedy
+    draft = tiny_model_factory("qwen2", seed=7, num_hidden_layers=1)
+    llm = LLM(model=tiny_llama, **STRESS, decode_algo="sps", draft_model=draft, gamma=4)
+    sched = llm.engine.core.scheduler
+    sched.spec_costs = dataclasses.replace(sched.spec_costs, draft_ratio=0.01)
+    history: dict[str, str] = {}  # per request and sampling step: d(rafted) or s(kipped)
+    schedule = sched.schedule
+
+    def spy(*a, **k):
+        out = schedule(*a, **k)
+        for r, n in out.num_scheduled_tokens.items():
+            if sched.requests[r].num_computed_tokens + n >= sched.requests[r].num_tokens:
+                history[r] = history.get(r, "") + ("d" if r in out.spec_propose else "s")
+        return out
+
+    sched.schedule = spy
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs == expected
+    assert sched.kv_cache_manager.pool.num_used_blocks == 0
+    stats = sched.get_stats()
+    assert stats.num_spec_draft_tokens > stats.num_spec_accepted_tokens
+    # Some request was drafted, skipped, then drafted again: a lazy catch-up over the tokens
+    # of the skipped steps.
+    assert any(re.search("ds+d", h) for h in history.values()), history
 
 
 def test_seeded_sampling_with_n_and_logprobs(tiny_llama):
@@ -72,9 +115,10 @@ def test_seeded_sampling_with_n_and_logprobs(tiny_llama):
     params = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=16, n=2, logprobs=2,
                             min_tokens=4)
     base, _ = _run(tiny_llama, prompts, params)
-    la, _ = _run(tiny_llama, prompts, params, decode_algo="look_ahead")
+    la, _ = _run(tiny_llama, prompts, params, decode_algo="look_ahead", spec_policy="always")
     assert la == base
-    outs, _ = _run(tiny_llama, prompts, params, decode_algo="sps", draft_model=tiny_llama)
+    outs, _ = _run(tiny_llama, prompts, params, decode_algo="sps", draft_model=tiny_llama,
+                   spec_policy="always")
     assert all(len(o) >= 4 for o in outs)
 
 

@@ -11,10 +11,9 @@ such a step. The EOS variant swaps token 2 (EOS) with a token of that cycle, so 
 back every cycle: with ``ignore_eos`` it is emitted and generation goes on, inside accepted runs.
 Every run asserts that proposed tokens were accepted (multi-token steps happened).
 
-The scheduler's cost rule (core/spec_decode.py: speculate only when the step-time fit says it
-pays) depends on wall-clock timings; it is switched off here so that speculation runs on every
-step whatever the machine's load (the acceptance rule stays on). What is emitted never depends
-on it.
+The scheduler's cost rule (core/spec_decode.py) would rightly find that a self-draft never pays
+for itself; ``--spec_policy always`` switches it off here so that speculation runs on every step
+(what is emitted never depends on it).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bladellm import LLM, SamplingParams
-from bladellm.core import spec_decode
 from test_offline_llm import _prompts  # noqa: E402  (tests/e2e is on sys.path via rootdir)
 
 EOS = 2
@@ -36,8 +34,8 @@ ENGINE = dict(dtype="float32", block_size=4, max_num_batched_tokens=64, max_num_
               num_kv_blocks=256, max_model_len=160, debug_block_accounting=True)
 ALGOS = {
     "look_ahead": dict(decode_algo="look_ahead", look_ahead_window_size=4,
-                       look_ahead_gram_size=5, guess_set_size=4),
-    "sps": dict(decode_algo="sps", gamma=4),  # draft_model: the target itself
+                       look_ahead_gram_size=5, guess_set_size=4, spec_policy="always"),
+    "sps": dict(decode_algo="sps", gamma=4, spec_policy="always"),  # draft: the target itself
 }
 
 
@@ -85,9 +83,7 @@ class _Engines:
 
 @pytest.fixture(scope="module")
 def engines():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(spec_decode.StepCostModel, "min_gain", lambda self, *a, **k: 0.0)
-        yield _Engines()
+    yield _Engines()
 
 
 @pytest.fixture(scope="module")

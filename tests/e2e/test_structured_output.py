@@ -193,9 +193,10 @@ SPEC_CASES = ([("json", n) for n in ("recipe", "order_line", "many_props", "even
               + [("regex", n) for n in ("ipv4", "email", "word_list")]
               + [("regex", "free_text")])
 SPEC_REGEXES = {**REGEXES, "free_text": r'[^"]{0,60}'}
-SPEC_ALGOS = {"sps": {"decode_algo": "sps", "gamma": 3}, "look_ahead": {
+# --spec_policy always: every step speculates (the cost rule would never run a self-draft).
+SPEC_ALGOS = {"sps": {"decode_algo": "sps", "gamma": 3, "spec_policy": "always"}, "look_ahead": {
     "decode_algo": "look_ahead", "look_ahead_window_size": 3, "look_ahead_gram_size": 3,
-    "guess_set_size": 3}}
+    "guess_set_size": 3, "spec_policy": "always"}}
 
 
 def _spec_guided(kind: str, name: str) -> GuidedDecodingParams:

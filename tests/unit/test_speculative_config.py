@@ -23,6 +23,12 @@ BAD = [
     ({"look_ahead_gram_size": 9}, "--look_ahead_gram_size"),
     ({"guess_set_size": 0}, "--guess_set_size"),
     ({"guess_set_size": 17}, "--guess_set_size"),
+    ({"spec_policy": "never"}, "--spec_policy"),
+    ({"spec_step_overhead": 0}, "--spec_step_overhead"),
+    ({"spec_step_overhead": -3.0}, "--spec_step_overhead"),
+    ({"spec_step_overhead": float("nan")}, "--spec_step_overhead"),
+    ({"spec_step_overhead": float("inf")}, "--spec_step_overhead"),
+    ({"spec_step_overhead": "14"}, "--spec_step_overhead"),
 ]
 
 
@@ -81,6 +87,9 @@ def test_limits_are_inclusive():
     (["--decode_algo", "look_ahead", "--look_ahead_gram_size", "9"], "--look_ahead_gram_size"),
     (["--decode_algo", "look_ahead", "--guess_set_size", "0"], "--guess_set_size"),
     (["--decode_algo", "look_ahead", "--guess_set_size", "17"], "--guess_set_size"),
+    (["--decode_algo", "look_ahead", "--spec_step_overhead", "0"], "--spec_step_overhead"),
+    (["--decode_algo", "look_ahead", "--spec_policy", "never"], "--spec_policy"),
+    (["--spec_policy", "always"], "--spec_policy"),
 ])
 def test_server_flags_are_errors_naming_the_flag(argv, flag, capsys):
     """blade_llm_server turns the ValueError into a usage error (exit 2) that names the flag
@@ -90,3 +99,24 @@ def test_server_flags_are_errors_naming_the_flag(argv, flag, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and flag in err
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    ({"spec_policy": "always"}, "--spec_policy"),  # normal decoding: nothing to steer
+    ({"spec_step_overhead": 30.0}, "--spec_step_overhead"),
+    # The cost rule is off: its overhead would be ignored.
+    ({"decode_algo": "look_ahead", "spec_policy": "always", "spec_step_overhead": 30.0},
+     "--spec_step_overhead"),
+])
+def test_cost_rule_flags_are_not_silently_ignored(kwargs, flag):
+    with pytest.raises(ValueError, match=_match(flag)):
+        SpeculativeConfig(**kwargs)
+
+
+def test_cost_rule_flags_accepted_where_used():
+    spec = SpeculativeConfig(decode_algo="look_ahead", spec_step_overhead=200.0)
+    assert spec.spec_policy == "cost" and spec.spec_step_overhead == 200.0
+    assert SpeculativeConfig(decode_algo="sps", spec_policy="always").spec_policy == "always"
+    engine, _ = parse_args(["--model", "m", "--decode_algo", "look_ahead",
+                            "--spec_step_overhead", "40"])
+    assert engine.speculative.spec_step_overhead == 40.0

@@ -372,14 +372,3 @@ def test_spec_tokens_scheduled_trimmed_and_rolled_back():
     stats = sched.get_stats()
     assert (stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens) == (5, 3)
 
-
-def test_step_cost_model_bar_grows_with_the_batch():
-    from bladellm.core.spec_decode import StepCostModel
-
-    model = StepCostModel()
-    for tokens in (1, 2, 4, 8, 16, 32, 1, 64):
-        model.observe(tokens, 0.040 + 0.004 * tokens)  # a = 40 ms, b = 4 ms per token
-    assert abs(model.b_over_a() - 0.1) < 1e-6
-    assert model.min_gain(1, 1) < 0.1 < model.min_gain(16, 16)
-    # A lone request re-running accepted tokens still has a low bar (one emitter).
-    assert model.min_gain(5, 1) < 0.1

@@ -26,7 +26,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
             max_model_len=self.max_model_len, disable_prompt_cache=disable_cache,
             max_queue_time=queue_time, clock=lambda: self.now,
-            speculative=SpeculativeConfig(decode_algo="sps", gamma=gamma) if gamma else None)
+            speculative=SpeculativeConfig(decode_algo="sps", gamma=gamma, spec_policy="always")
+            if gamma else None)
         self.tokens = [EOS, 3, 4, 5]
         self.token_index = 0
         self.runner = FakeRunner(self.sched, sampler=self._sample)
