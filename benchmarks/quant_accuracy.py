@@ -114,6 +114,20 @@ def load_fake_quant(src: str, qdir: str):
 
 
 @torch.no_grad()
+def eval_windows_and_calib_file(tok, work_dir: str, eval_tokens: int,
+                                window: int) -> tuple[list[torch.Tensor], str]:
+    """The held-out text's first ``eval_tokens`` tokens in windows of ``window``, and the
+    calibration text written to ``work_dir/calib.txt`` (its path)."""
+    ids = tok("\n\n".join(chapters(EVAL_CHAPTERS)), add_special_tokens=False)["input_ids"]
+    ids = ids[:eval_tokens]
+    windows = [torch.tensor([ids[i:i + window]]) for i in range(0, len(ids), window)
+               if len(ids[i:i + window]) > 1]
+    calib = os.path.join(work_dir, "calib.txt")
+    with open(calib, "w") as f:
+        f.write("\n\n".join(chapters(CALIB_CHAPTERS)))
+    return windows, calib
+
+
 def perplexity(model, windows: list[torch.Tensor]) -> float:
     nll, count = 0.0, 0
     for ids in windows:
@@ -145,13 +159,7 @@ def main() -> None:
     os.makedirs(ns.work_dir, exist_ok=True)
     src = demo_hf_dir(ns.work_dir) if ns.model == "demo" else ns.model
     tok = AutoTokenizer.from_pretrained(src)
-    ids = tok("\n\n".join(chapters(EVAL_CHAPTERS)), add_special_tokens=False)["input_ids"]
-    ids = ids[:ns.eval_tokens]
-    windows = [torch.tensor([ids[i:i + ns.window]]) for i in range(0, len(ids), ns.window)
-               if len(ids[i:i + ns.window]) > 1]
-    calib = os.path.join(ns.work_dir, "calib.txt")
-    with open(calib, "w") as f:
-        f.write("\n\n".join(chapters(CALIB_CHAPTERS)))
+    windows, calib = eval_windows_and_calib_file(tok, ns.work_dir, ns.eval_tokens, ns.window)
     rows = []
 
     def record(row: dict) -> None:

@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from quant_accuracy import (  # noqa: E402
-    CALIB_CHAPTERS, EVAL_CHAPTERS, chapters, demo_hf_dir, perplexity)
+    demo_hf_dir, eval_windows_and_calib_file, perplexity)
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -273,13 +273,8 @@ def main() -> None:
     os.makedirs(ns.work_dir, exist_ok=True)
     src = demo_hf_dir(ns.work_dir) if ns.model == "demo" else ns.model
     tok = AutoTokenizer.from_pretrained(src)
-    ids = tok("\n\n".join(chapters(EVAL_CHAPTERS)), add_special_tokens=False)["input_ids"]
-    ids = ids[:ns.eval_tokens]
-    windows = [torch.tensor([ids[i:i + ns.window]]) for i in range(0, len(ids), ns.window)
-               if len(ids[i:i + ns.window]) > 1]
-    calib_file = os.path.join(ns.work_dir, "calib.txt")
-    with open(calib_file, "w") as f:
-        f.write("\n\n".join(chapters(CALIB_CHAPTERS)))
+    windows, calib_file = eval_windows_and_calib_file(tok, ns.work_dir, ns.eval_tokens,
+                                                      ns.window)
     # exactly the chunks our tool calibrates on (same reader, same tokenizer, same cut)
     calib = tokenize_calibration(tok, load_calibration_texts(calib_file),
                                  ns.calib_data_max_len, ns.num_calib_samples)
