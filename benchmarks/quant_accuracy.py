@@ -115,9 +115,10 @@ def load_fake_quant(src: str, qdir: str):
 
 @torch.no_grad()
 def eval_windows_and_calib_file(tok, work_dir: str, eval_tokens: int,
-                                window: int) -> tuple[list[torch.Tensor], str]:
-    """The held-out text's first ``eval_tokens`` tokens in windows of ``window``, and the
-    calibration text written to ``work_dir/calib.txt`` (its path)."""
+                                window: int) -> tuple[list[torch.Tensor], str, int]:
+    """The held-out text's first ``eval_tokens`` tokens in windows of ``window``, the
+    calibration text written to ``work_dir/calib.txt`` (its path), and how many held-out tokens
+    there are (fewer than ``eval_tokens`` when the text is shorter)."""
     ids = tok("\n\n".join(chapters(EVAL_CHAPTERS)), add_special_tokens=False)["input_ids"]
     ids = ids[:eval_tokens]
     windows = [torch.tensor([ids[i:i + window]]) for i in range(0, len(ids), window)
@@ -125,7 +126,7 @@ def eval_windows_and_calib_file(tok, work_dir: str, eval_tokens: int,
     calib = os.path.join(work_dir, "calib.txt")
     with open(calib, "w") as f:
         f.write("\n\n".join(chapters(CALIB_CHAPTERS)))
-    return windows, calib
+    return windows, calib, len(ids)
 
 
 def perplexity(model, windows: list[torch.Tensor]) -> float:
@@ -159,7 +160,8 @@ def main() -> None:
     os.makedirs(ns.work_dir, exist_ok=True)
     src = demo_hf_dir(ns.work_dir) if ns.model == "demo" else ns.model
     tok = AutoTokenizer.from_pretrained(src)
-    windows, calib = eval_windows_and_calib_file(tok, ns.work_dir, ns.eval_tokens, ns.window)
+    windows, calib, num_eval = eval_windows_and_calib_file(tok, ns.work_dir, ns.eval_tokens,
+                                                           ns.window)
     rows = []
 
     def record(row: dict) -> None:
@@ -172,7 +174,7 @@ def main() -> None:
     start = time.perf_counter()
     base = perplexity(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval(),
                       windows)
-    record({"algo": "float32", "ppl": base, "eval_tokens": len(ids),
+    record({"algo": "float32", "ppl": base, "eval_tokens": num_eval,
             "eval_s": time.perf_counter() - start, "torch": torch.__version__,
             "threads": torch.get_num_threads()})
     for algo in ns.algos.split(","):

@@ -273,8 +273,8 @@ def main() -> None:
     os.makedirs(ns.work_dir, exist_ok=True)
     src = demo_hf_dir(ns.work_dir) if ns.model == "demo" else ns.model
     tok = AutoTokenizer.from_pretrained(src)
-    windows, calib_file = eval_windows_and_calib_file(tok, ns.work_dir, ns.eval_tokens,
-                                                      ns.window)
+    windows, calib_file, num_eval = eval_windows_and_calib_file(tok, ns.work_dir,
+                                                                ns.eval_tokens, ns.window)
     # exactly the chunks our tool calibrates on (same reader, same tokenizer, same cut)
     calib = tokenize_calibration(tok, load_calibration_texts(calib_file),
                                  ns.calib_data_max_len, ns.num_calib_samples)
@@ -286,7 +286,7 @@ def main() -> None:
                 f.write(json.dumps(row) + "\n")
 
     record({"run": "meta", "versions": _versions(), "threads": torch.get_num_threads(),
-            "calib": [int(c.shape[1]) for c in calib], "eval_tokens": len(ids)})
+            "calib": [int(c.shape[1]) for c in calib], "eval_tokens": num_eval})
     if not ns.skip_float:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
         record({"run": "float32", "ppl": perplexity(model, windows)})
