@@ -1,0 +1,107 @@
+"""Linear layers as a decode step runs them: every linear of a model once, weights streamed from
+DRAM (the set is far larger than the caches), medians of interleaved repeats in one process.
+
+``--mode crossover``: the compiled small-M kernel vs the prepacked oneDNN GEMM (fp32,
+SmolLM2-135M's 120 linears) at each M, to place ``LINEAR_MAX_ROWS_PACKED*``.
+``--mode exact_bf16``: fp32 weights holding only bf16 values (a bf16 checkpoint served in fp32)
+through the fp32 kernel vs through their exact bf16 copies (88M shape: 48 linears + LM head).
+
+    python benchmarks/linear_streamed.py --mode crossover --rows 4,8,16,24,32
+    python benchmarks/linear_streamed.py --mode exact_bf16 --rows 1,4,8,16
+
+On a shared machine the host's memory bandwidth moves from minute to minute: compare the two
+columns of one row (measured in the same seconds), not rows of different runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+SMOLLM2 = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
+LLAMA_88M = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12 + [(8192, 768)]
+
+
+def median_ms(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 2] * 1e3
+
+
+def timed_pair(first, second, repeats: int) -> tuple[float, float]:
+    """Median wall ms of each callable, alternated so both see the same machine."""
+    first(), second()
+    a, b = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        first()
+        a.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        second()
+        b.append(time.perf_counter() - t)
+    return median_ms(a), median_ms(b)
+
+
+def crossover(kernels, rows: list[int], repeats: int) -> None:
+    ws = [torch.randn(n, k) for n, k in SMOLLM2]
+    packs = [kernels.pack_linear_weight(w) for w in ws]
+    for M in rows:
+        xs = {k: torch.randn(M, k) for k in {k for _, k in SMOLLM2}}
+
+        def gemv():
+            for w in ws:  # the kernel itself, whatever the engine's threshold
+                n, k = w.shape
+                out = torch.empty(M, n)
+                kernels._linear(out.data_ptr(), xs[k].data_ptr(), w.data_ptr(), None, M, n, k,
+                                k, n, 0, torch.get_num_threads())
+
+        def onednn():
+            for w, p in zip(ws, packs):
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p.onednn, None, "none", [],
+                                                   "")
+
+        g, o = timed_pair(gemv, onednn, repeats)
+        print(f"M={M:3d}  kernel {g:7.2f} ms  oneDNN {o:7.2f} ms  oneDNN / kernel {o / g:.2f}",
+              flush=True)
+
+
+def exact_bf16(kernels, rows: list[int], repeats: int) -> None:
+    ws = [torch.randn(n, k).to(torch.bfloat16).float() for n, k in LLAMA_88M]
+    packs = [kernels.pack_linear_weight(w) for w in ws]
+    assert all(p is not None and p.narrow is not None for p in packs)
+    for M in rows:
+        xs = {k: torch.randn(M, k) for k in {k for _, k in LLAMA_88M}}
+
+        def fp32():
+            for w in ws:  # no packed form: the fp32 small-M kernel
+                kernels.linear(xs[w.shape[1]], w)
+
+        def narrow():
+            for w, p in zip(ws, packs):
+                kernels.linear(xs[w.shape[1]], w, None, p)
+
+        f, n = timed_pair(fp32, narrow, repeats)
+        print(f"M={M:3d}  fp32 kernel {f:6.2f} ms  bf16 copy {n:6.2f} ms  speed-up {f / n:.2f}x",
+              flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=("crossover", "exact_bf16"), required=True)
+    ap.add_argument("--rows", default="1,4,8,16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=9)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from bladellm.kernels import get_kernels
+
+    kernels = get_kernels()
+    if kernels.name != "compiled":
+        raise SystemExit(f"needs the compiled CPU kernels, got {kernels.describe()}")
+    print(kernels.describe(), f"{args.threads} threads")
+    rows = [int(r) for r in args.rows.split(",")]
+    (crossover if args.mode == "crossover" else exact_bf16)(kernels, rows, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
