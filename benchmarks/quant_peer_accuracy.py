@@ -212,7 +212,7 @@ def gptqmodel_gptq(src: str, out: str, calib: list[torch.Tensor], ns) -> dict:
     return {}
 
 
-def ours(algo: str) -> Callable:
+def ours(algo: str, act_order: bool = False) -> Callable:
     def run(src: str, out: str, calib_file: str, ns) -> dict:
         from bladellm.quantization.algorithms.config import QuantizeConfig
         from bladellm.quantization.algorithms.pipeline import quantize_checkpoint
@@ -222,7 +222,7 @@ def ours(algo: str) -> Callable:
             model=src, output_dir=out, quant_algo=algo, bit=8 if w8a8 else 4,
             group_size=-1 if w8a8 else ns.group_size, calib_data=calib_file,
             calib_data_max_len=ns.calib_data_max_len, num_calib_samples=ns.num_calib_samples,
-            overwrite=True)
+            act_order=act_order, overwrite=True)
         quantize_checkpoint(cfg, progress=False)
         return {}
     return run
@@ -242,6 +242,7 @@ def _versions() -> dict:
 
 RUNS = {
     "ours-gptq": ("gptq", "int4 g{g} sym", ours("gptq")),
+    "ours-gptq-act-order": ("gptq --act_order", "int4 g{g} sym, desc_act", ours("gptq", True)),
     "ours-awq": ("awq", "int4 g{g} sym", ours("awq")),
     "ours-smoothquant+": ("smoothquant+", "int4 g{g} sym", ours("smoothquant+")),
     "ours-smoothquant": ("smoothquant", "W8A8", ours("smoothquant")),
