@@ -108,23 +108,34 @@ def choose(cands: list[Candidate], emitting: int, base_cost: float,
     return order[:best_n]
 
 
+def _fold(ev, num_proposed: int, num_accepted: int) -> None:
+    """Fold one verification into fading evidence (``ev_accepted`` / ``ev_proposed``)."""
+    ev.ev_accepted = ev.ev_accepted * EVIDENCE_DECAY + num_accepted
+    ev.ev_proposed = ev.ev_proposed * EVIDENCE_DECAY + num_proposed
+
+
+def _fade(ev) -> None:
+    """A step without a verification: the evidence fades toward the prior."""
+    ev.ev_accepted *= IDLE_DECAY
+    ev.ev_proposed *= IDLE_DECAY
+
+
 class GlobalRate:
-    """The engine-wide acceptance rate: the prior of every request's estimate."""
+    """The engine-wide acceptance rate: the prior of every request's estimate (the same fading
+    evidence as a request's, around the fixed PRIOR_RATE)."""
 
     def __init__(self) -> None:
-        self.accepted = self.proposed = 0.0
+        self.ev_accepted = self.ev_proposed = 0.0
 
     @property
     def rate(self) -> float:
-        return (self.accepted + PRIOR_WEIGHT * PRIOR_RATE) / (self.proposed + PRIOR_WEIGHT)
+        return (self.ev_accepted + PRIOR_WEIGHT * PRIOR_RATE) / (self.ev_proposed + PRIOR_WEIGHT)
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
-        self.accepted = self.accepted * EVIDENCE_DECAY + num_accepted
-        self.proposed = self.proposed * EVIDENCE_DECAY + num_proposed
+        _fold(self, num_proposed, num_accepted)
 
     def idle(self) -> None:
-        self.accepted *= IDLE_DECAY
-        self.proposed *= IDLE_DECAY
+        _fade(self)
 
 
 @dataclass
@@ -195,13 +206,9 @@ def record(req: Request, num_proposed: int, num_accepted: int) -> None:
 
 def evidence(req: Request, num_proposed: int, num_accepted: int) -> None:
     """Fold one proposal's outcome into the request's acceptance estimate."""
-    stats = req.spec_stats
-    stats.ev_accepted = stats.ev_accepted * EVIDENCE_DECAY + num_accepted
-    stats.ev_proposed = stats.ev_proposed * EVIDENCE_DECAY + num_proposed
+    _fold(req.spec_stats, num_proposed, num_accepted)
 
 
 def idle(req: Request) -> None:
     """A step in which the request verified nothing: its evidence fades toward the prior."""
-    stats = req.spec_stats
-    stats.ev_accepted *= IDLE_DECAY
-    stats.ev_proposed *= IDLE_DECAY
+    _fade(req.spec_stats)
