@@ -1,15 +1,20 @@
-"""GPU: the Triton quantized GEMMs (bladellm/kernels/triton/quant_gemm.py) against a 16-bit
-``torch.matmul`` on the same shapes, in one run. Needs a CUDA GPU and triton.
+"""GPU: the Triton quantized GEMMs (bladellm/kernels/triton/quant_gemm.py) against the 16-bit
+cuBLAS GEMM (``torch.matmul``) on the same shapes, in one run. Needs a CUDA GPU and triton.
 
-    python benchmarks/triton_quant_gemm.py            # 88M, demo (135M) and 7B linear shapes
+    python benchmarks/triton_quant_gemm.py --out results.jsonl          # shipped tiles
+    python benchmarks/triton_quant_gemm.py --sweep --out sweep.jsonl    # + a tile sweep
 
-Prints one JSON line per (shape, M): microseconds per call (median of CUDA-event timings) for
-fp16 matmul, W4A16 g128 (asym), W8A16 per channel and W8A8 (incl. the per-token quantization of
-the activations), and each one's speed-up over fp16.
+Per (shape, M): microseconds per call (median of CUDA-event timings over rotating input sets,
+so that weights come from HBM, not L2) for bf16 cuBLAS, W4A16 g128 (asym, GPTQ/AWQ layout),
+W8A16 per channel and W8A8 (including the per-token quantization of the activations), each
+one's speed-up over bf16, and at M = 1 the achieved bandwidth (the fewest bytes the call must
+read: packed weights, scales, zeros, activations) against a measured device-to-device copy.
+``--sweep`` also times a grid of tiles for W4A16 and reports the best beside the shipped choice.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 
@@ -18,53 +23,137 @@ import torch
 from bladellm.kernels.triton import quant_gemm as qg
 
 SHAPES = {  # name -> (K, N) of the linear layers that dominate a decode step
-    "88m-gate_up": (768, 4096), "88m-down": (2048, 768),
     "smollm2-135m-gate_up": (576, 3072), "smollm2-135m-down": (1536, 576),
-    "7b-qkv": (4096, 12288), "7b-gate_up": (4096, 22016), "7b-down": (11008, 4096),
+    "llama3-8b-qkv": (4096, 6144), "llama3-8b-o": (4096, 4096),
+    "llama3-8b-gate_up": (4096, 28672), "llama3-8b-down": (14336, 4096),
 }
+MS = (1, 16, 64, 256, 1024)
 
 
-def _time_us(fn, iters: int = 50) -> float:
-    for _ in range(5):
+def _time_us(fns: list, iters: int = 40) -> float:
+    """Median over ``iters`` calls, cycling through ``fns`` (the same op on different buffers)."""
+    for fn in fns:
         fn()
+    torch.cuda.synchronize()
     times = []
-    for _ in range(iters):
+    for i in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        fns[i % len(fns)]()
         end.record()
-        torch.cuda.synchronize()
+        end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
 
 
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy."""
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = _time_us([lambda: b.copy_(a)], iters=20)
+    return 2 * a.numel() / (us * 1e-6)
+
+
+def _copies(k: int, n: int) -> int:
+    # Enough weight sets that together they are several times the L2 (50-60 MB on Hopper).
+    return max(2, min(64, (400 << 20) // (k * n * 2)))
+
+
+def sweep_w4a16(name: str, x: torch.Tensor, q4: list, s4: torch.Tensor, z4: torch.Tensor,
+                shipped_us: float, emit) -> None:
+    """Time a grid of tiles for W4A16 at this shape; report the best beside the shipped one."""
+    m, k = x.shape
+    best = None
+    bm = 16 if m <= 16 else (64 if m <= 64 else 128)
+    for bn in (64, 128):
+        for bk in ((64, 128, 256) if m <= 16 else (64, 128)):
+            for split in ((1, 2, 4, 8) if m <= 16 else (1,)):
+                for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                    if split > 1 and split > k // bk:
+                        continue
+                    t = qg.GemmTiles(bm, bn, bk, split, warps, stages)
+                    try:
+                        us = _time_us([lambda q=q: qg.wna16_gemm(x, q, s4, z4, 4, 128, tiles=t)
+                                       for q in q4], iters=15)
+                    except Exception as e:  # out of shared memory and the like
+                        emit({"sweep": name, "M": m, "tiles": str(t), "error": repr(e)[:200]})
+                        continue
+                    if best is None or us < best[0]:
+                        best = (us, str(t))
+    if best is not None:
+        emit({"sweep": name, "M": m, "best_w4a16_us": best[0], "best_tiles": best[1],
+              "shipped_w4a16_us": shipped_us})
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="also write the JSON lines here")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--ms", nargs="+", type=int, default=list(MS))
+    args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
+    out = open(args.out, "w") if args.out else None
+
+    def emit(row: dict) -> None:
+        line = json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+
     dev = "cuda"
-    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "triton": __import__("triton").__version__}))
-    for name, (k, n) in SHAPES.items():
-        w16 = torch.randn(k, n, device=dev, dtype=torch.float16) * 0.02
-        v4 = torch.randint(0, 16, (k, n), device=dev)
-        q4, s4 = qg.pack_wna16(v4, 4), torch.rand(k // 128, n, device=dev, dtype=torch.float16)
+    bw = copy_bandwidth()
+    emit({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+          "triton": __import__("triton").__version__, "copy_GBps": bw / 1e9,
+          "sms": torch.cuda.get_device_properties(0).multi_processor_count})
+    torch.manual_seed(0)
+    for name in args.shapes:
+        k, n = SHAPES[name]
+        c = _copies(k, n)
+        w16 = [torch.randn(k, n, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(c)]
+        q4 = [qg.pack_wna16(torch.randint(0, 16, (k, n), device=dev), 4) for _ in range(c)]
+        s4 = torch.rand(k // 128, n, device=dev, dtype=torch.float32) * 0.01
         z4 = torch.randint(0, 16, (k // 128, n), device=dev, dtype=torch.int32)
-        q8, s8 = qg.pack_wna16(torch.randint(0, 256, (k, n), device=dev), 8), \
-            torch.rand(1, n, device=dev, dtype=torch.float16)
-        wq = torch.randint(-127, 128, (k, n), device=dev, dtype=torch.int8)
+        q8 = [qg.pack_wna16(torch.randint(0, 256, (k, n), device=dev), 8) for _ in range(c)]
+        s8 = torch.rand(1, n, device=dev, dtype=torch.float32) * 0.01
+        wq = [torch.randint(-127, 128, (k, n), device=dev, dtype=torch.int8) for _ in range(c)]
         ws = torch.rand(n, device=dev)
-        for m in (1, 16, 256):
-            x = torch.randn(m, k, device=dev, dtype=torch.float16)
-            row = {"shape": name, "K": k, "N": n, "M": m,
-                   "fp16_us": _time_us(lambda: x @ w16),
-                   "w4a16_g128_us": _time_us(lambda: qg.wna16_gemm(x, q4, s4, z4, 4, 128)),
-                   "w8a16_us": _time_us(lambda: qg.wna16_gemm(x, q8, s8, None, 8, k)),
-                   "w8a8_us": _time_us(lambda: qg.w8a8_gemm(*qg.per_token_quant_int8(x), wq, ws,
-                                                            torch.float16))}
+        for m in args.ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            # Correctness at this shape first: each kernel against its twin (fresh inputs).
+            ref4 = qg.wna16_gemm_ref(x, q4[0], s4, z4, 4, 128).float()
+            err4 = ((qg.wna16_gemm(x, q4[0], s4, z4, 4, 128).float() - ref4).norm()
+                    / ref4.norm()).item()
+            xq, xs = qg.per_token_quant_int8(x)
+            ref8 = qg.w8a8_gemm_ref(xq, xs, wq[0], ws, torch.float32)
+            err8 = ((qg.w8a8_gemm(xq, xs, wq[0], ws, torch.bfloat16).float() - ref8).norm()
+                    / ref8.norm()).item()
+            row = {"shape": name, "K": k, "N": n, "M": m, "weight_sets": c,
+                   "w4a16_rel_err": err4, "w8a8_rel_err": err8,
+                   "tiles_w4": str(qg.choose_tiles(m, n, k, x.device, k_align=128)),
+                   "bf16_us": _time_us([lambda w=w: x @ w for w in w16]),
+                   "w4a16_g128_us": _time_us([lambda q=q: qg.wna16_gemm(x, q, s4, z4, 4, 128)
+                                              for q in q4]),
+                   "w8a16_us": _time_us([lambda q=q: qg.wna16_gemm(x, q, s8, None, 8, k)
+                                         for q in q8]),
+                   "w8a8_us": _time_us([lambda w=w: qg.w8a8_gemm(*qg.per_token_quant_int8(x), w,
+                                                                 ws, torch.bfloat16)
+                                        for w in wq])}
             for key in ("w4a16_g128_us", "w8a16_us", "w8a8_us"):
-                row[key.replace("_us", "_speedup")] = round(row["fp16_us"] / row[key], 2)
-            print(json.dumps({k_: round(v, 1) if isinstance(v, float) else v
-                              for k_, v in row.items()}))
+                row[key.replace("_us", "_speedup")] = row["bf16_us"] / row[key]
+            if m == 1:
+                act = k * 2 + n * 2
+                bytes_ = {"bf16": k * n * 2 + act, "w4a16_g128": k * n // 2 + s4.numel() * 8 + act,
+                          "w8a16": k * n + n * 4 + act, "w8a8": k * n + n * 4 + act}
+                for key, b in bytes_.items():
+                    row[f"{key}_frac_copy_bw"] = b / (row[f"{key}_us"] * 1e-6) / bw
+            emit(row)
+            if args.sweep and m in (1, 256) and name.startswith("llama3"):
+                sweep_w4a16(name, x, q4, s4, z4, row["w4a16_g128_us"], emit)
+    if out:
+        out.close()
 
 
 if __name__ == "__main__":

@@ -35,26 +35,57 @@ def test_pack_then_unpack_is_identity():
         assert torch.equal(qg.unpack_wna16_ref(packed, bits), values)
 
 
-@pytest.mark.parametrize("bits, group_size, with_zeros, m, k, n", [
-    (4, 32, True, 3, 128, 40),     # asym, groups of 32, M and N not multiples of the tiles
-    (4, 128, False, 17, 128, 64),  # sym (zero point 8), per channel (group = K)
-    (8, 64, True, 1, 192, 24),     # 8-bit, decode-sized M, K not a power of two
-    (8, 64, False, 5, 64, 16),
+@pytest.mark.parametrize("bits, group_size, with_zeros, m, k, n, block_k, split", [
+    (4, 32, True, 3, 128, 40, 32, 1),    # asym, groups of 32, M and N not multiples of the tiles
+    (4, 128, False, 17, 128, 64, 32, 1),  # sym (zero point 8), per channel (group = K)
+    (8, 64, True, 1, 192, 24, 32, 1),    # 8-bit, decode-sized M, K not a power of two
+    (8, 64, False, 5, 64, 16, 32, 1),
+    (4, 16, True, 2, 128, 24, 32, 1),    # groups smaller than the K tile: per-row scales
+    (4, 32, True, 3, 256, 40, 32, 3),    # split-K: 8 K tiles over 3 slices (3, 3, 2)
+    (8, 192, False, 4, 192, 24, 64, 2),  # split-K, per channel, K tile 64 in a group of 192
 ])
-def test_wna16_matches_twin(bits, group_size, with_zeros, m, k, n):
+def test_wna16_matches_twin(bits, group_size, with_zeros, m, k, n, block_k, split):
     values, scales, zeros = _random_wna16(k, n, bits, group_size, with_zeros, k + n)
     qweight = qg.pack_wna16(values, bits).to(DEVICE)
     scales, zeros = scales.to(DEVICE), zeros.to(DEVICE) if zeros is not None else None
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
     bias = torch.randn(n).to(DEVICE)
     got = qg.wna16_gemm(x, qweight, scales, zeros, bits, group_size, bias=bias,
-                        block_m=16, block_n=16, block_k=32)
+                        tiles=qg.GemmTiles(16, 16, block_k, split))
     want = qg.wna16_gemm_ref(x, qweight, scales, zeros, bits, group_size, bias=bias)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # The twin itself against an explicit dequantization.
     zero = zeros.float().repeat_interleave(group_size, 0) if zeros is not None else 2 ** (bits - 1)
     w = (values.to(DEVICE).float() - zero) * scales.float().repeat_interleave(group_size, 0)
     torch.testing.assert_close(want, x @ w + bias, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wna16_16bit_activations(dtype):
+    """16-bit activations take the tensor-core dot (the K tile's integers exact in 16 bits, one
+    scale per tile): within the rounding of x itself to 16 bits of the float32 twin."""
+    k, n, m = 256, 48, 5
+    values, scales, zeros = _random_wna16(k, n, 4, 64, True, 7)
+    qweight = qg.pack_wna16(values, 4).to(DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    got = qg.wna16_gemm(x, qweight, scales.to(DEVICE), zeros.to(DEVICE), 4, 64)
+    assert got.dtype == dtype
+    want = qg.wna16_gemm_ref(x.float(), qweight, scales.to(DEVICE), zeros.to(DEVICE), 4, 64)
+    err = (got.float() - want).norm() / want.norm()
+    assert err < (4e-3 if dtype == torch.bfloat16 else 5e-4), err
+
+
+def test_choose_tiles():
+    cpu = torch.device("cpu")
+    decode = qg.choose_tiles(1, 4096, 4096, cpu, k_align=128)
+    assert (decode.block_m, decode.block_k, decode.split_k) == (16, 128, 1)  # no split off GPU
+    assert qg.choose_tiles(1, 4096, 4096, cpu, k_align=32).block_k == 32  # tile inside a group
+    assert qg.choose_tiles(1, 4096, 192, cpu, k_align=192).block_k == 64
+    assert qg.choose_tiles(40, 4096, 4096, cpu).block_m == 64
+    big = qg.choose_tiles(512, 4096, 4096, cpu)
+    assert (big.block_m, big.block_n, big.num_warps) == (128, 128, 8)
+    if ON_GPU:  # decode at N = 4096 leaves 64 output tiles: split K to fill the multiprocessors
+        assert qg.choose_tiles(1, 4096, 11008, torch.device("cuda"), k_align=128).split_k > 1
 
 
 def test_wna16_rejects_bad_shapes():
@@ -79,15 +110,16 @@ def test_per_token_quant_matches_twin(m, k):
     assert (q.int() != q_ref.int()).float().mean() < 0.01
 
 
-@pytest.mark.parametrize("m, k, n, with_bias", [(3, 64, 40, True), (17, 96, 16, False)])
-def test_w8a8_matches_twin_exactly(m, k, n, with_bias):
+@pytest.mark.parametrize("m, k, n, with_bias, split", [
+    (3, 64, 40, True, 1), (17, 96, 16, False, 1), (3, 160, 40, True, 2)])
+def test_w8a8_matches_twin_exactly(m, k, n, with_bias, split):
     g = torch.Generator().manual_seed(m * n)
     xq = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8).to(DEVICE)
     wq = torch.randint(-127, 128, (k, n), generator=g, dtype=torch.int8).to(DEVICE)
     xs = (torch.rand(m, generator=g) * 0.01).to(DEVICE)
     ws = (torch.rand(n, generator=g) * 0.01).to(DEVICE)
     bias = torch.randn(n, generator=g).to(DEVICE) if with_bias else None
-    got = qg.w8a8_gemm(xq, xs, wq, ws, torch.float32, bias=bias, block_m=16, block_n=16,
-                       block_k=32)
+    got = qg.w8a8_gemm(xq, xs, wq, ws, torch.float32, bias=bias,
+                       tiles=qg.GemmTiles(16, 16, 32, split))
     want = qg.w8a8_gemm_ref(xq, xs, wq, ws, torch.float32, bias=bias)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

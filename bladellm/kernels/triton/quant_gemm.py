@@ -22,51 +22,140 @@ against the twins; ``benchmarks/triton_quant_gemm.py`` times them on a GPU.
 
 from __future__ import annotations
 
+import functools
+import os
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 
+# The interpreter's bfloat16 dot is wrong (numpy has no bf16): there the kernels take the
+# float32 dot, which only changes rounding, never what the test compares.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---- tiles -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """One launch's tiling. ``split_k`` > 1 gives each program a slice of K and sums the slices'
+    float32 (int32 for W8A8) partials afterwards in a fixed order: decode-sized M leaves too few
+    output tiles to keep every multiprocessor streaming weights otherwise, and the fixed order
+    keeps results independent of the run (no atomics)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_tiles(m: int, n: int, k: int, device: torch.device,
+                 block_k: tuple[int, int] = (128, 64), k_align: int = 0,
+                 min_block_k: int = 16) -> GemmTiles:
+    """Tiles by M: decode-sized M streams weights (narrow M tile, deep K, split-K until about two
+    programs per multiprocessor), large M is matrix-bound (128-wide tiles, 8 warps).
+    ``block_k``: the K tile for M <= 16 and above (W4A16 loads its packed words as one int32 per
+    element, so a deep K tile at 128-wide N would overflow shared memory). ``k_align``: a K tile
+    must divide it (the group size, for the group-aligned dequantization)."""
+    if m <= 16:
+        bm, bn, warps, bk = 16, 64, 4, block_k[0]
+    elif m <= 64:
+        bm, bn, warps, bk = max(16, triton.next_power_of_2(m)), 128, 4, block_k[1]
+    else:
+        bm, bn, warps, bk = 128, 128, 8, block_k[1]
+    bk = min(bk, max(min_block_k, triton.next_power_of_2(k)))
+    while bk > min_block_k and k_align % bk:
+        bk //= 2
+    split = 1
+    if device.type == "cuda" and m <= 64:
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        target = 2 * _multiprocessors(device.index if device.index is not None
+                                      else torch.cuda.current_device())
+        split = max(1, min(16, triton.cdiv(k, bk) // 2, target // max(tiles, 1)))
+    return GemmTiles(bm, bn, bk, split, warps, 3)
+
+
+def _k_per_split(k: int, tiles: GemmTiles) -> int:
+    return triton.cdiv(triton.cdiv(k, tiles.block_k), tiles.split_k) * tiles.block_k
+
+
 # ---- W4A16 / W8A16: group-dequantized weight-only GEMM ------------------------------------------
 
 @triton.jit
-def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, group_size,
+def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT, group_size,
                   stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
-                  stride_zg, stride_zn, stride_om, stride_on,
+                  stride_zg, stride_zn, stride_os, stride_om, stride_on,
                   BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  GROUP_TILE: tl.constexpr, DOT_IEEE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     per_word: tl.constexpr = 32 // BITS
     mask_value: tl.constexpr = (1 << BITS) - 1
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
+        mask_k = offs_k < k_end
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=(offs_m[:, None] < M) & mask_k[None, :], other=0.0)
-        # Each of the per_word rows sharing a word loads it and shifts out its own bits.
-        mask_kn = mask_k[:, None] & (offs_n[None, :] < N)
+        # Each of the per_word rows sharing a word loads it (an L1 hit after the first) and
+        # shifts out its own bits.
+        mask_kn = mask_k[:, None] & mask_n[None, :]
         words = tl.load(qw_ptr + (offs_k // per_word)[:, None] * stride_qk
                         + offs_n[None, :] * stride_qn, mask=mask_kn, other=0)
-        shift = ((offs_k % per_word) * BITS)[:, None]
-        q = ((words >> shift) & mask_value).to(tl.float32)
-        group = offs_k // group_size
-        scale = tl.load(s_ptr + group[:, None] * stride_sg + offs_n[None, :] * stride_sn,
-                        mask=mask_kn, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zero = tl.load(z_ptr + group[:, None] * stride_zg + offs_n[None, :] * stride_zn,
-                           mask=mask_kn, other=0).to(tl.float32)
+        q = ((words >> ((offs_k % per_word) * BITS)[:, None]) & mask_value).to(tl.float32)
+        if GROUP_TILE:
+            # The whole K tile lies in one group: subtract the zero point here and scale the
+            # tile's dot product once. q - z are small integers, exact in 16 bits, so the dot
+            # runs on the activations' dtype (tensor cores) with nothing rounded but x itself.
+            group = k0 // group_size
+            scale = tl.load(s_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n,
+                            other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zero = tl.load(z_ptr + group * stride_zg + offs_n * stride_zn, mask=mask_n,
+                               other=0).to(tl.float32)
+                w = q - zero[None, :]
+            else:
+                w = q - float(1 << (BITS - 1))
+            if DOT_IEEE:
+                part = tl.dot(x.to(tl.float32), w, input_precision="ieee")
+            else:
+                part = tl.dot(x, w.to(x.dtype))
+            acc += part * scale[None, :]
         else:
-            zero = float(1 << (BITS - 1))
-        w = (q - zero) * scale
-        acc += tl.dot(x.to(tl.float32), w)
+            group = offs_k // group_size
+            scale = tl.load(s_ptr + group[:, None] * stride_sg + offs_n[None, :] * stride_sn,
+                            mask=mask_kn, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zero = tl.load(z_ptr + group[:, None] * stride_zg + offs_n[None, :] * stride_zn,
+                               mask=mask_kn, other=0).to(tl.float32)
+            else:
+                zero = float(1 << (BITS - 1))
+            w = (q - zero) * scale
+            if DOT_IEEE:
+                acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w.to(x.dtype))
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-             acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om
+             + offs_n[None, :] * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & mask_n[None, :])
 
 
 def _check_wna16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -91,22 +180,37 @@ def _check_wna16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor | None, bits: int, group_size: int,
-               bias: torch.Tensor | None = None, block_m: int = 16, block_n: int = 64,
-               block_k: int = 64) -> torch.Tensor:
+               bias: torch.Tensor | None = None, tiles: GemmTiles | None = None) -> torch.Tensor:
     """``x [M, K] @ dequant(qweight).T``-equivalent: ``[M, N]`` in ``x``'s dtype (layout above;
-    per-channel quantization is ``group_size = K``)."""
+    per-channel quantization is ``group_size = K``). ``tiles``: None picks them
+    (``choose_tiles``). fp16/bf16 activations go through the tensor cores with float32
+    accumulation; float32 activations use full-precision (not tf32) dot products."""
     m, n, k = _check_wna16(x, qweight, scales, zeros, bits, group_size)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_k = min(block_k, triton.next_power_of_2(k))
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    if tiles is None:
+        tiles = choose_tiles(m, n, k, x.device, k_align=group_size)
+    split = tiles.split_k
+    # A split's partials stay float32 until they are summed; one split writes x's dtype.
+    out = torch.empty((split, m, n) if split > 1 else (1, m, n),
+                      dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
     z = zeros if zeros is not None else scales  # unused pointer when HAS_ZEROS is false
+    has_bias = bias is not None and split == 1
     _wna16_kernel[grid](
-        x, qweight, scales, z, bias if bias is not None else scales, out, m, n, k, group_size,
+        x, qweight, scales, z, bias if has_bias else scales, out, m, n, k,
+        _k_per_split(k, tiles), group_size,
         x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1),
         scales.stride(0), scales.stride(1), z.stride(0), z.stride(1), out.stride(0),
-        out.stride(1), BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    return out
+        out.stride(1), out.stride(2), BITS=bits, HAS_ZEROS=zeros is not None,
+        HAS_BIAS=has_bias, GROUP_TILE=group_size % tiles.block_k == 0,
+        DOT_IEEE=x.dtype == torch.float32 or (_INTERPRETING and x.dtype == torch.bfloat16),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if split == 1:
+        return out[0]
+    y = out.sum(dim=0)
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
 
 
 def unpack_wna16_ref(qweight: torch.Tensor, bits: int) -> torch.Tensor:
@@ -188,55 +292,76 @@ def per_token_quant_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 @triton.jit
-def _w8a8_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
-                 stride_xm, stride_xk, stride_wk, stride_wn, stride_om, stride_on,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _w8a8_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT,
+                 stride_xm, stride_xk, stride_wk, stride_wn, stride_os, stride_om, stride_on,
+                 HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(xq_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0)
+                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_end), other=0)
         b = tl.load(wq_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-                    mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0)
+                    mask=(offs_k[:, None] < k_end) & (offs_n[None, :] < N), other=0)
         acc += tl.dot(a, b, out_dtype=tl.int32)
-    xs = tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)
-    ws = tl.load(ws_ptr + offs_n, mask=offs_n < N, other=0.0)
-    y = acc.to(tl.float32) * xs[:, None] * ws[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-             y.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    mask_out = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out_offs = pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    if SCALE:
+        xs = tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)
+        ws = tl.load(ws_ptr + offs_n, mask=offs_n < N, other=0.0)
+        y = acc.to(tl.float32) * xs[:, None] * ws[None, :]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=mask_out)
+    else:  # a split's exact int32 partial; scaled once the splits are summed
+        tl.store(out_ptr + out_offs, acc, mask=mask_out)
 
 
 def w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-              out_dtype: torch.dtype, bias: torch.Tensor | None = None, block_m: int = 16,
-              block_n: int = 64, block_k: int = 64) -> torch.Tensor:
-    """``(xq [M, K] int8 @ wq [K, N] int8)`` in int32, scaled per token and per channel."""
+              out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+              tiles: GemmTiles | None = None) -> torch.Tensor:
+    """``(xq [M, K] int8 @ wq [K, N] int8)`` in int32, scaled per token and per channel.
+    ``tiles``: None picks them (``choose_tiles``); split-K partials are int32, so their sum is
+    exact and the result does not depend on the split."""
     if xq.dtype != torch.int8 or wq.dtype != torch.int8 or xq.shape[1] != wq.shape[0]:
         raise ValueError("xq must be int8 [M, K] and wq int8 [K, N]")
     m, k = xq.shape
     n = wq.shape[1]
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _w8a8_kernel[grid](xq, x_scale, wq, w_scale, bias if bias is not None else w_scale, out,
-                       m, n, k, xq.stride(0), xq.stride(1), wq.stride(0), wq.stride(1),
-                       out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
-                       BLOCK_M=block_m, BLOCK_N=block_n,
-                       BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))))
-    return out
+    if tiles is None:
+        tiles = choose_tiles(m, n, k, xq.device, block_k=(128, 128), min_block_k=32)
+    split = tiles.split_k
+    out = torch.empty((split, m, n), dtype=out_dtype if split == 1 else torch.int32,
+                      device=xq.device)
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
+    has_bias = bias is not None and split == 1
+    _w8a8_kernel[grid](xq, x_scale, wq, w_scale, bias if has_bias else w_scale, out,
+                       m, n, k, _k_per_split(k, tiles), xq.stride(0), xq.stride(1),
+                       wq.stride(0), wq.stride(1), out.stride(0), out.stride(1), out.stride(2),
+                       HAS_BIAS=has_bias, SCALE=split == 1, BLOCK_M=tiles.block_m,
+                       BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                       num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if split == 1:
+        return out[0]
+    y = out.sum(dim=0, dtype=torch.int32).to(torch.float32)
+    y = y * x_scale.float()[:, None] * w_scale.float()[None, :]
+    if bias is not None:
+        y += bias.float()
+    return y.to(out_dtype)
 
 
 def w8a8_gemm_ref(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
                   w_scale: torch.Tensor, out_dtype: torch.dtype,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Twin: exact int32 accumulation (int64 on the CPU, no overflow at these sizes), then the
-    same float32 scaling."""
-    acc = (xq.to(torch.int64) @ wq.to(torch.int64)).to(torch.float32)
+    """Twin: the exact integer sum (in float64, exact while K * 127^2 < 2^53, and a dtype whose
+    matmul exists on every device, unlike int64 on CUDA), then the same float32 scaling."""
+    acc = (xq.to(torch.float64) @ wq.to(torch.float64)).to(torch.float32)
     y = acc * x_scale.float()[:, None] * w_scale.float()[None, :]
     if bias is not None:
         y = y + bias.float()
