@@ -60,7 +60,8 @@ class TritonW8A8Linear:
     def __init__(self, w: IntWeight) -> None:
         if w.num_groups != 1 or w.zeros is not None:
             raise ValueError("W8A8 needs symmetric per-channel weights")
-        self.wq = w.q.to(torch.int8).t().contiguous()
+        # [N, K] stored, [K, N] viewed: K-major, as the int8 tensor-core dot wants it.
+        self.wq = w.q.to(torch.int8).contiguous().t()
         self.w_scale = w.scales[:, 0].to(torch.float32).contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -75,6 +75,18 @@ def test_wna16_16bit_activations(dtype):
     assert err < (4e-3 if dtype == torch.bfloat16 else 5e-4), err
 
 
+@pytest.mark.parametrize("bits, group_size, with_zeros", [(4, 32, True), (8, 48, False)])
+def test_dequant_wna16_matches_twin(bits, group_size, with_zeros):
+    k, n = 96, 40
+    values, scales, zeros = _random_wna16(k, n, bits, group_size, with_zeros, 5)
+    qweight = qg.pack_wna16(values, bits).to(DEVICE)
+    zeros = zeros.to(DEVICE) if zeros is not None else None
+    got = qg.dequant_wna16(qweight, scales.to(DEVICE), zeros, bits, group_size, torch.float32)
+    zero = zeros.float().repeat_interleave(group_size, 0) if zeros is not None else 2 ** (bits - 1)
+    want = (values.to(DEVICE).float() - zero) * scales.to(DEVICE).repeat_interleave(group_size, 0)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_choose_tiles():
     cpu = torch.device("cpu")
     decode = qg.choose_tiles(1, 4096, 4096, cpu, k_align=128)
@@ -116,6 +128,8 @@ def test_w8a8_matches_twin_exactly(m, k, n, with_bias, split):
     g = torch.Generator().manual_seed(m * n)
     xq = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8).to(DEVICE)
     wq = torch.randint(-127, 128, (k, n), generator=g, dtype=torch.int8).to(DEVICE)
+    if split > 1:  # the layout the engine keeps: [N, K] stored, K-major [K, N] view
+        wq = wq.t().contiguous().t()
     xs = (torch.rand(m, generator=g) * 0.01).to(DEVICE)
     ws = (torch.rand(n, generator=g) * 0.01).to(DEVICE)
     bias = torch.randn(n, generator=g).to(DEVICE) if with_bias else None

@@ -104,12 +104,14 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     n, num_kv_heads, head_dim = key.shape
     if n == 0:
         return
+    # No mul+add -> FMA contraction: the int8 rounding must see x * inv rounded, as the twin
+    # does (a fused y + 0.5 moves ties).
     _store_kv_kernel[(n,)](
         key, value, k_cache, v_cache, slot_mapping, k_cache.shape[1], num_kv_heads, head_dim,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HEADS=triton.next_power_of_2(num_kv_heads), HEAD_DIM=triton.next_power_of_2(head_dim),
-        KV_INT8=int8)
+        KV_INT8=int8, enable_fp_fusion=False)
 
 
 # ---- RMSNorm -------------------------------------------------------------------------------------
@@ -207,10 +209,11 @@ def _rotate_in_place(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.
     if x.shape[0] == 0:
         return
     num_heads, half = x.shape[1] // head_dim, rotary_dim // 2
+    # No FMA contraction: the twin rounds each product before the sum (torch's tensor ops).
     _rotary_kernel[(x.shape[0],)](
         x, positions, cos_cache, sin_cache, num_heads, head_dim, half, x.stride(0),
         cos_cache.stride(0), DTYPE=_tl_dtype(x.dtype), HEADS=triton.next_power_of_2(num_heads),
-        HALF=triton.next_power_of_2(half))
+        HALF=triton.next_power_of_2(half), enable_fp_fusion=False)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -84,6 +84,11 @@ def choose_tiles(m: int, n: int, k: int, device: torch.device,
     return GemmTiles(bm, bn, bk, split, warps, 3)
 
 
+# From M on, W4A16/W8A16 on a GPU dequantizes the weight and runs the 16-bit GEMM
+# (benchmarks/triton_quant_gemm.py measures both paths at each M).
+WNA16_DEQUANT_MIN_M = 128
+
+
 def _k_per_split(k: int, tiles: GemmTiles) -> int:
     return triton.cdiv(triton.cdiv(k, tiles.block_k), tiles.split_k) * tiles.block_k
 
@@ -187,6 +192,11 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     accumulation; float32 activations use full-precision (not tf32) dot products."""
     m, n, k = _check_wna16(x, qweight, scales, zeros, bits, group_size)
     if tiles is None:
+        if x.device.type == "cuda" and x.dtype != torch.float32 and m >= WNA16_DEQUANT_MIN_M:
+            # Matrix-bound: one pass writes the dense weight, then the 16-bit GEMM (cuBLAS).
+            # The fused kernel's dequantization in every K step costs more than that pass.
+            w = dequant_wna16(qweight, scales, zeros, bits, group_size, x.dtype)
+            return torch.addmm(bias.to(x.dtype), x, w) if bias is not None else x @ w
         tiles = choose_tiles(m, n, k, x.device, k_align=group_size)
     split = tiles.split_k
     # A split's partials stay float32 until they are summed; one split writes x's dtype.
@@ -211,6 +221,46 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype)
+
+
+@triton.jit
+def _dequant_wna16_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size,
+                          stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
+                          stride_ok, stride_on, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    per_word: tl.constexpr = 32 // BITS
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_k[:, None] < K) & (offs_n[None, :] < N)
+    words = tl.load(qw_ptr + (offs_k // per_word)[:, None] * stride_qk
+                    + offs_n[None, :] * stride_qn, mask=mask, other=0)
+    q = ((words >> ((offs_k % per_word) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
+    group = offs_k // group_size
+    scale = tl.load(s_ptr + group[:, None] * stride_sg + offs_n[None, :] * stride_sn, mask=mask,
+                    other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + group[:, None] * stride_zg + offs_n[None, :] * stride_zn,
+                       mask=mask, other=0).to(tl.float32)
+    else:
+        zero = float(1 << (BITS - 1))
+    tl.store(out_ptr + offs_k[:, None] * stride_ok + offs_n[None, :] * stride_on,
+             ((q - zero) * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequant_wna16(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                  bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The dense ``[K, N]`` weight in ``dtype`` (each value rounded once from float32)."""
+    per_word = 32 // bits
+    k, n = qweight.shape[0] * per_word, qweight.shape[1]
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    z = zeros if zeros is not None else scales
+    block_k, block_n = 32, 128
+    _dequant_wna16_kernel[(triton.cdiv(k, block_k), triton.cdiv(n, block_n))](
+        qweight, scales, z, out, n, k, group_size, qweight.stride(0), qweight.stride(1),
+        scales.stride(0), scales.stride(1), z.stride(0), z.stride(1), out.stride(0),
+        out.stride(1), BITS=bits, HAS_ZEROS=zeros is not None, BLOCK_K=block_k,
+        BLOCK_N=block_n)
+    return out
 
 
 def unpack_wna16_ref(qweight: torch.Tensor, bits: int) -> torch.Tensor:
@@ -327,7 +377,9 @@ def _w8a8_kernel(xq_ptr, xs_ptr, wq_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, K_SPLI
 def w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
               out_dtype: torch.dtype, bias: torch.Tensor | None = None,
               tiles: GemmTiles | None = None) -> torch.Tensor:
-    """``(xq [M, K] int8 @ wq [K, N] int8)`` in int32, scaled per token and per channel.
+    """``(xq [M, K] int8 @ wq [K, N] int8)`` in int32, scaled per token and per channel. Keep the
+    weight K-contiguous (``wq = w_nk.t()`` for an ``[N, K]`` tensor): Hopper's int8 tensor-core
+    instructions take both operands K-major.
     ``tiles``: None picks them (``choose_tiles``); split-K partials are int32, so their sum is
     exact and the result does not depend on the split."""
     if xq.dtype != torch.int8 or wq.dtype != torch.int8 or xq.shape[1] != wq.shape[0]:
