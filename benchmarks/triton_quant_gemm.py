@@ -91,10 +91,10 @@ def sweep_w4a16(name: str, x: torch.Tensor, q4: list, s4: torch.Tensor, z4: torc
     m, k = x.shape
     best, failed = None, 0
     bm = 16 if m <= 16 else (64 if m <= 64 else 128)
-    for bn in (32, 64, 128):
-        for bk in (64, 128):
+    for bn in (64, 128, 256):
+        for bk in (128, 256):
             for split in (1, 2, 4, 8):
-                for warps, stages in ((4, 3), (4, 4), (2, 4)):
+                for warps, stages in ((4, 3), (4, 4), (8, 3)):
                     if split > 1 and split > k // bk:
                         continue
                     t = qg.GemmTiles(bm, bn, bk, split, warps, stages)

@@ -48,7 +48,9 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     The compiled writer does the same fp32 operations in the same order, bit for bit."""
     x = x.float()
     amax = x.abs().amax(-1)
-    scale = amax / QMAX
+    # Tensor / tensor here too: torch on CUDA turns a division by a Python scalar into a
+    # multiplication by its reciprocal, which would make the twin's bits depend on the device.
+    scale = amax / torch.full_like(amax, QMAX)
     # A tensor / tensor true division: ``QMAX / amax`` would be ``amax.reciprocal() * QMAX``
     # (two roundings), which the compiled writer does not do.
     inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))

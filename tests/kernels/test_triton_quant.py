@@ -36,13 +36,14 @@ def test_pack_then_unpack_is_identity():
 
 
 @pytest.mark.parametrize("bits, group_size, with_zeros, m, k, n, block_k, split", [
-    (4, 32, True, 3, 128, 40, 32, 1),    # asym, groups of 32, M and N not multiples of the tiles
-    (4, 128, False, 17, 128, 64, 32, 1),  # sym (zero point 8), per channel (group = K)
-    (8, 64, True, 1, 192, 24, 32, 1),    # 8-bit, decode-sized M, K not a power of two
-    (8, 64, False, 5, 64, 16, 32, 1),
-    (4, 16, True, 2, 128, 24, 32, 1),    # groups smaller than the K tile: per-row scales
-    (4, 32, True, 3, 256, 40, 32, 3),    # split-K: 8 K tiles over 3 slices (3, 3, 2)
-    (8, 192, False, 4, 192, 24, 64, 2),  # split-K, per channel, K tile 64 in a group of 192
+    (4, 32, True, 3, 128, 40, 128, 1),    # asym, groups of 32 inside the K tile, ragged M and N
+    (4, 128, False, 17, 128, 64, 128, 1),  # sym (zero point 8), per channel (group = K)
+    (8, 64, True, 1, 192, 24, 64, 1),     # 8-bit, decode-sized M, K not a power of two
+    (8, 64, False, 5, 64, 16, 64, 1),
+    (4, 16, True, 2, 256, 24, 128, 1),    # groups of 16: two words per group
+    (4, 32, True, 3, 384, 40, 128, 2),    # split-K: 3 K tiles over 2 slices (2, 1)
+    (8, 192, False, 4, 192, 24, 64, 2),   # split-K, per channel, K tile 64 in a group of 192
+    (4, 64, True, 2, 192, 24, 128, 1),    # K not a multiple of the K tile: a masked last tile
 ])
 def test_wna16_matches_twin(bits, group_size, with_zeros, m, k, n, block_k, split):
     values, scales, zeros = _random_wna16(k, n, bits, group_size, with_zeros, k + n)
@@ -109,6 +110,9 @@ def test_wna16_rejects_bad_shapes():
         qg.wna16_gemm(torch.randn(2, 64), qweight, scales[:1], None, 4, 32)
     with pytest.raises(ValueError, match="bits"):
         qg.wna16_gemm(torch.randn(2, 64), qweight, scales, None, 3, 32)
+    with pytest.raises(ValueError, match="block_k"):
+        qg.wna16_gemm(torch.randn(2, 64), qweight, scales, None, 4, 32,
+                      tiles=qg.GemmTiles(16, 16, 64))
 
 
 @pytest.mark.parametrize("m, k", [(1, 64), (7, 300)])

@@ -67,7 +67,7 @@ def choose_tiles(m: int, n: int, k: int, device: torch.device,
     element, so a deep K tile at 128-wide N would overflow shared memory). ``k_align``: a K tile
     must divide it (the group size, for the group-aligned dequantization)."""
     if m <= 16:
-        bm, bn, warps, bk = 16, 64, 4, block_k[0]
+        bm, bn, warps, bk = 16, 128, 4, block_k[0]
     elif m <= 64:
         bm, bn, warps, bk = max(16, triton.next_power_of_2(m)), 128, 4, block_k[1]
     else:
@@ -102,65 +102,71 @@ def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT,
                   BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                   GROUP_TILE: tl.constexpr, DOT_IEEE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each packed word is loaded once: the K tile is ``BLOCK_K / per_word`` word rows, and value
+    ``j`` of every word (input row ``kw * per_word + j``) takes part in its own dot with the
+    matching strided columns of x. The dot's sum over K does not care about the order of K, so no
+    unpacked [BLOCK_K, BLOCK_N] tile is ever formed (no reshape, no 8x reloads)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     per_word: tl.constexpr = 32 // BITS
+    KW: tl.constexpr = BLOCK_K // per_word
     mask_value: tl.constexpr = (1 << BITS) - 1
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_kw = tl.arange(0, KW)
+    mask_m = offs_m < M
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=(offs_m[:, None] < M) & mask_k[None, :], other=0.0)
-        # Each of the per_word rows sharing a word loads it (an L1 hit after the first) and
-        # shifts out its own bits.
-        mask_kn = mask_k[:, None] & mask_n[None, :]
-        words = tl.load(qw_ptr + (offs_k // per_word)[:, None] * stride_qk
-                        + offs_n[None, :] * stride_qn, mask=mask_kn, other=0)
-        q = ((words >> ((offs_k % per_word) * BITS)[:, None]) & mask_value).to(tl.float32)
+        k_word = k0 + offs_kw * per_word  # the first input row of each word
+        mask_w = (k_word < k_end)[:, None] & mask_n[None, :]
+        words = tl.load(qw_ptr + (k_word // per_word)[:, None] * stride_qk
+                        + offs_n[None, :] * stride_qn, mask=mask_w, other=0)
         if GROUP_TILE:
-            # The whole K tile lies in one group: subtract the zero point here and scale the
-            # tile's dot product once. q - z are small integers, exact in 16 bits, so the dot
-            # runs on the activations' dtype (tensor cores) with nothing rounded but x itself.
+            # The whole K tile lies in one group: one scale (and zero) row, and the tile's dot
+            # runs on q - z, small integers exact in 16 bits, scaled once afterwards.
             group = k0 // group_size
             scale = tl.load(s_ptr + group * stride_sg + offs_n * stride_sn, mask=mask_n,
                             other=0.0).to(tl.float32)
             if HAS_ZEROS:
                 zero = tl.load(z_ptr + group * stride_zg + offs_n * stride_zn, mask=mask_n,
-                               other=0).to(tl.float32)
-                w = q - zero[None, :]
-            else:
-                w = q - float(1 << (BITS - 1))
-            if DOT_IEEE:
-                part = tl.dot(x.to(tl.float32), w, input_precision="ieee")
-            else:
-                part = tl.dot(x, w.to(x.dtype))
-            acc += part * scale[None, :]
-        else:
-            group = offs_k // group_size
-            scale = tl.load(s_ptr + group[:, None] * stride_sg + offs_n[None, :] * stride_sn,
-                            mask=mask_kn, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                zero = tl.load(z_ptr + group[:, None] * stride_zg + offs_n[None, :] * stride_zn,
-                               mask=mask_kn, other=0).to(tl.float32)
+                               other=0).to(tl.float32)[None, :]
             else:
                 zero = float(1 << (BITS - 1))
-            w = (q - zero) * scale
-            if DOT_IEEE:
-                acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        else:
+            # Groups are whole words (group_size % per_word == 0, checked): one row per word.
+            group = k_word // group_size
+            scale = tl.load(s_ptr + group[:, None] * stride_sg + offs_n[None, :] * stride_sn,
+                            mask=mask_w, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zero = tl.load(z_ptr + group[:, None] * stride_zg + offs_n[None, :] * stride_zn,
+                               mask=mask_w, other=0).to(tl.float32)
             else:
-                acc += tl.dot(x, w.to(x.dtype))
+                zero = float(1 << (BITS - 1))
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(per_word):
+            kx = k_word + j
+            xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :] * stride_xk,
+                         mask=mask_m[:, None] & (kx < k_end)[None, :], other=0.0)
+            w = ((words >> (j * BITS)) & mask_value).to(tl.float32) - zero
+            if not GROUP_TILE:
+                w = w * scale
+            if DOT_IEEE:
+                part += tl.dot(xj.to(tl.float32), w, input_precision="ieee")
+            else:
+                part += tl.dot(xj, w.to(xj.dtype))
+        if GROUP_TILE:
+            acc += part * scale[None, :]
+        else:
+            acc += part
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om
              + offs_n[None, :] * stride_on,
-             acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & mask_n[None, :])
+             acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def _check_wna16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -180,6 +186,9 @@ def _check_wna16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          f"{tuple(scales.shape)}")
     if zeros is not None and zeros.shape != scales.shape:
         raise ValueError("zeros must have the shape of scales")
+    if group_size % per_word:
+        raise ValueError(f"group_size {group_size} is not a multiple of {per_word} (values per "
+                         f"packed word)")
     return m, n, k
 
 
@@ -197,7 +206,11 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             # The fused kernel's dequantization in every K step costs more than that pass.
             w = dequant_wna16(qweight, scales, zeros, bits, group_size, x.dtype)
             return torch.addmm(bias.to(x.dtype), x, w) if bias is not None else x @ w
-        tiles = choose_tiles(m, n, k, x.device, k_align=group_size)
+        tiles = choose_tiles(m, n, k, x.device, block_k=(256, 16 * (32 // bits)),
+                             k_align=group_size, min_block_k=16 * (32 // bits))
+    if tiles.block_k % (16 * (32 // bits)):
+        raise ValueError(f"block_k {tiles.block_k} must be a multiple of 16 packed words "
+                         f"({16 * (32 // bits)} rows at {bits} bits): the dot's K")
     split = tiles.split_k
     # A split's partials stay float32 until they are summed; one split writes x's dtype.
     out = torch.empty((split, m, n) if split > 1 else (1, m, n),
