@@ -161,12 +161,12 @@ def main() -> None:
                     / ref8.norm()).item()
             row = {"shape": name, "K": k, "N": n, "M": m, "weight_sets": c,
                    "w4a16_rel_err": err4, "w8a8_rel_err": err8,
-                   "tiles_w4": str(qg.choose_tiles(m, n, k, x.device, k_align=g)),
+                   "tiles_w4": str(qg.wna16_tiles(m, n, k, 4, g, x.device)),
                    "bf16_us": _time_us([lambda w=w: x @ w for w in w16]),
                    "w4a16_g128_us": _time_us([lambda q=q: qg.wna16_gemm(x, q, s4, z4, 4, g)
                                               for q in q4]),
                    "w4a16_fused_us": _time_us([lambda q=q: qg.wna16_gemm(
-                       x, q, s4, z4, 4, g, tiles=qg.choose_tiles(m, n, k, x.device, k_align=g))
+                       x, q, s4, z4, 4, g, tiles=qg.wna16_tiles(m, n, k, 4, g, x.device))
                        for q in q4]),
                    "w4a16_dequant_us": _time_us([lambda q=q: x @ qg.dequant_wna16(
                        q, s4, z4, 4, g, x.dtype) for q in q4]),

@@ -62,18 +62,21 @@ def test_wna16_matches_twin(bits, group_size, with_zeros, m, k, n, block_k, spli
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_wna16_16bit_activations(dtype):
-    """16-bit activations take the tensor-core dot (the K tile's integers exact in 16 bits, one
-    scale per tile): within the rounding of x itself to 16 bits of the float32 twin."""
+@pytest.mark.parametrize("bits, group_size", [(4, 64), (4, 128), (8, 64)])
+def test_wna16_16bit_activations(dtype, bits, group_size):
+    """16-bit activations take the tensor-core dot (4-bit values made 16-bit floats by bit
+    operations; groups as large as the K tile scale the tile's dot once): within the rounding
+    of x and the 16-bit weights of the float32 twin."""
     k, n, m = 256, 48, 5
-    values, scales, zeros = _random_wna16(k, n, 4, 64, True, 7)
-    qweight = qg.pack_wna16(values, 4).to(DEVICE)
+    values, scales, zeros = _random_wna16(k, n, bits, group_size, True, 7)
+    qweight = qg.pack_wna16(values, bits).to(DEVICE)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
-    got = qg.wna16_gemm(x, qweight, scales.to(DEVICE), zeros.to(DEVICE), 4, 64)
+    got = qg.wna16_gemm(x, qweight, scales.to(DEVICE), zeros.to(DEVICE), bits, group_size)
     assert got.dtype == dtype
-    want = qg.wna16_gemm_ref(x.float(), qweight, scales.to(DEVICE), zeros.to(DEVICE), 4, 64)
+    want = qg.wna16_gemm_ref(x.float(), qweight, scales.to(DEVICE), zeros.to(DEVICE), bits,
+                             group_size)
     err = (got.float() - want).norm() / want.norm()
-    assert err < (4e-3 if dtype == torch.bfloat16 else 5e-4), err
+    assert err < (6e-3 if dtype == torch.bfloat16 else 8e-4), err
 
 
 @pytest.mark.parametrize("bits, group_size, with_zeros", [(4, 32, True), (8, 48, False)])

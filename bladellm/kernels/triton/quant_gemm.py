@@ -86,11 +86,49 @@ def choose_tiles(m: int, n: int, k: int, device: torch.device,
 
 # From M on, W4A16/W8A16 on a GPU dequantizes the weight and runs the 16-bit GEMM
 # (benchmarks/triton_quant_gemm.py measures both paths at each M).
-WNA16_DEQUANT_MIN_M = 128
+WNA16_DEQUANT_MIN_M = 17
 
 
 def _k_per_split(k: int, tiles: GemmTiles) -> int:
     return triton.cdiv(triton.cdiv(k, tiles.block_k), tiles.split_k) * tiles.block_k
+
+
+@triton.jit
+def _reduce_splits_kernel(part_ptr, rs_ptr, cs_ptr, b_ptr, out_ptr, N, SPLIT, stride_ps,
+                          stride_pm, stride_om, ROW_SCALE: tl.constexpr, COL_SCALE: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < N
+    acc = tl.load(part_ptr + row * stride_pm + offs, mask=mask, other=0)
+    for s in range(1, SPLIT):  # in split order: the result does not depend on timing
+        acc += tl.load(part_ptr + s * stride_ps + row * stride_pm + offs, mask=mask, other=0)
+    y = acc.to(tl.float32)
+    if ROW_SCALE:
+        y = y * tl.load(rs_ptr + row)
+    if COL_SCALE:
+        y = y * tl.load(cs_ptr + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _reduce_splits(part: torch.Tensor, dtype: torch.dtype, row_scale: torch.Tensor | None = None,
+                   col_scale: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum_s part[s]`` (int32 sums stay exact), then ``* row_scale[:, None] * col_scale`` and
+    ``+ bias`` in float32, cast to ``dtype``: one launch for what would be four torch ops."""
+    split, m, n = part.shape
+    out = torch.empty(m, n, dtype=dtype, device=part.device)
+    block_n = min(1024, triton.next_power_of_2(n))
+    dummy = part
+    _reduce_splits_kernel[(m, triton.cdiv(n, block_n))](
+        part, row_scale if row_scale is not None else dummy,
+        col_scale if col_scale is not None else dummy, bias if bias is not None else dummy, out,
+        n, split, part.stride(0), part.stride(1), out.stride(0),
+        ROW_SCALE=row_scale is not None, COL_SCALE=col_scale is not None,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n)
+    return out
 
 
 # ---- W4A16 / W8A16: group-dequantized weight-only GEMM ------------------------------------------
@@ -100,7 +138,8 @@ def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT,
                   stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
                   stride_zg, stride_zn, stride_os, stride_om, stride_on,
                   BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  GROUP_TILE: tl.constexpr, DOT_IEEE: tl.constexpr,
+                  GROUP_TILE: tl.constexpr, DOT_IEEE: tl.constexpr, MAGIC: tl.constexpr,
+                  BASE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Each packed word is loaded once: the K tile is ``BLOCK_K / per_word`` word rows, and value
     ``j`` of every word (input row ``kw * per_word + j``) takes part in its own dot with the
@@ -146,18 +185,32 @@ def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT,
                                mask=mask_w, other=0).to(tl.float32)
             else:
                 zero = float(1 << (BITS - 1))
+        if MAGIC != 0:
+            # 16-bit operands without int -> float conversions (a quarter-rate instruction on
+            # the GPU, two per weight otherwise): OR-ing a 4-bit q into the mantissa of MAGIC's
+            # float gives BASE + q exactly; BASE + z is exact too, so their difference is q - z.
+            zero16 = (zero + BASE).to(x_ptr.dtype.element_ty)
+            if not GROUP_TILE:
+                scale16 = scale.to(x_ptr.dtype.element_ty)
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j in tl.static_range(per_word):
             kx = k_word + j
             xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + kx[None, :] * stride_xk,
                          mask=mask_m[:, None] & (kx < k_end)[None, :], other=0.0)
-            w = ((words >> (j * BITS)) & mask_value).to(tl.float32) - zero
-            if not GROUP_TILE:
-                w = w * scale
-            if DOT_IEEE:
-                part += tl.dot(xj.to(tl.float32), w, input_precision="ieee")
+            if MAGIC != 0:
+                bits16 = (((words >> (j * BITS)) & mask_value) | MAGIC).to(tl.int16)
+                w16 = bits16.to(x_ptr.dtype.element_ty, bitcast=True) - zero16
+                if not GROUP_TILE:
+                    w16 = w16 * scale16
+                part += tl.dot(xj, w16)
             else:
-                part += tl.dot(xj, w.to(xj.dtype))
+                w = ((words >> (j * BITS)) & mask_value).to(tl.float32) - zero
+                if not GROUP_TILE:
+                    w = w * scale
+                if DOT_IEEE:
+                    part += tl.dot(xj.to(tl.float32), w, input_precision="ieee")
+                else:
+                    part += tl.dot(xj, w.to(xj.dtype))
         if GROUP_TILE:
             acc += part * scale[None, :]
         else:
@@ -167,6 +220,14 @@ def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT,
     tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om
              + offs_n[None, :] * stride_on,
              acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def wna16_tiles(m: int, n: int, k: int, bits: int, group_size: int,
+                device: torch.device) -> GemmTiles:
+    """The fused kernel's tiles: K tiles of at least 16 packed words (the dot's K)."""
+    words_k = 16 * (32 // bits)
+    return choose_tiles(m, n, k, device, block_k=(256, words_k), k_align=group_size,
+                        min_block_k=words_k)
 
 
 def _check_wna16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -206,8 +267,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             # The fused kernel's dequantization in every K step costs more than that pass.
             w = dequant_wna16(qweight, scales, zeros, bits, group_size, x.dtype)
             return torch.addmm(bias.to(x.dtype), x, w) if bias is not None else x @ w
-        tiles = choose_tiles(m, n, k, x.device, block_k=(256, 16 * (32 // bits)),
-                             k_align=group_size, min_block_k=16 * (32 // bits))
+        tiles = wna16_tiles(m, n, k, bits, group_size, x.device)
     if tiles.block_k % (16 * (32 // bits)):
         raise ValueError(f"block_k {tiles.block_k} must be a multiple of 16 packed words "
                          f"({16 * (32 // bits)} rows at {bits} bits): the dot's K")
@@ -218,6 +278,10 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
     z = zeros if zeros is not None else scales  # unused pointer when HAS_ZEROS is false
     has_bias = bias is not None and split == 1
+    dot_ieee = x.dtype == torch.float32 or (_INTERPRETING and x.dtype == torch.bfloat16)
+    # bf16 0x4300 = 128 and fp16 0x6400 = 1024 have a mantissa ulp of 1: BASE + q is exact.
+    magic, base = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}.get(
+        x.dtype, (0, 0.0)) if bits == 4 and not dot_ieee else (0, 0.0)
     _wna16_kernel[grid](
         x, qweight, scales, z, bias if has_bias else scales, out, m, n, k,
         _k_per_split(k, tiles), group_size,
@@ -225,15 +289,11 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         scales.stride(0), scales.stride(1), z.stride(0), z.stride(1), out.stride(0),
         out.stride(1), out.stride(2), BITS=bits, HAS_ZEROS=zeros is not None,
         HAS_BIAS=has_bias, GROUP_TILE=group_size % tiles.block_k == 0,
-        DOT_IEEE=x.dtype == torch.float32 or (_INTERPRETING and x.dtype == torch.bfloat16),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        DOT_IEEE=dot_ieee, MAGIC=magic, BASE=base, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if split == 1:
         return out[0]
-    y = out.sum(dim=0)
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)
+    return _reduce_splits(out, x.dtype, bias=bias)
 
 
 @triton.jit
@@ -414,11 +474,7 @@ def w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale
                        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if split == 1:
         return out[0]
-    y = out.sum(dim=0, dtype=torch.int32).to(torch.float32)
-    y = y * x_scale.float()[:, None] * w_scale.float()[None, :]
-    if bias is not None:
-        y += bias.float()
-    return y.to(out_dtype)
+    return _reduce_splits(out, out_dtype, row_scale=x_scale, col_scale=w_scale, bias=bias)
 
 
 def w8a8_gemm_ref(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor,
