@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -68,6 +69,21 @@ def prompts(llm, workload: str, n: int) -> list[str]:
     return [ip.apply_chat_template(m, add_generation_prompt=True) for m in msgs]
 
 
+def run_cell(llm, workload: str, c: int, params) -> dict:
+    ps = prompts(llm, workload, c)
+    llm.generate(ps[:1], type(params)(max_tokens=4), use_tqdm=False)  # warm
+    s0 = llm.engine.core.scheduler.get_stats()
+    t0 = time.perf_counter()
+    outs = llm.generate(ps, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    s1 = llm.engine.core.scheduler.get_stats()
+    ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+    return dict(tok_s=ntok / dt, tbt_ms=1000 * dt / max(ntok / c, 1),
+                steps=s1.num_steps - s0.num_steps,
+                drafted=s1.num_spec_draft_tokens - s0.num_spec_draft_tokens,
+                accepted=s1.num_spec_accepted_tokens - s0.num_spec_accepted_tokens)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -80,6 +96,9 @@ def main() -> None:
     ap.add_argument("--look_ahead", nargs=3, type=int, action="append", metavar=("W", "N", "G"),
                     help="look_ahead settings to compare (repeatable); default the flags' defaults")
     ap.add_argument("--kv_cache_memory", default="512MiB")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds per cell, the algorithms alternating within each round; the "
+                         "table gives medians (of tok/s, and of each round's ratio to normal)")
     args = ap.parse_args()
     from bladellm import LLM, SamplingParams
 
@@ -102,31 +121,28 @@ def main() -> None:
     rows = []
     for workload in args.workloads:
         for c in args.concurrency:
-            for algo, llm in engines.items():  # interleaved: same conditions for each algo
-                ps = prompts(llm, workload, c)
-                llm.generate(ps[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
-                s0 = llm.engine.core.scheduler.get_stats()
-                t0 = time.perf_counter()
-                outs = llm.generate(ps, params, use_tqdm=False)
-                dt = time.perf_counter() - t0
-                s1 = llm.engine.core.scheduler.get_stats()
-                ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-                drafted = s1.num_spec_draft_tokens - s0.num_spec_draft_tokens
-                acc = s1.num_spec_accepted_tokens - s0.num_spec_accepted_tokens
-                steps = s1.num_steps - s0.num_steps
-                rows.append(dict(workload=workload, c=c, algo=algo, tok_s=ntok / dt,
-                                 tbt_ms=1000 * dt / max(ntok / c, 1), steps=steps,
-                                 drafted=drafted, accepted=acc))
-                print(json.dumps(rows[-1]), flush=True)
+            runs: dict[str, list[dict]] = {algo: [] for algo in engines}
+            for _ in range(args.repeats):
+                for algo, llm in engines.items():  # interleaved: same conditions for each algo
+                    runs[algo].append(run_cell(llm, workload, c, params))
+                    print(json.dumps(dict(workload=workload, c=c, algo=algo, **runs[algo][-1])),
+                          flush=True)
+            for algo, rs in runs.items():
+                ratios = [r["tok_s"] / b["tok_s"] for r, b in zip(rs, runs["normal"])] \
+                    if "normal" in runs else [float("nan")]
+                rows.append(dict(workload=workload, c=c, algo=algo,
+                                 tok_s=statistics.median(r["tok_s"] for r in rs),
+                                 tbt_ms=statistics.median(r["tbt_ms"] for r in rs),
+                                 ratio=statistics.median(ratios),
+                                 steps=rs[-1]["steps"], drafted=rs[-1]["drafted"],
+                                 accepted=rs[-1]["accepted"]))
     print("\n| workload | conc | algo | out tok/s | x normal | mean TBT ms | steps | "
           "accepted/proposed |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        base = next(b for b in rows if b["workload"] == r["workload"] and b["c"] == r["c"]
-                    and b["algo"] == "normal")
         rate = f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "-"
         print(f"| {r['workload']} | {r['c']} | {r['algo']} | {r['tok_s']:.1f} | "
-              f"{r['tok_s'] / base['tok_s']:.2f} | {r['tbt_ms']:.1f} | {r['steps']} | {rate} |")
+              f"{r['ratio']:.2f} | {r['tbt_ms']:.1f} | {r['steps']} | {rate} |")
 
 
 if __name__ == "__main__":
