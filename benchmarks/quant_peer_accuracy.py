@@ -212,6 +212,20 @@ def gptqmodel_gptq(src: str, out: str, calib: list[torch.Tensor], ns) -> dict:
     return {}
 
 
+def gptqmodel_awq(src: str, out: str, calib: list[torch.Tensor], ns) -> dict:
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # as gptqmodel_gptq
+    from gptqmodel import GPTQModel
+    from gptqmodel.quantization.config import AWQConfig
+
+    # AutoAWQ's GEMM layout (asymmetric: zero points), GPTQModel's AWQ defaults otherwise
+    cfg = AWQConfig(bits=4, group_size=ns.group_size, format="gemm")
+    model = GPTQModel.load(src, cfg, device="cpu", dtype=torch.float32)
+    rows = [{"input_ids": c[0].tolist(), "attention_mask": [1] * c.shape[1]} for c in calib]
+    model.quantize(rows, batch_size=1)
+    model.save(out)
+    return {}
+
+
 def ours(algo: str, act_order: bool = False) -> Callable:
     def run(src: str, out: str, calib_file: str, ns) -> dict:
         from bladellm.quantization.algorithms.config import QuantizeConfig
@@ -251,6 +265,7 @@ RUNS = {
     "llmc-sq-gptq-w8a8": ("llm-compressor SmoothQuant + GPTQ", "W8A8", llmc_sq_gptq_w8a8),
     "llmc-sq-rtn-w8a8": ("llm-compressor SmoothQuant + RTN", "W8A8", llmc_sq_rtn_w8a8),
     "gptqmodel-gptq": ("GPTQModel", "int4 g{g} sym", gptqmodel_gptq),
+    "gptqmodel-awq": ("GPTQModel AWQ (gemm)", "int4 g{g} asym", gptqmodel_awq),
 }
 
 

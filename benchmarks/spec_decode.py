@@ -92,6 +92,9 @@ def main() -> None:
     ap.add_argument("--max_tokens", type=int, default=96)
     ap.add_argument("--draft_layers", type=int, default=6)
     ap.add_argument("--draft_dir", default="/tmp/bladellm-demo-draft")
+    ap.add_argument("--draft_model", default=None,
+                    help="an existing draft model directory (e.g. a 4-bit copy of the demo "
+                         "model written by blade_llm_quantize) instead of the layer cut")
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--look_ahead", nargs=3, type=int, action="append", metavar=("W", "N", "G"),
                     help="look_ahead settings to compare (repeatable); default the flags' defaults")
@@ -102,7 +105,9 @@ def main() -> None:
     args = ap.parse_args()
     from bladellm import LLM, SamplingParams
 
-    draft = make_draft(args.draft_dir, args.draft_layers) if "sps" in args.algos else None
+    draft = None
+    if "sps" in args.algos:
+        draft = args.draft_model or make_draft(args.draft_dir, args.draft_layers)
     engines = {}
     for algo in args.algos:
         if algo == "look_ahead" and args.look_ahead:
@@ -116,8 +121,9 @@ def main() -> None:
                             **kw)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     print(f"torch {torch.__version__}, python {platform.python_version()}, "
-          f"{os.cpu_count()} CPUs; max_tokens {args.max_tokens}, greedy; draft: demo model "
-          f"cut to {args.draft_layers} layers, gamma {args.gamma}")
+          f"{os.cpu_count()} CPUs; max_tokens {args.max_tokens}, greedy; draft: "
+          f"{args.draft_model or f'demo model cut to {args.draft_layers} layers'}, "
+          f"gamma {args.gamma}")
     rows = []
     for workload in args.workloads:
         for c in args.concurrency:

@@ -50,8 +50,11 @@ class EngineCore:
             self.scheduler = Scheduler(
                 config.scheduler, config.cache, num_blocks, self.max_model_len,
                 speculative=config.speculative,
-                spec_costs=(spec_decode.model_costs(config, resolved.hf_config, draft_hf_config)
-                            if config.speculative.enabled else None),
+                spec_costs=(spec_decode.model_costs(
+                    config, resolved.hf_config, draft_hf_config,
+                    self.executor.collective_rpc("spec_weight_bytes")[self.executor.driver_rank]
+                    if draft_hf_config is not None else None)
+                    if config.speculative.enabled else None),
                 max_loras=config.lora.max_loras if self.lora_enabled else None)
             self.num_blocks = num_blocks
             if self.scheduler.spec_costs is not None:

@@ -56,6 +56,14 @@ class Worker:
                                    runner.block_size, weights,
                                    total_memory_bytes() // self.local_world_size)
 
+    def spec_weight_bytes(self) -> tuple[int, int]:
+        """sps: bytes of this rank's (target, draft) parameters and buffers as loaded (quantized
+        codes and scales included; kernel-side repacked copies of the same values left out)."""
+        runner = self.model_runner
+        draft = runner.spec.proposer.model if runner.spec_bytes_per_block else None
+        return (model_weight_bytes(runner.model),
+                model_weight_bytes(draft) if draft is not None else 0)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         runner = self.model_runner
         runner.initialize_kv_cache(num_blocks)

@@ -61,6 +61,30 @@ def test_sps_random_smaller_draft_greedy_identical(tiny_llama, tiny_model_factor
     assert stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens  # it disagrees
 
 
+def test_sps_quantized_copy_as_draft(tiny_llama, normal_greedy, tmp_path):
+    """A 4-bit copy of the target as its own draft: the target's tokens, and the draft priced
+    by the bytes it streams (the cost rule's draft ratio from the loaded weights, not the equal
+    multiply-add counts). A random tiny model's next-token distributions are nearly flat, so
+    4-bit rounding flips many of its argmaxes (~25 % accepted here); a trained model's are
+    sharp (docs/speculative.md measures the demo model's)."""
+    from quant_checkpoints import quantize_checkpoint
+
+    prompts, params, expected = normal_greedy
+    draft = tmp_path / "w4-draft"
+    quantize_checkpoint(tiny_llama, draft, "gptq", bits=4, group_size=32)
+    llm = LLM(model=tiny_llama, **STRESS, decode_algo="sps", draft_model=str(draft), gamma=3,
+              spec_policy="always")
+    sched = llm.engine.core.scheduler
+    weights, draft_weights = llm.engine.core.executor.collective_rpc("spec_weight_bytes")[0]
+    assert sched.spec_costs.draft_ratio == pytest.approx(draft_weights / weights)
+    assert draft_weights < weights
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs == expected
+    assert sched.kv_cache_manager.pool.num_used_blocks == 0
+    stats = sched.get_stats()
+    assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens
+
+
 @pytest.mark.parametrize("policy", ["always", "cost"])
 def test_look_ahead_greedy_identical(tiny_llama, normal_greedy, policy):
     prompts, params, expected = normal_greedy
