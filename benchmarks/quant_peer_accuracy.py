@@ -219,7 +219,9 @@ def gptqmodel_awq(src: str, out: str, calib: list[torch.Tensor], ns) -> dict:
 
     # AutoAWQ's GEMM layout (asymmetric: zero points), GPTQModel's AWQ defaults otherwise
     cfg = AWQConfig(bits=4, group_size=ns.group_size, format="gemm")
-    model = GPTQModel.load(src, cfg, device="cpu", dtype=torch.float32)
+    # bfloat16: GPTQModel's AWQ modules refuse float32 (AwqTorchLinear: fp16/bf16 only), and
+    # bf16 is GPTQModel's own CPU default
+    model = GPTQModel.load(src, cfg, device="cpu", dtype=torch.bfloat16)
     rows = [{"input_ids": c[0].tolist(), "attention_mask": [1] * c.shape[1]} for c in calib]
     model.quantize(rows, batch_size=1)
     model.save(out)
