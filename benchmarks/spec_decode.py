@@ -99,6 +99,9 @@ def main() -> None:
     ap.add_argument("--look_ahead", nargs=3, type=int, action="append", metavar=("W", "N", "G"),
                     help="look_ahead settings to compare (repeatable); default the flags' defaults")
     ap.add_argument("--kv_cache_memory", default="512MiB")
+    ap.add_argument("--max_model_len", type=int, default=2048,
+                    help="every engine's; the sps draft's own KV cache shares --kv_cache_memory, "
+                         "so a full-depth draft halves the target's pool")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds per cell, the algorithms alternating within each round; the "
                          "table gives medians (of tok/s, and of each round's ratio to normal)")
@@ -114,11 +117,12 @@ def main() -> None:
             for w, n, g in args.look_ahead:
                 engines[f"look_ahead(W{w},N{n},G{g})"] = LLM(
                     model="demo", decode_algo=algo, kv_cache_memory=args.kv_cache_memory,
+                    max_model_len=args.max_model_len,
                     look_ahead_window_size=w, look_ahead_gram_size=n, guess_set_size=g)
             continue
         kw = {"draft_model": draft, "gamma": args.gamma} if algo == "sps" else {}
         engines[algo] = LLM(model="demo", decode_algo=algo, kv_cache_memory=args.kv_cache_memory,
-                            **kw)
+                            max_model_len=args.max_model_len, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     print(f"torch {torch.__version__}, python {platform.python_version()}, "
           f"{os.cpu_count()} CPUs; max_tokens {args.max_tokens}, greedy; draft: "

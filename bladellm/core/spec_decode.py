@@ -68,20 +68,17 @@ def approx_params(hf_config) -> tuple[float, float]:
 
 
 def model_costs(config, target_hf_config, draft_hf_config=None,
-                weight_bytes: tuple[int, int] | None = None) -> SpecCosts:
-    """The cost rule's constants for a target (and sps draft) model. ``weight_bytes``: the
-    loaded (target, draft) weights' bytes. A decode step streams every weight once, so their
-    ratio is the draft's cost where the two differ in precision (a 4-bit copy of the target as
-    its own draft reads ~1/8 of an fp32 target's bytes for the same multiply-adds); without it,
-    the ratio of multiply-adds."""
+                draft_ratio: float | None = None) -> SpecCosts:
+    """The cost rule's constants for a target (and sps draft) model. ``draft_ratio``: a draft
+    forward's measured time over the target's (the worker times both at start-up); without it,
+    the ratio of their multiply-adds."""
     spec = config.speculative
     body, head = approx_params(target_hf_config)
-    draft_ratio = 0.0
-    if weight_bytes is not None and draft_hf_config is not None:
-        draft_ratio = weight_bytes[1] / max(weight_bytes[0], 1)
-    elif draft_hf_config is not None:
-        d_body, d_head = approx_params(draft_hf_config)
-        draft_ratio = (d_body + d_head) / (body + head)
+    if draft_ratio is None:
+        draft_ratio = 0.0
+        if draft_hf_config is not None:
+            d_body, d_head = approx_params(draft_hf_config)
+            draft_ratio = (d_body + d_head) / (body + head)
     return SpecCosts(step_overhead=spec.spec_step_overhead, lm_head_share=head / (body + head),
                      draft_ratio=draft_ratio, always=spec.spec_policy == "always")
 

@@ -52,8 +52,7 @@ class EngineCore:
                 speculative=config.speculative,
                 spec_costs=(spec_decode.model_costs(
                     config, resolved.hf_config, draft_hf_config,
-                    self.executor.collective_rpc("spec_weight_bytes")[self.executor.driver_rank]
-                    if draft_hf_config is not None else None)
+                    self._measured_draft_ratio() if draft_hf_config is not None else None)
                     if config.speculative.enabled else None),
                 max_loras=config.lora.max_loras if self.lora_enabled else None)
             self.num_blocks = num_blocks
@@ -68,6 +67,14 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()  # no worker process outlives a failed start
             raise
+
+    def _measured_draft_ratio(self) -> float:
+        """sps: a draft forward's time over the target's, timed on the driver at start-up."""
+        target_s, draft_s = self.executor.collective_rpc("spec_forward_times")[
+            self.executor.driver_rank]
+        logger.info("sps: one-token forward %.1f ms target, %.1f ms draft", target_s * 1e3,
+                    draft_s * 1e3)
+        return draft_s / target_s
 
     def shutdown(self) -> None:
         """Stop the workers (world size > 1: their processes)."""

@@ -72,3 +72,23 @@ def prompt_logprobs(model: nn.Module, prompts: list[list[int]], num_top: int,
                 entries.append((tok_ids, tok_lps, int(ranks[j])))
         result.append(entries)
     return result
+
+
+@torch.inference_mode()
+def time_token_forward(model: nn.Module, device: torch.device, reps: int = 5) -> float:
+    """Median seconds of a one-token forward with its LM-head row (a plain causal forward, no
+    cache): what a decode step of this model costs at batch 1, weights streamed once."""
+    import statistics
+    import time
+
+    input_ids = torch.ones(1, dtype=torch.long, device=device)
+    positions = torch.zeros(1, dtype=torch.long, device=device)
+    times = []
+    for i in range(reps + 2):  # two warm-ups: first-call allocations, lazy kernel setup
+        start = time.perf_counter()
+        hidden = model(input_ids, positions, ForwardContext.no_cache())
+        if hidden is not None:
+            model.compute_logits(hidden)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -16,7 +16,7 @@ from bladellm.platforms.cpu_defaults import (kv_cache_num_blocks, model_weight_b
                                              total_memory_bytes)
 from bladellm.platforms.threads import configure_engine_threads
 from bladellm.worker.model_runner import ModelRunner
-from bladellm.worker.pooling import embed_prompts, prompt_logprobs
+from bladellm.worker.pooling import embed_prompts, prompt_logprobs, time_token_forward
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +56,17 @@ class Worker:
                                    runner.block_size, weights,
                                    total_memory_bytes() // self.local_world_size)
 
-    def spec_weight_bytes(self) -> tuple[int, int]:
-        """sps: bytes of this rank's (target, draft) parameters and buffers as loaded (quantized
-        codes and scales included; kernel-side repacked copies of the same values left out)."""
+    def spec_forward_times(self) -> tuple[float, float]:
+        """sps: seconds of a one-token forward of the (target, draft) on this rank, measured.
+        Their ratio is what the cost rule charges per draft forward: on a small model a
+        decode step's per-layer overheads weigh as much as its weight bytes, so neither the
+        multiply-adds nor the bytes of a quantized draft predict it (a 4-bit copy of the demo
+        model reads a third of its bytes and runs at ~0.7 of its time)."""
         runner = self.model_runner
-        draft = runner.spec.proposer.model if runner.spec_bytes_per_block else None
-        return (model_weight_bytes(runner.model),
-                model_weight_bytes(draft) if draft is not None else 0)
+        if not runner.spec_bytes_per_block:
+            return 0.0, 0.0
+        return (time_token_forward(runner.model, self.device),
+                time_token_forward(runner.spec.proposer.model, self.device))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         runner = self.model_runner

@@ -62,11 +62,10 @@ def test_sps_random_smaller_draft_greedy_identical(tiny_llama, tiny_model_factor
 
 
 def test_sps_quantized_copy_as_draft(tiny_llama, normal_greedy, tmp_path):
-    """A 4-bit copy of the target as its own draft: the target's tokens, and the draft priced
-    by the bytes it streams (the cost rule's draft ratio from the loaded weights, not the equal
-    multiply-add counts). A random tiny model's next-token distributions are nearly flat, so
-    4-bit rounding flips many of its argmaxes (~25 % accepted here); a trained model's are
-    sharp (docs/speculative.md measures the demo model's)."""
+    """A 4-bit copy of the target as its own draft: the target's tokens. The cost rule's draft
+    ratio is measured (the two models' one-token forwards timed at start-up), not taken from
+    their multiply-adds, which are equal here. A random tiny model's next-token distributions
+    are nearly flat, so 4-bit rounding flips many of its argmaxes (~25 % accepted here)."""
     from quant_checkpoints import quantize_checkpoint
 
     prompts, params, expected = normal_greedy
@@ -75,9 +74,9 @@ def test_sps_quantized_copy_as_draft(tiny_llama, normal_greedy, tmp_path):
     llm = LLM(model=tiny_llama, **STRESS, decode_algo="sps", draft_model=str(draft), gamma=3,
               spec_policy="always")
     sched = llm.engine.core.scheduler
-    weights, draft_weights = llm.engine.core.executor.collective_rpc("spec_weight_bytes")[0]
-    assert sched.spec_costs.draft_ratio == pytest.approx(draft_weights / weights)
-    assert draft_weights < weights
+    target_s, draft_s = llm.engine.core.executor.collective_rpc("spec_forward_times")[0]
+    assert target_s > 0 and draft_s > 0
+    assert 0 < sched.spec_costs.draft_ratio < 10
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs == expected
     assert sched.kv_cache_manager.pool.num_used_blocks == 0
