@@ -52,7 +52,9 @@ class EngineCore:
                 speculative=config.speculative,
                 spec_costs=(spec_decode.model_costs(
                     config, resolved.hf_config, draft_hf_config,
-                    self._measured_draft_ratio() if draft_hf_config is not None else None)
+                    self._measured_draft_ratio()
+                    if draft_hf_config is not None and config.speculative.spec_policy == "cost"
+                    else None)
                     if config.speculative.enabled else None),
                 max_loras=config.lora.max_loras if self.lora_enabled else None)
             self.num_blocks = num_blocks

@@ -89,6 +89,8 @@ def time_token_forward(model: nn.Module, device: torch.device, reps: int = 5) ->
         hidden = model(input_ids, positions, ForwardContext.no_cache())
         if hidden is not None:
             model.compute_logits(hidden)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         if i >= 2:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
