@@ -19,14 +19,13 @@ import os
 import pytest
 import torch
 
+from test_quantized_serving import MAX_TOKENS, PROMPTS, _generate  # the same greedy run
 from tiny_models import CORPUS
 
 # a peer's calibration counts toward the first test that needs its checkpoint: on a loaded
 # 2-core machine that can pass the suite's 300 s default
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
-MAX_TOKENS = 12
-PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46], [100, 12]]
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -65,18 +64,6 @@ def bladellm_dequantized(model_dir: str) -> tuple[dict[str, torch.Tensor], str]:
                 out[f"{parent}.{name}.weight"] = part
     assert len(out) == 7 * hf_config.num_hidden_layers
     return out, quant.describe()
-
-
-def _generate(model_dir: str) -> list[list[int]]:
-    from bladellm import LLM, SamplingParams
-
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=128)
-    try:
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                    ignore_eos=True), use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
-    finally:
-        llm.shutdown()
 
 
 @torch.no_grad()
