@@ -7,6 +7,8 @@ embedding request reads its prompt once and keeps nothing, so it runs as a plain
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Callable
 
 import torch
@@ -78,9 +80,6 @@ def prompt_logprobs(model: nn.Module, prompts: list[list[int]], num_top: int,
 def time_token_forward(model: nn.Module, device: torch.device, reps: int = 5) -> float:
     """Median seconds of a one-token forward with its LM-head row (a plain causal forward, no
     cache): what a decode step of this model costs at batch 1, weights streamed once."""
-    import statistics
-    import time
-
     input_ids = torch.ones(1, dtype=torch.long, device=device)
     positions = torch.zeros(1, dtype=torch.long, device=device)
     times = []

@@ -27,15 +27,14 @@ arithmetic is wrong (numpy has no bf16), so that GPU path is only checked on a G
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from bladellm.kernels.triton import INTERPRETING
+
 from bladellm.kernels import kv_int8
 
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 _LOG2E = 1.4426950408889634
 
 
@@ -222,7 +221,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     # An int8 cache is dequantized to fp32 (the twin's values), so its dots are fp32 too.
     int8 = kv_int8.is_int8(k_cache)
     dot_fp32 = (query.dtype == torch.float32 or int8
-                or (_INTERPRETING and query.dtype == torch.bfloat16))
+                or (INTERPRETING and query.dtype == torch.bfloat16))
     head_dim_p2 = max(16, triton.next_power_of_2(head_dim))
     num_tokens = query.shape[0]
     if num_splits > 1:

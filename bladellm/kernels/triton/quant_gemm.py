@@ -23,17 +23,13 @@ against the twins; ``benchmarks/triton_quant_gemm.py`` times them on a GPU.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-
-# The interpreter's bfloat16 dot is wrong (numpy has no bf16): there the kernels take the
-# float32 dot, which only changes rounding, never what the test compares.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+from bladellm.kernels.triton import INTERPRETING
 
 
 # ---- tiles -------------------------------------------------------------------------------------
@@ -222,6 +218,7 @@ def _wna16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT,
              acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@functools.lru_cache(maxsize=256)  # per layer shape and batch size: called on every forward
 def wna16_tiles(m: int, n: int, k: int, bits: int, group_size: int,
                 device: torch.device) -> GemmTiles:
     """The fused kernel's tiles: K tiles of at least 16 packed words (the dot's K)."""
@@ -278,7 +275,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
     z = zeros if zeros is not None else scales  # unused pointer when HAS_ZEROS is false
     has_bias = bias is not None and split == 1
-    dot_ieee = x.dtype == torch.float32 or (_INTERPRETING and x.dtype == torch.bfloat16)
+    dot_ieee = x.dtype == torch.float32 or (INTERPRETING and x.dtype == torch.bfloat16)
     # bf16 0x4300 = 128 and fp16 0x6400 = 1024 have a mantissa ulp of 1: BASE + q is exact.
     magic, base = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}.get(
         x.dtype, (0, 0.0)) if bits == 4 and not dot_ieee else (0, 0.0)
