@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -81,6 +82,13 @@ async def _one(http: httpx.AsyncClient, stream: bool, max_tokens: int) -> tuple[
     return r.status_code, events
 
 
+async def _queued(http: httpx.AsyncClient) -> int:
+    """Requests the engine holds (running + waiting), from /metrics (open while draining)."""
+    text = (await http.get("/metrics")).text
+    return sum(int(float(m.group(1))) for m in re.finditer(
+        r"^bladellm_num_requests_(?:running|waiting)(?:\{[^}]*\})? (\S+)$", text, re.M))
+
+
 async def test_sigterm_under_load(server):
     """Last test on this server. 2 run at a time (--max_num_seqs 2): 24 x 240 tokens cannot
     all finish within the 1 s grace period; every client still gets a well-formed answer.
@@ -93,12 +101,20 @@ async def test_sigterm_under_load(server):
         await asyncio.sleep(0.05)  # admitted first: it finishes within the grace period
         jobs = [asyncio.ensure_future(_one(http, stream=i % 2 == 0, max_tokens=240))
                 for i in range(24)]
-        await asyncio.sleep(0.5)  # all admitted (waiting or running)
+        # All admitted (waiting or running) before the signal: a fixed sleep was not always
+        # enough on a loaded CI machine, and a drain with nothing in flight ends at once.
+        deadline = time.monotonic() + 60
+        while await _queued(http) < len(jobs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert await _queued(http) >= len(jobs), server.log()[-3000:]
         sent = time.monotonic()
         os.kill(core, signal.SIGTERM)
         server.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.2)
-        refused = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        try:
+            refused = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        except httpx.ConnectError as exc:  # the listener closed early: show why
+            raise AssertionError(server.log()[-4000:]) from exc
         results = await asyncio.gather(*jobs)
         short_status, _ = await short
     code = await asyncio.to_thread(server.proc.wait, 30)
