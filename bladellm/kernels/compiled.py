@@ -151,6 +151,8 @@ class CompiledKernels(Kernels):
         self.lanes: int = lib.bl_vector_lanes()
         self.sum_lanes = _torch_sum_lanes(lib)
         self._attention = self._bind(lib.bl_paged_attention, [POINTER(_PagedAttentionArgs)])
+        self._attention_plan = self._bind(lib.bl_paged_attention_plan,
+                                          [POINTER(_PagedAttentionArgs), POINTER(c_int32)])
         self._rms_norm = self._bind(lib.bl_rms_norm, [POINTER(_RmsNormArgs)])
         self._rotary = self._bind(lib.bl_rotary_embedding, [POINTER(_RotaryArgs)])
         self._cache_write = self._bind(lib.bl_reshape_and_cache, [POINTER(_CacheWriteArgs)])
@@ -194,10 +196,12 @@ class CompiledKernels(Kernels):
     def describe(self) -> str:
         return f"compiled {self.isa} ({self.lanes}-lane vectors)"
 
-    def paged_attention(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+    def _attention_args(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float) -> None:
+                        scale: float) -> tuple[_PagedAttentionArgs, tuple] | None:
+        """The kernel's arguments and the tensors they point into (keep them alive for the
+        call), or None where the compiled kernel does not take these tensors."""
         dtype = query.dtype
         code = _DTYPES.get(dtype)
         head_dim = query.shape[2]
@@ -209,8 +213,7 @@ class CompiledKernels(Kernels):
                 or out.dtype != dtype or head_dim % 16 or query.stride(2) != 1
                 or not (out.is_contiguous() and k_cache.is_contiguous()
                         and v_cache.is_contiguous())):
-            return super().paged_attention(out, query, k_cache, v_cache, block_tables,
-                                           query_start_loc, seq_lens, scale)
+            return None
         tables, starts, lens = _int32(block_tables), _int32(query_start_loc), _int32(seq_lens)
         args = _PagedAttentionArgs(
             out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -218,10 +221,36 @@ class CompiledKernels(Kernels):
             query.stride(0), query.stride(1), tables.stride(0),
             lens.shape[0], query.shape[1], k_cache.shape[2], head_dim, k_cache.shape[1], code,
             torch.get_num_threads(), scale, int8)
-        rc = self._attention(args)
+        return args, (tables, starts, lens)
+
+    def paged_attention(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        scale: float) -> None:
+        prepared = self._attention_args(out, query, k_cache, v_cache, block_tables,
+                                        query_start_loc, seq_lens, scale)
+        if prepared is None:
+            return super().paged_attention(out, query, k_cache, v_cache, block_tables,
+                                           query_start_loc, seq_lens, scale)
+        rc = self._attention(prepared[0])
         if rc != 0:
             raise ValueError(f"paged_attention: unsupported arguments (code {rc}): "
                              f"{query.shape[1]} heads, {k_cache.shape[2]} KV heads")
+
+    def attention_plan(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                       seq_lens: torch.Tensor) -> dict[str, int]:
+        """How ``paged_attention`` would split this batch: work items, shared-prefix passes
+        (cascade) and the requests they serve. For tests and benchmarks."""
+        prepared = self._attention_args(torch.empty_like(query), query, k_cache, v_cache,
+                                        block_tables, query_start_loc, seq_lens, 1.0)
+        if prepared is None:
+            raise ValueError("attention_plan: the compiled kernel does not take these tensors")
+        counts = (ctypes.c_int32 * 3)()
+        rc = self._attention_plan(prepared[0], counts)
+        if rc != 0:
+            raise ValueError(f"attention_plan: unsupported arguments (code {rc})")
+        return {"items": counts[0], "shared_passes": counts[1], "shared_requests": counts[2]}
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -46,3 +46,13 @@ def make_batch(q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_he
     return PagedBatch(qkv.to(dtype)[:, :num_heads], kv[0], kv[1], tables,
                       torch.tensor(starts, dtype=torch.int32),
                       torch.tensor(seq_lens, dtype=torch.int32))
+
+
+def share_prefix(batch: PagedBatch, members: list[int], keys: int, block_size: int) -> None:
+    """Point the first ``keys // block_size`` blocks of every member at the first member's
+    blocks, as a prompt-cache hit on a common prefix leaves them (capped at each member's own
+    block count)."""
+    first = batch.block_tables[members[0]]
+    for r in members[1:]:
+        n = min(keys // block_size, -(-int(batch.seq_lens[r]) // block_size))
+        batch.block_tables[r, :n] = first[:n]

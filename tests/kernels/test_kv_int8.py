@@ -9,7 +9,7 @@ import torch
 from bladellm.kernels import kv_int8, ref
 from bladellm.kernels.interface import Kernels
 
-from kernel_cases import PagedBatch, make_batch
+from kernel_cases import PagedBatch, make_batch, share_prefix
 
 # The same fp32 math after an exact dequantization: only the summation order differs (K/V rows
 # here reach |x| ~ 30, scores ~ 100: 10x test_paged_attention's absolute tolerance).
@@ -49,6 +49,27 @@ def test_int8_attention_matches_reference(compiled, dtype, shape):
     got = batch.run(compiled, d ** -0.5)
     want = batch.run(Kernels(), d ** -0.5)
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int8_shared_prefixes(compiled, threads):
+    """Decodes on common prefix blocks (one shared pass dequantizes each prefix tile once for
+    all of them) next to decodes on their own blocks."""
+    q_lens, seq_lens = [1] * 10, [300, 250, 260, 301, 90, 300, 200, 150, 70, 33]
+    batch = _int8_batch(q_lens, seq_lens, 9, 3, 64, 16, torch.float32, seed=5)
+    share_prefix(batch, [0, 1, 2, 3], 240, 16)
+    share_prefix(batch, [4, 5, 6], 80, 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = batch.run(compiled, 0.125)
+        plan = compiled.attention_plan(batch.query, batch.k_cache, batch.v_cache,
+                                       batch.block_tables, batch.query_start_loc,
+                                       batch.seq_lens)
+    finally:
+        torch.set_num_threads(before)
+    assert plan["shared_requests"] == 7, plan
+    torch.testing.assert_close(got, batch.run(Kernels(), 0.125), **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("threads", [1, 2])

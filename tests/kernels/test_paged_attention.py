@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from bladellm.kernels import ref
 from bladellm.kernels.interface import Kernels
 
-from kernel_cases import make_batch
+from kernel_cases import make_batch, share_prefix
 
 # fp32: same math, different summation order. bf16: inputs and output rounded to bf16.
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5),
@@ -61,6 +61,56 @@ def test_decode_batch_and_long_contexts(compiled, dtype, threads):
                                        **TOLERANCE[dtype])
     finally:
         torch.set_num_threads(before)
+
+
+# Requests on common prefixes, as prompt-cache hits leave them (cascade: the kernel reads a
+# shared prefix once for all the requests on it). (members, shared keys): a group of decodes,
+# one of which ends within the prefix (it shares only its full blocks before its token) and one
+# whose whole context is shorter than the prefix; 4-token verifications sharing a prefix; two
+# decodes sharing exactly the minimum; a 2-token request and a prefill chunk on the first
+# prefix (other query lengths: not grouped with the decodes); a request too short to share.
+SHARED_Q_LENS = [1, 1, 1, 1, 1, 4, 4, 1, 1, 2, 37, 1, 1]
+SHARED_SEQ_LENS = [300, 257, 129, 70, 400, 200, 180, 96, 300, 130, 300, 63, 260]
+SHARED_GROUPS = [([0, 1, 2, 3, 4, 9, 10, 12], 256), ([5, 6], 160), ([7, 8], 64)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
+def test_shared_prefixes_match_reference(compiled, dtype, shape, threads):
+    nh, kvh, d, bs = shape
+    batch = make_batch(SHARED_Q_LENS, SHARED_SEQ_LENS, nh, kvh, d, bs, dtype, seed=3)
+    for members, keys in SHARED_GROUPS:
+        share_prefix(batch, members, keys, bs)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        plan = compiled.attention_plan(batch.query, batch.k_cache, batch.v_cache,
+                                       batch.block_tables, batch.query_start_loc,
+                                       batch.seq_lens)
+        got = batch.run(compiled, scale_for(d))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, batch.run(Kernels(), scale_for(d)), **TOLERANCE[dtype])
+    # Grouped: decodes 0, 1, 4, 12 on the whole prefix; 2 and 3 (whose contexts end inside it)
+    # on what they share; the verifications 5-6; decodes 7-8. Not 9 (2 tokens), 10 (37), 11.
+    assert plan["shared_passes"] >= 4, plan
+    assert plan["shared_requests"] == 10, plan
+
+
+def test_shared_prefix_plan_groups_only_common_blocks(compiled):
+    """No pass without a common prefix of at least 64 keys; a pass per prefix otherwise."""
+    q_lens, seq_lens = [1] * 8, [200] * 8
+    batch = make_batch(q_lens, seq_lens, 9, 3, 64, 16, torch.float32)
+    args = (batch.query, batch.k_cache, batch.v_cache, batch.block_tables,
+            batch.query_start_loc, batch.seq_lens)
+    assert compiled.attention_plan(*args)["shared_passes"] == 0
+    share_prefix(batch, [0, 1, 2, 3], 48, 16)  # 3 blocks: under the 64-key minimum
+    assert compiled.attention_plan(*args)["shared_passes"] == 0
+    share_prefix(batch, [0, 1, 2, 3], 128, 16)
+    share_prefix(batch, [4, 5, 6, 7], 192, 16)
+    plan = compiled.attention_plan(*args)
+    assert plan["shared_passes"] == 2 and plan["shared_requests"] == 8, plan
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -171,11 +171,140 @@ static void combine_parts(const PagedAttentionArgs& a, const WorkItem& w, const 
   }
 }
 
-static std::vector<WorkItem> plan_work(const PagedAttentionArgs& a) {
+// The shared pass of a cascade (SharedPass in attention_tiles.h): keys [0, w.key_end) of the
+// members' common blocks against all their query rows, VLEN rows per lane group; each member's
+// (acc, max, sum) goes to its slot in `partial`, laid out as its own item's rows.
+template <typename T, typename C, int DC>
+static void run_shared(const PagedAttentionArgs& a, const WorkItem& w, const SharedPass& sp,
+                       Scratch& sc, float* partial) {
+  const int d = DC ? DC : a.head_dim;
+  const int G = a.num_heads / a.num_kv_heads, heads = w.head_end - w.head_begin;
+  const int members = (int)sp.reqs.size(), tokens = sp.tokens;
+  const int per_head = members * tokens * G, groups = (per_head + VLEN - 1) / VLEN;
+  const Geometry g{d, G, a.num_kv_heads, a.block_size, 0, 0, tokens, heads * per_head};
+  sc.reserve(1, heads, d);  // one row of scratch for widening a query
+  sc.reserve_lanes(heads * groups, d);
+  std::fill_n(sc.qt.data(), heads * groups * d * VLEN, 0.0f);  // padding lanes: zero query
+  std::fill_n(sc.acct.data(), heads * groups * d * VLEN, 0.0f);
+  std::fill_n(sc.lane_max.data(), heads * groups * VLEN, -__builtin_inff());
+  std::fill_n(sc.lane_sum.data(), heads * groups * VLEN, 0.0f);
+  const T* query = static_cast<const T*>(a.query);
+  const float qscale = a.scale * 1.4426950408889634f;  // log2 units, as in run_item
+  for (int hh = 0; hh < heads; ++hh)
+    for (int i = 0; i < members; ++i)
+      for (int t = 0; t < tokens; ++t)
+        for (int h = 0; h < G; ++h) {
+          const T* src = query + (a.query_start_loc[sp.reqs[i]] + t) * a.q_stride_token +
+                         (int64_t(w.head_begin + hh) * G + h) * a.q_stride_head;
+          float* row = sc.q.data();
+          for (int c = 0; c < d; c += VLEN) storeu(row + c, loadu(src + c) * qscale);
+          const int r = (i * tokens + t) * G + h;
+          float* dst = sc.qt.data() + (hh * groups + r / VLEN) * d * VLEN + r % VLEN;
+          for (int c = 0; c < d; ++c) dst[c * VLEN] = row[c];
+        }
+  const int32_t* table = a.block_tables + int64_t(sp.reqs[0]) * a.block_table_stride;
+  const vint after_all = vint{} + 0x7fffffff;  // every shared key precedes every query token
+  const float** kp = sc.kp.data();
+  const float** vp = sc.vp.data();
+  for (int kt = 0; kt < w.key_end; kt += VLEN) {
+    const int n = std::min(VLEN, w.key_end - kt);
+    if (kt + VLEN < w.key_end)
+      prefetch_kv_tile<C>(a, table, w, kt + VLEN, std::min(VLEN, w.key_end - kt - VLEN), g);
+    load_kv_tile<C, true>(a, table, w, kt, n, g, sc, kp, vp);
+    for (int hh = 0; hh < heads; ++hh)
+      for (int grp = 0; grp < groups; ++grp) {
+        const int idx = hh * groups + grp;
+        lanes_step<DC>(sc.k.data() + hh * VLEN * d, sc.v.data() + hh * VLEN * d, n, kt,
+                       sc.qt.data() + idx * d * VLEN, sc.acct.data() + idx * d * VLEN,
+                       sc.lane_max.data() + idx * VLEN, sc.lane_sum.data() + idx * VLEN,
+                       after_all, d);
+      }
+  }
+  const int rows = heads * tokens * G;  // a member's item: row (hh, t, h) = g.row(hh, t, h)
+  for (int i = 0; i < members; ++i) {
+    float* dst = partial + sp.slots[i];
+    for (int hh = 0; hh < heads; ++hh)
+      for (int t = 0; t < tokens; ++t)
+        for (int h = 0; h < G; ++h) {
+          const int r = (i * tokens + t) * G + h, m = g.row(hh, t, h);
+          const int idx = hh * groups + r / VLEN, lane = r % VLEN;
+          for (int c = 0; c < d; ++c) dst[m * d + c] = sc.acct[(idx * d + c) * VLEN + lane];
+          dst[rows * d + m] = sc.lane_max[idx * VLEN + lane];
+          dst[rows * (d + 1) + m] = sc.lane_sum[idx * VLEN + lane];
+        }
+  }
+}
+
+struct Plan {
+  std::vector<WorkItem> items;
+  std::vector<SharedPass> shared;
+  int64_t partial_size = 0;
+};
+
+// Groups of requests that read the same leading blocks. Candidates: requests of one query tile
+// (decodes, verifications) with at least kMinSharedKeys keys of full blocks before their first
+// query token. Sorted by query length, then block table in trie post-order (lexicographic, a
+// table before any table it is a prefix of), a group's first member shares a non-increasing
+// number of blocks with each next one; a group takes the first k of those that maximise
+// (k - 1) x shared blocks (the blocks not read again), the rest start the next group.
+struct SharedGroup {
+  int begin, end, blocks;  // order[begin, end) share their first `blocks` blocks
+};
+
+static std::vector<SharedGroup> find_shared(const PagedAttentionArgs& a, int tile_tokens,
+                                            std::vector<int>& order) {
+  const int bs = a.block_size, min_blocks = (kMinSharedKeys + bs - 1) / bs;
+  auto q_len = [&](int r) { return a.query_start_loc[r + 1] - a.query_start_loc[r]; };
+  auto full_blocks = [&](int r) { return (a.seq_lens[r] - q_len(r)) / bs; };  // before queries
+  auto row = [&](int r) { return a.block_tables + int64_t(r) * a.block_table_stride; };
+  auto common = [&](int x, int y, int cap) {
+    int n = 0;
+    while (n < cap && row(x)[n] == row(y)[n]) ++n;
+    return n;
+  };
+  order.clear();
+  for (int r = 0; r < a.num_reqs; ++r)
+    if (q_len(r) >= 1 && q_len(r) <= tile_tokens && full_blocks(r) >= min_blocks)
+      order.push_back(r);
+  std::vector<SharedGroup> groups;
+  if (order.size() < 2) return groups;
+  std::sort(order.begin(), order.end(), [&](int x, int y) {
+    if (q_len(x) != q_len(y)) return q_len(x) < q_len(y);
+    const int nx = full_blocks(x), ny = full_blocks(y), n = common(x, y, std::min(nx, ny));
+    if (n < std::min(nx, ny)) return row(x)[n] < row(y)[n];
+    return nx != ny ? nx > ny : x < y;  // one is a prefix of the other: the longer first
+  });
+  std::vector<int> shared;  // shared[k]: blocks order[i] shares with order[i + k]
+  for (int i = 0; i + 1 < (int)order.size();) {
+    const int first = order[i];
+    shared.assign(1, full_blocks(first));
+    for (int j = i + 1; j < (int)order.size() && q_len(order[j]) == q_len(first); ++j) {
+      const int n = common(first, order[j], std::min(shared.back(), full_blocks(order[j])));
+      if (n < min_blocks) break;
+      shared.push_back(n);
+    }
+    int best = 1;
+    for (int k = 2; k < (int)shared.size(); ++k)
+      if (int64_t(k) * shared[k] > int64_t(best) * shared[best]) best = k;
+    if (shared.size() < 2) {
+      ++i;
+      continue;
+    }
+    groups.push_back({i, i + best + 1, shared[best]});
+    i += best + 1;
+  }
+  return groups;
+}
+
+static Plan plan_work(const PagedAttentionArgs& a) {
   const int G = a.num_heads / a.num_kv_heads;
   const int tile_tokens = std::max(1, kTileRows / G);
-  std::vector<WorkItem> items;
+  Plan plan;
+  // Units: (request, query tile, kv heads), each with its output rows.
+  std::vector<WorkItem> units;
+  std::vector<int> first_unit(a.num_reqs + 1);
   for (int r = 0; r < a.num_reqs; ++r) {
+    first_unit[r] = (int)units.size();
     const int q_len = a.query_start_loc[r + 1] - a.query_start_loc[r];
     const int ctx_start = a.seq_lens[r] - q_len;
     for (int q0 = 0; q0 < q_len; q0 += tile_tokens) {
@@ -185,53 +314,93 @@ static std::vector<WorkItem> plan_work(const PagedAttentionArgs& a) {
       for (int h = 0; h < a.num_kv_heads; h += heads) {
         const int h1 = std::min(a.num_kv_heads, h + heads);
         const int64_t cost = int64_t(ctx_start + q1) * (q1 - q0) * G * (h1 - h) + 64;
-        items.push_back({r, h, h1, q0, q1, 0, ctx_start + q1, 0, 1, cost, -1});
+        units.push_back({r, h, h1, q0, q1, 0, ctx_start + q1, 0, 1, cost, -1});
       }
     }
   }
-  // Too few items to keep every thread busy (e.g. one long decode): split keys into partitions
-  // of whole VLEN tiles, merged after the parallel pass.
+  first_unit[a.num_reqs] = (int)units.size();
+
+  // Cascade: shared passes over common prefixes; their members' units keep the rest.
+  std::vector<char> has_shared_slot(units.size(), 0);
+  std::vector<WorkItem> shared_items;
+  std::vector<std::vector<int>> pass_units;  // per pass: the member unit of each member
+  std::vector<int> order;
+  for (const SharedGroup& sg : find_shared(a, tile_tokens, order)) {
+    const int members = sg.end - sg.begin, keys = sg.blocks * a.block_size;
+    const int tokens = a.query_start_loc[order[sg.begin] + 1] - a.query_start_loc[order[sg.begin]];
+    // Chunks of members so that a pass holds at most kSharedRows rows per kv head.
+    const int chunks = (members * tokens * G + kSharedRows - 1) / kSharedRows;
+    const int per_chunk = (members + chunks - 1) / chunks;
+    // Same-length single-tile requests have the same kv-head split: walk it on the first.
+    const int r0 = order[sg.begin];
+    for (int u = first_unit[r0]; u < first_unit[r0 + 1]; ++u) {
+      for (int c0 = 0; c0 < members; c0 += per_chunk) {
+        SharedPass sp;
+        sp.tokens = tokens;
+        std::vector<int> mine;
+        for (int i = c0; i < std::min(members, c0 + per_chunk); ++i) {
+          const int r = order[sg.begin + i], mu = first_unit[r] + (u - first_unit[r0]);
+          sp.reqs.push_back(r);
+          mine.push_back(mu);
+          units[mu].key_begin = keys;
+          has_shared_slot[mu] = 1;
+        }
+        WorkItem w{r0, units[u].head_begin, units[u].head_end, 0, tokens, 0, keys, -1, 1,
+                   // lanes_step runs ~5x row_step's rate: cost in row_step units
+                   int64_t(keys) * (int)sp.reqs.size() * tokens * G *
+                       (units[u].head_end - units[u].head_begin) / 4 + 64, -1};
+        w.shared = (int)plan.shared.size();
+        plan.shared.push_back(std::move(sp));
+        pass_units.push_back(std::move(mine));
+        shared_items.push_back(w);
+      }
+    }
+  }
+
+  // Too few items to keep every thread busy (e.g. one long decode): split a unit's keys into
+  // partitions of whole VLEN tiles, merged after the parallel pass.
   const int nt = a.num_threads;
-  if (nt > 1 && !items.empty() && (int)items.size() < nt) {
-    std::vector<WorkItem> split;
-    int64_t offset = 0;
-    const int want = (2 * nt + (int)items.size() - 1) / (int)items.size();
-    for (const WorkItem& w : items) {
-      const int parts = std::max(1, std::min(want, w.key_end / kMinPartKeys));
-      if (parts == 1) {
-        split.push_back(w);
-        continue;
-      }
-      const int64_t part_size = int64_t(item_rows(w, G)) * (a.head_dim + 2);
-      const int tiles = (w.key_end + VLEN - 1) / VLEN;
-      for (int p = 0; p < parts; ++p) {
-        WorkItem u = w;
-        u.key_begin = tiles * p / parts * VLEN;
-        u.key_end = std::min(w.key_end, tiles * (p + 1) / parts * VLEN);
-        u.part = p, u.num_parts = parts, u.cost = w.cost / parts;
-        u.partial_offset = offset + p * part_size;
-        split.push_back(u);
-      }
-      offset += parts * part_size;
+  const int count = (int)(units.size() + shared_items.size());
+  const int want = nt > 1 && count > 0 && count < nt ? (2 * nt + count - 1) / count : 1;
+  std::vector<int64_t> slot_of(units.size(), -1);  // a member unit's shared slot
+  int64_t offset = 0;
+  for (size_t u = 0; u < units.size(); ++u) {
+    const WorkItem& w = units[u];
+    const int own = std::max(1, std::min(want, (w.key_end - w.key_begin) / kMinPartKeys));
+    const int parts = own + has_shared_slot[u];
+    if (parts == 1) {
+      plan.items.push_back(w);
+      continue;
     }
-    items.swap(split);
+    const int64_t part_size = int64_t(item_rows(w, G)) * (a.head_dim + 2);
+    const int first_tile = w.key_begin / VLEN, tiles = (w.key_end + VLEN - 1) / VLEN - first_tile;
+    for (int p = 0; p < own; ++p) {
+      WorkItem v = w;
+      v.key_begin = std::max(w.key_begin, (first_tile + tiles * p / own) * VLEN);
+      v.key_end = std::min(w.key_end, (first_tile + tiles * (p + 1) / own) * VLEN);
+      v.part = p, v.num_parts = parts, v.cost = w.cost / own;
+      v.partial_offset = offset + p * part_size;
+      plan.items.push_back(v);
+    }
+    if (has_shared_slot[u]) slot_of[u] = offset + own * part_size;
+    offset += parts * part_size;
   }
+  for (size_t i = 0; i < shared_items.size(); ++i) {
+    for (int mu : pass_units[i]) plan.shared[i].slots.push_back(slot_of[mu]);
+    plan.items.push_back(shared_items[i]);
+  }
+  plan.partial_size = offset;
   // Longest first, handed out dynamically: a long prefill tile never starts last.
-  std::stable_sort(items.begin(), items.end(),
+  std::stable_sort(plan.items.begin(), plan.items.end(),
                    [](const WorkItem& x, const WorkItem& y) { return x.cost > y.cost; });
-  return items;
+  return plan;
 }
 
 template <typename T, typename C, int DC>
 static void run_all(const PagedAttentionArgs& a) {
-  const std::vector<WorkItem> items = plan_work(a);
-  const int G = a.num_heads / a.num_kv_heads;
-  int64_t partial_size = 0;
-  for (const WorkItem& w : items)
-    if (w.partial_offset >= 0)
-      partial_size = std::max(partial_size, w.partial_offset +
-                                                int64_t(item_rows(w, G)) * (a.head_dim + 2));
-  std::vector<float> partial(partial_size);
+  const Plan plan = plan_work(a);
+  const std::vector<WorkItem>& items = plan.items;
+  std::vector<float> partial(plan.partial_size);
   const int n = (int)items.size();
   const bool par = a.num_threads > 1 && n > 1;
 #pragma omp parallel num_threads(a.num_threads) if (par)
@@ -240,10 +409,13 @@ static void run_all(const PagedAttentionArgs& a) {
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < n; ++i) {
       const WorkItem& w = items[i];
-      run_item<T, C, DC>(a, w, sc, w.partial_offset >= 0 ? partial.data() + w.partial_offset
-                                                      : nullptr);
+      if (w.shared >= 0)
+        run_shared<T, C, DC>(a, w, plan.shared[w.shared], sc, partial.data());
+      else
+        run_item<T, C, DC>(a, w, sc, w.partial_offset >= 0 ? partial.data() + w.partial_offset
+                                                        : nullptr);
     }
-    if (partial_size > 0) {
+    if (plan.partial_size > 0) {
 #pragma omp for schedule(dynamic, 1)
       for (int i = 0; i < n; ++i)
         if (items[i].part == 0 && items[i].partial_offset >= 0)
@@ -276,6 +448,21 @@ extern "C" int bl_paged_attention(const PagedAttentionArgs* a) {
   if (a->dtype == kFloat32) return dispatch_cache<float>(*a), 0;
   if (a->dtype == kBFloat16) return dispatch_cache<bf16_t>(*a), 0;
   return 2;
+}
+
+// The plan a call would run, for tests and benchmarks: counts[0] work items, counts[1] shared
+// passes (cascade), counts[2] requests that read a prefix through one. Returns as above.
+extern "C" int bl_paged_attention_plan(const PagedAttentionArgs* a, int32_t* counts) {
+  if (a->head_dim % VLEN != 0 || a->head_dim <= 0) return 1;
+  if (a->num_kv_heads <= 0 || a->num_heads % a->num_kv_heads != 0) return 3;
+  const Plan plan = plan_work(*a);
+  std::vector<char> member(a->num_reqs, 0);
+  for (const SharedPass& sp : plan.shared)
+    for (int32_t r : sp.reqs) member[r] = 1;
+  counts[0] = (int32_t)plan.items.size();
+  counts[1] = (int32_t)plan.shared.size();
+  counts[2] = (int32_t)std::count(member.begin(), member.end(), 1);
+  return 0;
 }
 
 extern "C" int bl_vector_lanes() { return VLEN; }

@@ -39,12 +39,28 @@ constexpr int kItemRows = 64;      // at most this many rows per item when group
 constexpr int kItemHeadDims = 256; // and kv heads x head_dim at most this: the K/V tile fits L1
 constexpr int kMinPartKeys = 128;  // smallest key range worth a partition of its own
 
+constexpr int kMinSharedKeys = 64; // shortest prefix worth a shared pass (cascade, below)
+constexpr int kSharedRows = 64;    // at most this many rows per kv head in one shared pass
+
 struct WorkItem {
   int32_t req, head_begin, head_end;     // kv heads [head_begin, head_end)
   int32_t q_begin, q_end;                // query tokens [q_begin, q_end) of the request
   int32_t key_begin, key_end;            // keys this unit reads (a partition when split)
-  int32_t part, num_parts;
+  int32_t part, num_parts;  // part -1: a shared pass (its results go to its members' slots)
   int64_t cost, partial_offset;  // partial_offset: into the split buffer, -1 if not split
+  int32_t shared = -1;           // index of its SharedPass, for a shared pass
+};
+
+// Cascade attention for requests whose block tables start with the same blocks (a prompt-cache
+// hit on a common prefix): keys [0, key_end) are read once for the query rows of all members,
+// VLEN rows in the lanes, instead of once per request through row_step. Every shared key lies
+// before every member's first query token, so no causal mask applies. Each member's own item
+// reads only the keys after the prefix; the two partial softmaxes merge like key partitions
+// (combine_parts), the shared one in the member's last slot.
+struct SharedPass {
+  int32_t tokens;                 // query tokens per member (all members have the same count)
+  std::vector<int32_t> reqs;      // members
+  std::vector<int64_t> slots;     // per member: offset of its slot in the partial buffer
 };
 
 struct Scratch {  // per thread, grown on demand, reused across calls
