@@ -38,6 +38,7 @@ POLICIES = {
     "spin100k": ({"GOMP_SPINCOUNT": "100000"}, "all"),
     "spin30k": ({"GOMP_SPINCOUNT": "30000"}, "all"),
     "spin10k": ({"GOMP_SPINCOUNT": "10000"}, "all"),
+    "spin3k": ({"GOMP_SPINCOUNT": "3000"}, "all"),
     "spin1k": ({"GOMP_SPINCOUNT": "1000"}, "all"),
     "passive-bind": ({"OMP_WAIT_POLICY": "PASSIVE", "OMP_PROC_BIND": "close",
                       "OMP_PLACES": "cores"}, "all"),   # one thread per core, no migration

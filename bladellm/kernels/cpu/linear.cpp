@@ -151,7 +151,12 @@ static void linear(T* out, int64_t out_stride, const T* x, int64_t xs, const TW*
   const int64_t full = N / R;
   const int64_t blocks = full + (N % R ? 1 : 0);
   const bool par = num_threads > 1 && blocks >= 2 * num_threads;
-#pragma omp parallel for num_threads(num_threads) if (par) schedule(static)
+  // Chunks of contiguous blocks handed out as threads free up, ~8 per thread: on a shared
+  // machine a thread the scheduler sets aside (the API process, a neighbour) no longer holds
+  // back the whole GEMV with its static share; each chunk still streams contiguous rows.
+  // Every output is computed by one thread in one order: the schedule changes no result.
+  const int64_t chunk = std::max<int64_t>(1, blocks / (8 * int64_t(num_threads)));
+#pragma omp parallel for num_threads(num_threads) if (par) schedule(dynamic, chunk)
   for (int64_t b = 0; b < blocks; ++b) {
     int64_t n0 = b * R;
     if (b < full) {

@@ -104,7 +104,8 @@ int bl_linear_int4(float* out, const float* x, const uint8_t* codes, const float
       xsum[m * G + g] = s;
     }
   const bool par = num_threads > 1 && N >= 64;
-#pragma omp parallel for num_threads(num_threads) if (par) schedule(static)
+  const int64_t chunk = std::max<int64_t>(1, N / (8 * int64_t(num_threads)));  // as linear.cpp
+#pragma omp parallel for num_threads(num_threads) if (par) schedule(dynamic, chunk)
   for (int64_t n = 0; n < N; ++n) {
     for (int64_t m0 = 0; m0 < M; m0 += MT) {
       const int mm = static_cast<int>(std::min<int64_t>(MT, M - m0));
