@@ -343,6 +343,7 @@ static Plan plan_work(const PagedAttentionArgs& a) {
           sp.reqs.push_back(r);
           mine.push_back(mu);
           units[mu].key_begin = keys;
+          units[mu].cost = int64_t(units[mu].key_end - keys) * item_rows(units[mu], G) + 64;
           has_shared_slot[mu] = 1;
         }
         WorkItem w{r0, units[u].head_begin, units[u].head_end, 0, tokens, 0, keys, -1, 1,
