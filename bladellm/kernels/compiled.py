@@ -242,8 +242,9 @@ class CompiledKernels(Kernels):
                        seq_lens: torch.Tensor) -> dict[str, int]:
         """How ``paged_attention`` would split this batch: work items, shared-prefix passes
         (cascade) and the requests they serve. For tests and benchmarks."""
-        prepared = self._attention_args(torch.empty_like(query), query, k_cache, v_cache,
-                                        block_tables, query_start_loc, seq_lens, 1.0)
+        out = torch.empty(query.shape, dtype=query.dtype)
+        prepared = self._attention_args(out, query, k_cache, v_cache, block_tables,
+                                        query_start_loc, seq_lens, 1.0)
         if prepared is None:
             raise ValueError("attention_plan: the compiled kernel does not take these tensors")
         counts = (ctypes.c_int32 * 3)()

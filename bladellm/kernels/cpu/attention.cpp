@@ -283,13 +283,13 @@ static std::vector<SharedGroup> find_shared(const PagedAttentionArgs& a, int til
       if (n < min_blocks) break;
       shared.push_back(n);
     }
-    int best = 1;
-    for (int k = 2; k < (int)shared.size(); ++k)
-      if (int64_t(k) * shared[k] > int64_t(best) * shared[best]) best = k;
-    if (shared.size() < 2) {
+    if (shared.size() < 2) {  // nobody shares enough with order[i]
       ++i;
       continue;
     }
+    int best = 1;  // the group order[i .. i + best]: best x shared[best] blocks not read again
+    for (int k = 2; k < (int)shared.size(); ++k)
+      if (int64_t(k) * shared[k] > int64_t(best) * shared[best]) best = k;
     groups.push_back({i, i + best + 1, shared[best]});
     i += best + 1;
   }
