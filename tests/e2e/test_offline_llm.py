@@ -66,6 +66,42 @@ def test_greedy_identical_to_transformers_under_stress(tiny_model_factory, arch)
     llm.engine.core.scheduler.check_invariants()
 
 
+def test_greedy_identical_with_decodes_on_long_shared_prefixes(tiny_model_factory, monkeypatch):
+    """Requests on two cached 80-token prefixes decode together: the compiled attention reads
+    each prefix once for all of them (a shared pass, the cascade), and the tokens are still
+    transformers' own."""
+    import shutil
+
+    from bladellm.kernels.compiled import CompiledKernels
+
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the reference attention has no shared pass")
+    shared_requests = []
+    plain = CompiledKernels.paged_attention
+
+    def spy(self, out, query, k_cache, v_cache, tables, starts, lens, scale):
+        plan = self.attention_plan(query, k_cache, v_cache, tables, starts, lens)
+        shared_requests.append(plan["shared_requests"])
+        return plain(self, out, query, k_cache, v_cache, tables, starts, lens, scale)
+
+    monkeypatch.setattr(CompiledKernels, "paged_attention", spy)
+    model_dir = tiny_model_factory("llama")
+    llm = LLM(model=model_dir, dtype="float32", block_size=16, max_num_seqs=8,
+              max_model_len=160)
+    rng = random.Random(7)
+    vocab = llm.engine.model_info.vocab_size
+    prefixes = [[rng.randrange(3, vocab) for _ in range(80)] for _ in range(2)]
+    prompts = [prefixes[i % 2] + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 20))]
+               for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    llm.generate(prefixes, params.clone(max_tokens=1), use_tqdm=False)  # cache the prefixes
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    expected = _hf_greedy(model_dir, prompts, 16)
+    assert [out.outputs[0].token_ids for out in outs] == expected
+    assert max(shared_requests) == 8, "the decodes should have shared their prefixes' blocks"
+    assert llm.engine.core.scheduler.get_stats().num_used_blocks == 0
+
+
 def test_seeded_sampling_independent_of_batch(tiny_llama):
     llm = LLM(model=tiny_llama, dtype="float32", block_size=4, max_num_batched_tokens=64)
     target = [5, 6, 7, 8, 9, 10, 11]
