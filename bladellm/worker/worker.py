@@ -64,7 +64,7 @@ class Worker:
         model reads a third of its bytes and runs at ~0.7 of its time)."""
         runner = self.model_runner
         if not runner.spec_bytes_per_block:
-            return 0.0, 0.0
+            raise RuntimeError("spec_forward_times: no sps draft model is loaded")
         return (time_token_forward(runner.model, self.device),
                 time_token_forward(runner.spec.proposer.model, self.device))
 

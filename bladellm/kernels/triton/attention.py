@@ -31,9 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bladellm.kernels.triton import INTERPRETING
-
 from bladellm.kernels import kv_int8
+from bladellm.kernels.triton import INTERPRETING
 
 _LOG2E = 1.4426950408889634
 
