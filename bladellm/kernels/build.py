@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 COMPILER = "g++"  # tests point this at a missing binary to exercise the fallback
 SOURCE_DIR = Path(__file__).parent / "cpu"
-HEADERS = ("vec.h", "attention_tiles.h")
+HEADERS = ("vec.h", "attention_tiles.h", "kernel_args.h")
 # Attention may fuse multiply-adds; the elementwise kernels must round exactly like torch.
 SOURCES = {
     "attention.cpp": ["-ffp-contract=fast"],
@@ -38,6 +38,7 @@ SOURCES = {
     "linear_int4.cpp": ["-ffp-contract=fast"],
     "lora.cpp": ["-ffp-contract=fast"],
     "sampling.cpp": ["-ffp-contract=off"],
+    "decoder.cpp": ["-ffp-contract=off"],  # no arithmetic of its own: it calls the others
 }
 # -Wno-psabi: norm.cpp passes 16-lane vectors between inlined helpers in AVX2 builds too.
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wall",

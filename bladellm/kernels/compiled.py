@@ -73,6 +73,32 @@ class _CacheWriteArgs(ctypes.Structure):
                                        "slots_int64", "num_threads", "kv_int8")]
 
 
+class LinearArgs(ctypes.Structure):  # decoder.cpp; one linear layer of a decoder stack
+    _fields_ = [("weight", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64),
+                ("narrow", c_int32)]
+
+
+class DecoderLayerArgs(ctypes.Structure):
+    _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("qkv", LinearArgs),
+                ("o", LinearArgs), ("gate_up", LinearArgs), ("down", LinearArgs),
+                ("k_cache", c_void_p), ("v_cache", c_void_p)]
+
+
+class DecoderStackArgs(ctypes.Structure):
+    _fields_ = [(n, c_void_p) for n in (
+        "out", "hidden", "positions", "slots", "block_tables", "query_start_loc", "seq_lens",
+        "normed", "residual0", "residual1", "proj", "qkv", "attn", "gate_up", "act")] + \
+               [("layers", POINTER(DecoderLayerArgs)), ("final_norm", c_void_p),
+                ("cos", c_void_p), ("sin", c_void_p)] + \
+               [(n, c_int64) for n in ("tokens", "block_table_stride", "max_position",
+                                       "silu_chunk")] + \
+               [(n, c_int32) for n in ("num_layers", "num_reqs", "hidden_size", "num_heads",
+                                       "num_kv_heads", "head_dim", "rotary_dim", "block_size",
+                                       "dtype", "positions_int64", "slots_int64", "kv_int8",
+                                       "sum_lanes", "num_threads")] + \
+               [("eps", c_float), ("scale", c_float)]
+
+
 class _PackedLinear:
     """Load-time forms of one weight, and the weight they were made from (by identity):
     ``onednn``, the weight reordered for oneDNN's batched GEMM; ``narrow``, for an fp32 weight
@@ -171,6 +197,7 @@ class CompiledKernels(Kernels):
         self._linear_int4 = self._bind(lib.bl_linear_int4, [
             c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64,
             c_int64, c_int64, c_int64, c_int64, c_int32])
+        self._decoder_stack = self._bind(lib.bl_decoder_stack, [POINTER(DecoderStackArgs)])
         self._token_bitmask = self._bind(lib.bl_apply_token_bitmask, [
             c_void_p, c_int64, c_int64, c_int64, c_void_p, c_int64, c_void_p, c_int64])
         self.linear_dpbf16 = bool(lib.bl_linear_dpbf16())
@@ -427,6 +454,32 @@ class CompiledKernels(Kernels):
         if onednn is None and narrow is None:
             return None
         return _PackedLinear(onednn, narrow, weight)
+
+    def small_rows_weight(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                          packed: object | None) -> tuple[torch.Tensor, bool, int] | None:
+        """How ``linear`` runs ``x @ weight.T + bias`` for x of the weight's dtype and few rows:
+        (the weight it streams, whether that is the fp32 weight's bf16 copy, the most rows of x
+        it takes that way), or None where ``linear`` never uses the GEMV kernel for it. The
+        decoder stack (``decoder_stack``) runs its linears by this, so both stay bit-identical;
+        it mirrors ``linear``'s choices (tests/kernels/test_decoder_stack.py checks)."""
+        dtype = weight.dtype
+        if isinstance(packed, _PackedLinear) and packed.weight is not weight:
+            packed = None
+        if (not weight.is_cpu or weight.dim() != 2 or not weight.is_contiguous()
+                or (bias is not None and (bias.dtype != dtype or not bias.is_contiguous()))):
+            return None
+        if packed is not None and packed.narrow is not None and dtype == torch.float32:
+            return packed.narrow, True, self.linear_max_rows_narrow
+        max_rows = (self.linear_max_rows if packed is None or packed.onednn is None
+                    else self.linear_max_rows_packed).get(dtype)
+        return None if max_rows is None else (weight, False, max_rows)
+
+    def decoder_stack(self, args: DecoderStackArgs) -> None:
+        """A whole Llama-layout decoder stack in one call (``cpu/decoder.cpp``); the caller
+        (``model/decoder_stack.py``) built ``args`` and keeps its tensors alive."""
+        rc = self._decoder_stack(ctypes.byref(args))
+        if rc != 0:
+            raise RuntimeError(f"decoder_stack: a kernel refused its arguments (code {rc})")
 
     def packed_bytes(self, packed: object | None) -> int:
         return packed.nbytes if isinstance(packed, _PackedLinear) else 0

@@ -61,6 +61,19 @@ class ModelRunner:
             from bladellm.lora.manager import LoRAManager
 
             self.lora = LoRAManager(config.lora, self.model, resolved.hf_config, self.dtype)
+        self._build_compiled_stack()
+
+    def _build_compiled_stack(self) -> None:
+        """Decode-sized steps run the decoder stack as one compiled call where the model and
+        kernels allow (``model/decoder_stack.py``); after prepacking and LoRA wrapping, which
+        decide what the stack may read."""
+        from bladellm.kernels import get_kernels
+        from bladellm.model.decoder_stack import CompiledDecoderStack
+        from bladellm.model.models.llama import LlamaModel
+
+        inner = getattr(self.model, "model", None)
+        if isinstance(inner, LlamaModel):
+            inner.compiled_stack = CompiledDecoderStack.build(inner, get_kernels())
 
     def _make_spec_decoder(self, resolved: ResolvedModel):
         """--decode_algo sps / look_ahead: the proposer and the verification step."""

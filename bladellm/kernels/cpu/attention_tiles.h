@@ -14,23 +14,7 @@
 
 #include "vec.h"
 
-extern "C" {
-struct PagedAttentionArgs {  // mirrored by kernels/compiled.py; all strides in elements
-  void* out;                 // [T, num_heads, head_dim] contiguous
-  const void* query;         // [T, num_heads, head_dim], last dim contiguous
-  const void* k_cache;       // [num_blocks, block_size, num_kv_heads, row] contiguous; row =
-  const void* v_cache;       // head_dim, or head_dim int8 + fp32 scale bytes if kv_int8
-  const int32_t* block_tables;     // [num_reqs, block_table_stride]
-  const int32_t* query_start_loc;  // [num_reqs + 1]
-  const int32_t* seq_lens;         // [num_reqs], including this step's tokens
-  int64_t q_stride_token;
-  int64_t q_stride_head;
-  int64_t block_table_stride;
-  int32_t num_reqs, num_heads, num_kv_heads, head_dim, block_size, dtype, num_threads;
-  float scale;
-  int32_t kv_int8;  // caches hold int8 rows + their fp32 scale (kernels/kv_int8.py)
-};
-}
+#include "kernel_args.h"
 
 namespace {
 

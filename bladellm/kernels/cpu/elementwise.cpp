@@ -7,30 +7,7 @@
 
 #include "vec.h"
 
-extern "C" {
-struct RotaryArgs {     // mirrored by kernels/compiled.py; strides in elements
-  const void* positions;  // [tokens], int64 or int32
-  const void* q_in;       // [tokens, num_q_heads * head_dim] rows, last dim contiguous
-  void* q_out;            // may equal q_in (in place)
-  const void* k_in;
-  void* k_out;
-  const void* cos;        // [max_position, rotary_dim / 2], the dtype of q
-  const void* sin;
-  int64_t q_in_stride, q_out_stride, k_in_stride, k_out_stride, tokens, max_position;
-  int32_t num_q_heads, num_k_heads, head_dim, rotary_dim, dtype, positions_int64, num_threads;
-};
-
-struct CacheWriteArgs {  // mirrored by kernels/compiled.py; strides in elements
-  const void* key;       // [tokens, num_kv_heads, head_dim], last dim contiguous
-  const void* value;
-  void* k_cache;         // [num_slots, num_kv_heads, row] contiguous (row: head_dim, or
-  void* v_cache;         // head_dim int8 + 4 scale bytes if kv_int8)
-  const void* slots;     // [tokens] int64 or int32; negative: skip (padding)
-  int64_t k_token_stride, k_head_stride, v_token_stride, v_head_stride, tokens;
-  int32_t num_kv_heads, head_dim, element_size, slots_int64, num_threads;
-  int32_t kv_int8;       // quantize each row (kernels/kv_int8.py); element_size: of key/value
-};
-}
+#include "kernel_args.h"
 
 namespace {
 

@@ -11,19 +11,7 @@
 
 #include "vec.h"
 
-extern "C" {
-struct RmsNormArgs {  // mirrored by kernels/compiled.py; strides in elements
-  void* out;            // [rows, hidden] contiguous
-  void* residual_out;   // [rows, hidden] contiguous, x + residual (fused variant only)
-  const void* x;        // row (o, i) at o * x_outer_stride + i * x_inner_stride
-  const void* residual; // nullptr: plain rms_norm
-  const void* weight;   // [hidden], same dtype as x
-  int64_t x_outer_stride, x_inner_stride, r_outer_stride, r_inner_stride;
-  int64_t outer, inner;  // rows = outer * inner
-  int32_t hidden, dtype, sum_lanes, num_threads;  // sum_lanes: the vector width torch sums with
-  float eps;
-};
-}
+#include "kernel_args.h"
 
 namespace {
 

@@ -131,6 +131,9 @@ class LlamaModel(nn.Module):
             for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=dtype) \
             if self.is_last_stage else PPMissingLayer()
+        # Set by the model runner after loading where it applies (model/decoder_stack.py):
+        # decode-sized steps then run every layer and the final norm in one compiled call.
+        self.compiled_stack: Any = None
 
     def holds(self, param_name: str) -> bool:
         """Whether the (model-relative, e.g. ``layers.3.mlp...``) parameter is on this stage."""
@@ -146,6 +149,10 @@ class LlamaModel(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor | None:
         if self.is_first_stage:
             hidden, residual = self.embed_tokens(input_ids), None
+            if self.compiled_stack is not None:
+                out = self.compiled_stack(hidden, positions, ctx)
+                if out is not None:
+                    return out
         else:
             assert self.channel is not None
             hidden, residual = self.channel.recv(input_ids.shape[0], input_ids.device)

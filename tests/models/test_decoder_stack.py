@@ -1,0 +1,120 @@
+"""The compiled decoder stack (model/decoder_stack.py) against the modules it replaces: the same
+kernels in the same order, so every step's hidden states and KV cache must be bit-identical,
+for batches of mixed query lengths (decodes, verification runs, short prefill chunks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bladellm.attention import get_attn_backend
+from bladellm.config import ModelConfig
+from bladellm.kernels import get_kernels
+from bladellm.kernels.compiled import CompiledKernels
+from bladellm.model.decoder_stack import CompiledDecoderStack
+from bladellm.model.loader import load_hf_config, load_model
+from tiny_paged_kv import PagedKV, Seq
+
+pytestmark = pytest.mark.skipif(not isinstance(get_kernels(), CompiledKernels),
+                                reason="the compiled CPU kernels are not built here")
+
+
+def load(model_dir: str, dtype: torch.dtype):
+    cfg = load_hf_config(model_dir, trust_remote_code=False)
+    model = load_model(ModelConfig(model=model_dir), cfg, dtype, "cpu",
+                       get_attn_backend(None, "cpu"))
+    for m in model.modules():  # what the runner does after loading (prepacked weights)
+        method = getattr(m, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(m)
+    return model
+
+
+def run_both(model, steps: list[list[int]], dtype: torch.dtype, block_size: int = 4,
+             seed: int = 0) -> int:
+    """Runs each step (query length per sequence) through the stack and through the modules on
+    two identical caches; asserts equal outputs and caches. Returns the steps the stack took."""
+    inner = model.model
+    stack = CompiledDecoderStack.build(inner, get_kernels())
+    assert stack is not None
+    spec = model.get_kv_cache_spec()
+    kv_a = PagedKV(spec, num_blocks=64, block_size=block_size, dtype=dtype, seed=seed)
+    kv_b = PagedKV(spec, num_blocks=64, block_size=block_size, dtype=dtype, seed=seed)
+    seqs_a = [Seq() for _ in steps[0]]
+    seqs_b = [Seq() for _ in steps[0]]
+    gen = torch.Generator().manual_seed(seed)
+    taken = 0
+    for query_lens in steps:
+        ids = torch.randint(3, model.hf_config.vocab_size, (sum(query_lens),), generator=gen)
+        ctx_a, pos_a = kv_a.step(seqs_a, query_lens)
+        ctx_b, pos_b = kv_b.step(seqs_b, query_lens)
+        inner.compiled_stack = stack
+        out_a = model(ids, pos_a, ctx_a)
+        inner.compiled_stack = None
+        out_b = model(ids, pos_b, ctx_b)
+        assert torch.equal(out_a, out_b), (query_lens, (out_a - out_b).abs().max())
+        taken += sum(query_lens) <= stack.max_rows
+    for ca, cb in zip(kv_a.caches, kv_b.caches):
+        assert torch.equal(ca, cb)
+    return taken
+
+
+# Prefill chunks, then decodes and verification runs (1 + k). The GEMV row limit is as low as 2
+# (bf16 without native bf16 dot products), so three of the steps are two decodes.
+STEPS = [[5, 3], [1, 1], [2, 1], [1, 1], [1, 4], [1, 1], [9, 2]]
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}),
+    ("qwen2", {"tie_word_embeddings": True}),  # bias on q/k/v
+    ("llama", {"num_key_value_heads": 1, "hidden_size": 128, "num_attention_heads": 4}),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stack_matches_modules(tiny_model_factory, arch, overrides, dtype):
+    model = load(tiny_model_factory(arch, **overrides), dtype)
+    taken = run_both(model, STEPS, dtype)
+    assert taken >= 3  # the steps within the GEMV row limit went through the stack
+
+
+def test_stack_matches_modules_with_bf16_exact_fp32_weights(tiny_model_factory):
+    """fp32 weights that hold only bf16 values: both paths read the bf16 copy."""
+    model = load(tiny_model_factory("llama"), torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    for m in model.modules():
+        method = getattr(m, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(m)
+    stack = CompiledDecoderStack.build(model.model, get_kernels())
+    assert stack is not None and stack.layer_args[0].qkv.narrow == 1
+    assert run_both(model, STEPS, torch.float32) >= 3
+
+
+def test_steps_over_the_row_limit_run_the_modules(tiny_model_factory):
+    model = load(tiny_model_factory("llama"), torch.float32)
+    stack = CompiledDecoderStack.build(model.model, get_kernels())
+    calls = []
+    real = stack.kernels.decoder_stack
+    stack.kernels = type("Spy", (), {"decoder_stack": lambda self, a: (calls.append(a.tokens),
+                                                                       real(a))})()
+    spec = model.get_kv_cache_spec()
+    kv = PagedKV(spec, num_blocks=64, block_size=4)
+    seqs = [Seq()]
+    model.model.compiled_stack = stack
+    big = stack.max_rows + 1
+    ctx, pos = kv.step(seqs, [big])
+    model(torch.arange(3, 3 + big), pos, ctx)
+    assert calls == []
+    ctx, pos = kv.step(seqs, [1])
+    model(torch.tensor([5]), pos, ctx)
+    assert calls == [1]
+
+
+def test_layouts_it_does_not_take(tiny_model_factory):
+    kernels = get_kernels()
+    qwen3 = load(tiny_model_factory("qwen3"), torch.float32)
+    assert CompiledDecoderStack.build(qwen3.model, kernels) is None  # q/k norms
+    llama = load(tiny_model_factory("llama"), torch.float32)
+    from bladellm.kernels.interface import Kernels
+    assert CompiledDecoderStack.build(llama.model, Kernels()) is None  # reference kernels
