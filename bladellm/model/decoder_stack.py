@@ -218,3 +218,17 @@ class CompiledDecoderStack:
         self.args.kv_int8 = int(int8)
         self._kv_caches = kv_caches
         return True
+
+
+def attach_compiled_stack(model: nn.Module) -> bool:
+    """Give ``model`` (a causal LM) its compiled decoder stack where it applies: decode-sized
+    steps then run every layer in one call. Call after the weights are loaded (and prepacked,
+    and wrapped for LoRA). Returns whether it did."""
+    from bladellm.kernels import get_kernels
+    from bladellm.model.models.llama import LlamaModel
+
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, LlamaModel):
+        return False
+    inner.compiled_stack = CompiledDecoderStack.build(inner, get_kernels())
+    return inner.compiled_stack is not None

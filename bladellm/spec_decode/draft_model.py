@@ -24,6 +24,7 @@ from bladellm.attention import get_attn_backend
 from bladellm.attention.backend import AttentionMetadata
 from bladellm.attention.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from bladellm.config import EngineConfig, ModelConfig
+from bladellm.model.decoder_stack import attach_compiled_stack
 from bladellm.model.forward_context import ForwardContext
 from bladellm.sample.rejection import target_probs
 from bladellm.worker.sampling_rows import step_generator
@@ -61,6 +62,7 @@ class DraftModelProposer:
         check_draft_vocab(target_resolved.hf_config, resolved.hf_config, resolved.path)
         self.model = resolved.load_model(device, get_attn_backend(config.draft.attn_cls, device))
         self.model.eval()
+        attach_compiled_stack(self.model)  # its decode steps in one call, as the target's
         self.dtype = resolved.dtype
         spec = self.model.get_kv_cache_spec()
         self.num_layers, self.num_kv_heads, self.head_dim = (

@@ -22,6 +22,7 @@ from bladellm.model.layers.embedding import ParallelLMHead
 from bladellm.model.layers.linear import UnquantizedLinearMethod
 from bladellm.platforms.cpu_defaults import model_weight_bytes, total_memory_bytes
 from bladellm.sample.sampler import Sampler, SamplerOutput
+from bladellm.model.decoder_stack import attach_compiled_stack
 from bladellm.worker.input_batch import InputBatch, StepInputs
 from bladellm.worker.sampling_rows import attach_grammar_bitmask
 
@@ -61,19 +62,8 @@ class ModelRunner:
             from bladellm.lora.manager import LoRAManager
 
             self.lora = LoRAManager(config.lora, self.model, resolved.hf_config, self.dtype)
-        self._build_compiled_stack()
-
-    def _build_compiled_stack(self) -> None:
-        """Decode-sized steps run the decoder stack as one compiled call where the model and
-        kernels allow (``model/decoder_stack.py``); after prepacking and LoRA wrapping, which
-        decide what the stack may read."""
-        from bladellm.kernels import get_kernels
-        from bladellm.model.decoder_stack import CompiledDecoderStack
-        from bladellm.model.models.llama import LlamaModel
-
-        inner = getattr(self.model, "model", None)
-        if isinstance(inner, LlamaModel):
-            inner.compiled_stack = CompiledDecoderStack.build(inner, get_kernels())
+        # After prepacking and LoRA wrapping, which decide what the compiled stack may read.
+        attach_compiled_stack(self.model)
 
     def _make_spec_decoder(self, resolved: ResolvedModel):
         """--decode_algo sps / look_ahead: the proposer and the verification step."""
