@@ -67,6 +67,13 @@ class ModelConfig:
     served_model_name: str | None = field(
         default=None, metadata={"help": "Model name in the API; defaults to the directory name."})
     seed: int = field(default=0, metadata={"help": "Seed for unseeded sampling."})
+    enforce_eager: bool = field(
+        default=False,
+        metadata={"help": "Run every decoder layer through its PyTorch module on every step. "
+                          "By default, steps of a few tokens (decodes) of Llama layout models "
+                          "on the compiled CPU kernels run the whole decoder stack as one "
+                          "compiled call: the CPU's counterpart of CUDA graph capture, with "
+                          "bit identical results and without the Python of every layer."})
     attn_cls: str = field(
         default="auto",
         metadata={"help": "Attention backend: auto / paged (paged-attention kernels compiled "

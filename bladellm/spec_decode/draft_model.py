@@ -62,7 +62,8 @@ class DraftModelProposer:
         check_draft_vocab(target_resolved.hf_config, resolved.hf_config, resolved.path)
         self.model = resolved.load_model(device, get_attn_backend(config.draft.attn_cls, device))
         self.model.eval()
-        attach_compiled_stack(self.model)  # its decode steps in one call, as the target's
+        if not config.model.enforce_eager:
+            attach_compiled_stack(self.model)  # its decode steps in one call, as the target's
         self.dtype = resolved.dtype
         spec = self.model.get_kv_cache_spec()
         self.num_layers, self.num_kv_heads, self.head_dim = (

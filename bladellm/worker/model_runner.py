@@ -62,8 +62,9 @@ class ModelRunner:
             from bladellm.lora.manager import LoRAManager
 
             self.lora = LoRAManager(config.lora, self.model, resolved.hf_config, self.dtype)
-        # After prepacking and LoRA wrapping, which decide what the compiled stack may read.
-        attach_compiled_stack(self.model)
+        if not config.model.enforce_eager:
+            # After prepacking and LoRA wrapping, which decide what the compiled stack may read.
+            attach_compiled_stack(self.model)
 
     def _make_spec_decoder(self, resolved: ResolvedModel):
         """--decode_algo sps / look_ahead: the proposer and the verification step."""

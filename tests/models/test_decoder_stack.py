@@ -118,3 +118,24 @@ def test_layouts_it_does_not_take(tiny_model_factory):
     llama = load(tiny_model_factory("llama"), torch.float32)
     from bladellm.kernels.interface import Kernels
     assert CompiledDecoderStack.build(llama.model, Kernels()) is None  # reference kernels
+
+
+def test_engine_uses_it_unless_enforce_eager(tiny_model_factory):
+    """End to end: the engine attaches the stack (and --enforce_eager keeps the modules), and
+    greedy tokens are the same either way, with decodes batched and a prefill chunked."""
+    from bladellm import LLM, SamplingParams
+
+    model_dir = tiny_model_factory("llama")
+    prompts = [[5 + i, 9, 17 + 2 * i, 30, 41 + i] * (1 + i % 3) for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens, stacks = [], []
+    for eager in (False, True):
+        llm = LLM(model=model_dir, dtype="float32", enforce_eager=eager, max_num_seqs=4,
+                  max_num_batched_tokens=16, block_size=4)
+        runner = llm.engine.core.executor.worker.model_runner
+        stacks.append(runner.model.model.compiled_stack)
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)])
+        llm.shutdown()
+    assert stacks[0] is not None and stacks[1] is None
+    assert tokens[0] == tokens[1]

@@ -50,6 +50,8 @@ ALIASES: tuple[Alias, ...] = (
     Alias("--uvicorn-log-level", "server__log_level", "--log_level", convert=str),
     Alias("--disable-uvicorn-access-log", "server__disable_access_log", "--disable_access_log",
           const=True),
+    Alias("--enforce-eager", "model__enforce_eager", "--enforce_eager", const=True),
+    Alias("--no-enforce-eager", "model__enforce_eager", "no --enforce_eager", const=False),
     Alias("-tp", "parallel__tensor_parallel_size", "--tensor_parallel_size", convert=int),
     Alias("-pp", "parallel__pipeline_parallel_size", "--pipeline_parallel_size", convert=int),
 )
@@ -57,7 +59,6 @@ ALIASES: tuple[Alias, ...] = (
 # Flags that request BladeLLM's fixed behaviour: accepted; the opposite spelling is refused.
 FIXED: dict[str, str] = {
     "--enable-chunked-prefill": "long prompts are always prefilled in chunks",
-    "--enforce-eager": "the CPU engine always runs eagerly (no graph capture)",
     "--disable-log-requests": "request contents are never logged",
     "--enable-auto-tool-choice": "tool calls are parsed whenever a request sends tools with "
                                  "tool_choice auto (Hermes / Llama 3 formats, auto-detected)",
@@ -65,7 +66,6 @@ FIXED: dict[str, str] = {
 }
 OPPOSITE_OF_FIXED: dict[str, str] = {
     "--no-enable-chunked-prefill": "chunked prefill cannot be turned off",
-    "--no-enforce-eager": "there is no graph capture on CPU to turn on",
     "--enable-log-requests": "logging request contents is not supported",
 }
 

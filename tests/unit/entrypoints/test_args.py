@@ -104,8 +104,11 @@ def test_vllm_spellings_map_onto_our_config():
     assert engine.cache.disable_prompt_cache and engine.cache.kv_cache_quant == "no_quant"
     assert server.api_key == "k" and server.log_level == "debug" and server.disable_access_log
     assert server.load_chat_template() == "{{ messages }}"
+    assert engine.model.enforce_eager
     engine, _ = parse_args(["--disable_prompt_cache", "--enable-prefix-caching"])
-    assert not engine.cache.disable_prompt_cache
+    assert not engine.cache.disable_prompt_cache and not engine.model.enforce_eager
+    engine, _ = parse_args(["--enforce_eager", "--no-enforce-eager"])
+    assert not engine.model.enforce_eager
 
 
 def test_vllm_gpu_flag_maps_and_is_validated(capsys):
