@@ -123,7 +123,7 @@ class CompiledDecoderStack:
     @staticmethod
     def _unsupported(model: nn.Module, kernels: Any) -> str | None:
         from bladellm.kernels.compiled import CompiledKernels
-        from bladellm.model.layers.linear import UnquantizedLinearMethod
+        from bladellm.model.layers.linear import LinearBase, UnquantizedLinearMethod
         from bladellm.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
         if not isinstance(kernels, CompiledKernels):
@@ -148,6 +148,8 @@ class CompiledDecoderStack:
                 return "an attention backend other than the compiled paged one"
             for lin in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
                         layer.mlp.down_proj):
+                if not isinstance(lin, LinearBase):
+                    return f"{type(lin).__name__} layers (LoRA)"
                 if type(lin.quant_method) is not UnquantizedLinearMethod:
                     return "quantized linear layers"
                 if lin.tp_size != 1:

@@ -139,3 +139,15 @@ def test_engine_uses_it_unless_enforce_eager(tiny_model_factory):
         llm.shutdown()
     assert stacks[0] is not None and stacks[1] is None
     assert tokens[0] == tokens[1]
+
+
+def test_engine_with_lora_keeps_the_modules(tiny_model_factory):
+    """LoRA wraps the linears (per-token adapters the stack cannot apply): no stack, no error."""
+    from bladellm import LLM
+
+    llm = LLM(model=tiny_model_factory("llama"), dtype="float32", enable_lora=True)
+    try:
+        runner = llm.engine.core.executor.worker.model_runner
+        assert runner.model.model.compiled_stack is None
+    finally:
+        llm.shutdown()
