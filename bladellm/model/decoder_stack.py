@@ -136,6 +136,7 @@ class CompiledDecoderStack:
         if not layers:
             return "no decoder layers"
         eps = {model.norm.eps}
+        shapes = set()  # the scratch buffers are sized once for every layer
         for layer in layers:
             if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not \
                     LlamaAttention or type(layer.mlp) is not LlamaMLP:
@@ -159,8 +160,12 @@ class CompiledDecoderStack:
             if attn.head_dim % 16:
                 return f"head_dim {attn.head_dim} (the kernels need a multiple of 16)"
             eps.update((layer.input_layernorm.eps, layer.post_attention_layernorm.eps))
+            shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale,
+                        tuple(layer.mlp.gate_up_proj.weight.shape)))
         if len(eps) != 1:
             return "norms with different eps"
+        if len(shapes) != 1:
+            return "layers of different shapes"
         rope = layers[0].self_attn.rotary_emb
         if rope.cos_cache.dtype != model.dtype or rope.cos_cache.shape[-1] * 2 != \
                 rope.rotary_dim:
