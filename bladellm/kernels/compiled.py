@@ -462,7 +462,7 @@ class CompiledKernels(Kernels):
         (the weight it streams, whether that is the fp32 weight's bf16 copy, the most rows of x
         it takes that way), or None where ``linear`` never uses the GEMV kernel for it. The
         decoder stack (``decoder_stack``) runs its linears by this, so both stay bit-identical;
-        it mirrors ``linear``'s choices (tests/kernels/test_decoder_stack.py checks)."""
+        it mirrors ``linear``'s choices (tests/models/test_decoder_stack.py checks)."""
         dtype = weight.dtype
         if isinstance(packed, _PackedLinear) and packed.weight is not weight:
             packed = None
