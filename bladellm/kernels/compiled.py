@@ -30,13 +30,15 @@ LINEAR_MAX_ROWS_BF16_NO_DPBF16 = 2  # bf16 widened to fp32 FMAs (AVX2 / AVX-512 
 # from DRAM as in a decode step (SmolLM2-135M's 120 linears, 2 threads, AMD EPYC AVX2;
 # benchmarks/linear_streamed.py --mode crossover), the kernel beat the prepacked oneDNN GEMM
 # 1.3-1.7x at M = 8-16, 1.1-1.2x at M = 20 and 1.03-1.3x at M = 24 (three runs), tied at M = 28
-# (0.96-0.99x) and lost at M = 32 (0.8-0.87x).
-LINEAR_MAX_ROWS_PACKED_AVX2_FP32 = 24
+# (0.96-0.99x) and lost at M = 32 (0.8-0.87x). A limit of 24 sped up pure decode steps of 20-24
+# requests 1.3-1.45x in the engine, yet served shared-prefix throughput fell (1.33 -> 1.23 req/s
+# at rate 8, docs/benchmarks.md), so it stays at 16 until that is understood.
+LINEAR_MAX_ROWS_PACKED_AVX2_FP32 = 16
 # fp32 activations on the weight's exact bf16 copy (_PackedLinear.narrow): the fp32 kernel's
-# arithmetic on half its bytes, so at least as far as the fp32 kernel goes: 24 on AVX2 (as
+# arithmetic on half its bytes, so at least as far as the fp32 kernel goes: 16 on AVX2 (as
 # LINEAR_MAX_ROWS_PACKED_AVX2_FP32, measured there); 8 elsewhere (not measured on AVX-512, where
 # the fp32 kernel stops at 4 against oneDNN).
-LINEAR_MAX_ROWS_NARROW = {"avx2": 24}
+LINEAR_MAX_ROWS_NARROW = {"avx2": 16}
 LINEAR_MAX_ROWS_NARROW_DEFAULT = 8
 
 

@@ -50,7 +50,7 @@ class CompiledDecoderStack:
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
         self.qkv_width = attn.qkv_proj.weight.shape[0]
         self.inter2 = first.mlp.gate_up_proj.weight.shape[0]
-        rows = max_rows
+        rows = self._rows = max_rows  # the scratch's capacity (max_rows may be lowered later)
         # Scratch for the largest step it takes: a few hundred KiB, reused every step.
         self._scratch = {name: torch.empty((rows, width), dtype=self.dtype)
                          for name, width in (("normed", self.hidden_size),
@@ -180,7 +180,7 @@ class CompiledDecoderStack:
         md = ctx.attn_metadata
         T = hidden.shape[0]
         if (md is None or md.tree is not None or ctx.lora is not None or T > self.max_rows
-                or T == 0 or md.num_actual_tokens != T or hidden.dtype != self.dtype
+                or T > self._rows or T == 0 or md.num_actual_tokens != T or hidden.dtype != self.dtype
                 or not hidden.is_contiguous() or positions.dtype not in (torch.int64,
                                                                         torch.int32)
                 or md.slot_mapping.dtype not in (torch.int64, torch.int32)
