@@ -30,6 +30,8 @@ from bladellm.model.forward_context import ForwardContext
 
 logger = logging.getLogger(__name__)
 
+_INDEX_DTYPES = (torch.int64, torch.int32)  # positions and slots: the kernels take either
+
 
 class CompiledDecoderStack:
     def __init__(self, kernels: Any, layer_args: Any, model: nn.Module, max_rows: int,
@@ -39,29 +41,24 @@ class CompiledDecoderStack:
         self.kernels = kernels
         self.layer_args = layer_args  # ctypes array of DecoderLayerArgs
         self.max_rows = max_rows
-        # Every tensor the args point into, held so a replaced parameter never leaves the
-        # kernel a dangling pointer.
-        self._keep_alive = keep_alive + [model.norm.weight]
         self._kv_caches: list[torch.Tensor] | None = None
         first = model.layers[model.start_layer]
-        attn = first.self_attn
-        self.hidden_size = model.hidden_size
-        self.dtype = model.dtype
-        self.q_size, self.kv_size = attn.q_size, attn.kv_size
-        self.qkv_width = attn.qkv_proj.weight.shape[0]
-        self.inter2 = first.mlp.gate_up_proj.weight.shape[0]
-        rows = self._rows = max_rows  # the scratch's capacity (max_rows may be lowered later)
+        attn, rope = first.self_attn, first.self_attn.rotary_emb
+        self.hidden_size, self.dtype = model.hidden_size, model.dtype
+        inter2 = first.mlp.gate_up_proj.weight.shape[0]
+        self._rows = max_rows  # the scratch's capacity (a benchmark may lower max_rows)
         # Scratch for the largest step it takes: a few hundred KiB, reused every step.
-        self._scratch = {name: torch.empty((rows, width), dtype=self.dtype)
+        self._scratch = {name: torch.empty((max_rows, width), dtype=self.dtype)
                          for name, width in (("normed", self.hidden_size),
                                              ("residual0", self.hidden_size),
                                              ("residual1", self.hidden_size),
                                              ("proj", self.hidden_size),
-                                             ("qkv", self.qkv_width), ("attn", self.q_size),
-                                             ("gate_up", self.inter2),
-                                             ("act", self.inter2 // 2))}
-        rope = attn.rotary_emb
-        self._rope = rope
+                                             ("qkv", attn.qkv_proj.weight.shape[0]),
+                                             ("attn", attn.q_size), ("gate_up", inter2),
+                                             ("act", inter2 // 2))}
+        # Every tensor the args point into, held so a replaced parameter never leaves the
+        # kernel a dangling pointer.
+        self._keep_alive = keep_alive + [model.norm.weight, rope.cos_cache, rope.sin_cache]
         a = DecoderStackArgs()
         for name, t in self._scratch.items():
             setattr(a, name, t.data_ptr())
@@ -179,16 +176,16 @@ class CompiledDecoderStack:
         not one the stack takes (the caller runs the modules)."""
         md = ctx.attn_metadata
         T = hidden.shape[0]
-        if (md is None or md.tree is not None or ctx.lora is not None or T > self.max_rows
-                or T > self._rows or T == 0 or md.num_actual_tokens != T or hidden.dtype != self.dtype
-                or not hidden.is_contiguous() or positions.dtype not in (torch.int64,
-                                                                        torch.int32)
-                or md.slot_mapping.dtype not in (torch.int64, torch.int32)
-                or md.block_tables.dtype != torch.int32 or md.seq_lens.dtype != torch.int32
-                or md.query_start_loc.dtype != torch.int32
-                or not (positions.is_contiguous() and md.slot_mapping.is_contiguous()
-                        and md.block_tables.is_contiguous() and md.seq_lens.is_contiguous()
-                        and md.query_start_loc.is_contiguous())):
+        if (md is None or md.tree is not None or ctx.lora is not None or T == 0
+                or T > min(self.max_rows, self._rows) or md.num_actual_tokens != T
+                or hidden.dtype != self.dtype or not hidden.is_contiguous()
+                or positions.dtype not in _INDEX_DTYPES
+                or md.slot_mapping.dtype not in _INDEX_DTYPES
+                or not all(t.dtype == torch.int32 for t in (md.block_tables, md.seq_lens,
+                                                             md.query_start_loc))
+                or not all(t.is_contiguous() for t in (positions, md.slot_mapping,
+                                                       md.block_tables, md.seq_lens,
+                                                       md.query_start_loc))):
             return None
         if ctx.kv_caches is not self._kv_caches:
             if not self._bind_caches(ctx.kv_caches):

@@ -17,12 +17,12 @@ from bladellm.attention.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from bladellm.model.checkpoint import ResolvedModel
+from bladellm.model.decoder_stack import attach_compiled_stack
 from bladellm.model.forward_context import ForwardContext
 from bladellm.model.layers.embedding import ParallelLMHead
 from bladellm.model.layers.linear import UnquantizedLinearMethod
 from bladellm.platforms.cpu_defaults import model_weight_bytes, total_memory_bytes
 from bladellm.sample.sampler import Sampler, SamplerOutput
-from bladellm.model.decoder_stack import attach_compiled_stack
 from bladellm.worker.input_batch import InputBatch, StepInputs
 from bladellm.worker.sampling_rows import attach_grammar_bitmask
 

@@ -23,11 +23,16 @@ def load(model_dir: str, dtype: torch.dtype):
     cfg = load_hf_config(model_dir, trust_remote_code=False)
     model = load_model(ModelConfig(model=model_dir), cfg, dtype, "cpu",
                        get_attn_backend(None, "cpu"))
-    for m in model.modules():  # what the runner does after loading (prepacked weights)
+    prepack(model)
+    return model
+
+
+def prepack(model) -> None:
+    """What the runner does after loading: the linears' prepacked forms."""
+    for m in model.modules():
         method = getattr(m, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(m)
-    return model
 
 
 def run_both(model, steps: list[list[int]], dtype: torch.dtype, block_size: int = 4,
@@ -82,10 +87,7 @@ def test_stack_matches_modules_with_bf16_exact_fp32_weights(tiny_model_factory):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    for m in model.modules():
-        method = getattr(m, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(m)
+    prepack(model)
     stack = CompiledDecoderStack.build(model.model, get_kernels())
     assert stack is not None and stack.layer_args[0].qkv.narrow == 1
     assert run_both(model, STEPS, torch.float32) >= 3
