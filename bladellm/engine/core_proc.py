@@ -4,7 +4,8 @@
 It builds the ``EngineCore`` (which builds the executor and its workers), reports ready, then loops:
 drain the input socket (ADD / ABORT / UTILITY / SHUTDOWN), step while there is work, send
 ``EngineCoreOutputs``; it blocks on the input socket when idle. If it raises, it sends
-``engine_dead`` before exiting.
+``engine_dead`` before exiting. If the API process is gone (killed, even by SIGKILL), it stops
+within ``DEAD_POLL_MS``, whether idle or in the middle of requests, and frees what it holds.
 """
 
 from __future__ import annotations
@@ -75,12 +76,21 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
     out = ctx.socket(zmq.PUSH)
     out.connect(output_addr)
     out.setsockopt(zmq.LINGER, 2000)
+    # A PUSH socket whose peer is gone blocks in send forever: wait at most this long, then
+    # look whether the API process is still there (_send).
+    out.setsockopt(zmq.SNDTIMEO, DEAD_POLL_MS)
     try:
         _busy_loop(core, inp, out, parent)
+    except _Orphaned:
+        logger.warning("the API process is gone: stopping the engine core")
     except BaseException:  # noqa: BLE001
         reason = traceback.format_exc()
         logger.error("engine core died:\n%s", reason)
-        out.send(msgspec.msgpack.encode(EngineCoreOutputs(engine_dead=reason, timestamp=time.time())))
+        try:
+            _send(out, msgspec.msgpack.encode(
+                EngineCoreOutputs(engine_dead=reason, timestamp=time.time())), parent)
+        except _Orphaned:
+            pass
         raise
     finally:
         core.shutdown()  # worker processes (world size > 1) end with us, never orphaned
@@ -108,15 +118,34 @@ def exit_process_now(code: int) -> None:
     os._exit(code)
 
 
+class _Orphaned(Exception):
+    """The process that started the engine core is gone: no one will read its outputs."""
+
+
+def _send(out: zmq.Socket, data: bytes, parent_pid: int) -> None:
+    """Send ``data``, waiting as long as the API process lives (``out`` has a send timeout)."""
+    while True:
+        try:
+            out.send(data)
+            return
+        except zmq.Again:
+            if os.getppid() != parent_pid:
+                raise _Orphaned from None
+
+
 def _busy_loop(core: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> None:
     req_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
     encoder = msgspec.msgpack.Encoder()
     while True:
         idle = not core.has_unfinished_requests()
-        # Block while idle (waking up now and then to notice an orphaned process).
+        # Block while idle, waking up now and then to notice an orphaned process. While busy,
+        # look every step: ZMQ queues a dead peer's outputs (up to its high-water mark, 1000
+        # steps) before a send blocks.
+        if not idle and os.getppid() != parent_pid:
+            raise _Orphaned
         if not inp.poll(DEAD_POLL_MS if idle else 0):
             if idle and os.getppid() != parent_pid:
-                return
+                raise _Orphaned
             if idle:
                 core.executor.check_health()  # a worker that died while idle: report dead now
                 continue
@@ -130,17 +159,19 @@ def _busy_loop(core: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> 
             elif kind == Msg.UTILITY:
                 call_id, method, args = msgspec.msgpack.decode(payload)
                 result = _utility(core, method, args)
-                out.send(encoder.encode(EngineCoreOutputs(utility_result=(call_id, result))))
+                _send(out, encoder.encode(EngineCoreOutputs(utility_result=(call_id, result))),
+                      parent_pid)
             elif kind == Msg.SHUTDOWN:
                 return
         if core.has_unfinished_requests():
             outputs = core.step()
             if extra:
                 outputs.outputs = extra + outputs.outputs
-            out.send(encoder.encode(outputs))
+            _send(out, encoder.encode(outputs), parent_pid)
         elif extra:
-            out.send(encoder.encode(EngineCoreOutputs(
-                outputs=extra, scheduler_stats=core.scheduler.get_stats(), timestamp=time.time())))
+            _send(out, encoder.encode(EngineCoreOutputs(
+                outputs=extra, scheduler_stats=core.scheduler.get_stats(), timestamp=time.time())),
+                parent_pid)
 
 
 def _utility(core: Any, method: str, args: list) -> Any:

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
-from test_server import ServerProcess  # tests/e2e is on sys.path (pytest's prepend mode)
+from test_server import ServerProcess, _children  # tests/e2e is on sys.path (pytest's prepend mode)
 
 from tiny_models import CORPUS
 
@@ -247,6 +249,9 @@ def test_killed_instance_costs_no_request_that_had_not_started_streaming(servers
             "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
 
+    victim_cores = _children(victim.proc.pid)  # its engine-core process
+    assert victim_cores
+
     async def run() -> list[dict]:
         async with httpx.AsyncClient(timeout=120) as c:
             return await asyncio.gather(*(_stream(c, router.url, body, victim)
@@ -271,3 +276,17 @@ def test_killed_instance_costs_no_request_that_had_not_started_streaming(servers
                         r"([0-9.]+)", metrics)
     assert retried and float(retried.group(1)) >= 1, metrics
     assert [i["healthy"] for i in health["instances"]] == [True, False]
+    # The victim's engine core, in the middle of requests when its API process was SIGKILLed,
+    # notices and exits instead of blocking forever on its output socket.
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in victim_cores):
+        assert time.monotonic() < deadline, f"orphaned engine core still running: {victim_cores}"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
