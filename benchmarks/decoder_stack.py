@@ -6,11 +6,12 @@ machine (the host's memory bandwidth moves from minute to minute):
 
 - ``--compare stack``: the compiled decoder stack (model/decoder_stack.py) vs the modules
   (what ``--enforce_eager`` runs);
-- ``--compare row_limit``: the fp32 GEMV row limit on AVX2 raised to 24 (linears and the stack
-  take up to 24 tokens) vs the current 16 (above it oneDNN and the modules).
+- ``--compare layout``: fp32 weights packed in panels (``linear_panel``, up to 64 rows, what
+  AVX2 machines run) vs in rows with a oneDNN copy (the GEMV kernel up to 16 rows, oneDNN
+  above), each with its own decoder stack.
 
     python benchmarks/decoder_stack.py --shape llama-88m --batch 1 --compare stack
-    python benchmarks/decoder_stack.py --shape smollm2-135m --batch 20 --compare row_limit
+    python benchmarks/decoder_stack.py --shape smollm2-135m --batch 32 --compare layout
 
 Run it as the server runs the engine: ``OMP_WAIT_POLICY=PASSIVE``.
 """
@@ -54,7 +55,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-88m")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--compare", choices=("stack", "row_limit"), default="stack")
+    ap.add_argument("--compare", choices=("stack", "layout"), default="stack")
     ap.add_argument("--rounds", type=int, default=10, help="pairs of 10-step blocks")
     args = ap.parse_args()
 
@@ -64,26 +65,37 @@ def main() -> None:
 
     kernels = get_kernels()
     dtype = getattr(torch, args.dtype)
-    if args.compare == "row_limit":
-        if kernels.isa != "avx2" or dtype != torch.float32:
-            raise SystemExit("--compare row_limit is about fp32 on AVX2")
-        # Built for 24 rows (its scratch), then switched between 24 and 16 below.
-        kernels.linear_max_rows_packed[dtype] = kernels.linear_max_rows_narrow = 24
     core = make_core(args.shape, args.dtype, args.batch)
     model = core.executor.worker.model_runner.model
     stack = model.model.compiled_stack
     if stack is None:
         raise SystemExit("the compiled decoder stack does not apply here (see the load log)")
+    forms: dict[str, tuple] = {}
+    if args.compare == "layout":
+        if dtype != torch.float32:
+            raise SystemExit("--compare layout is about fp32 weights")
+        from bladellm.kernels.compiled import LINEAR_MAX_ROWS_PANEL
+        from bladellm.model.decoder_stack import CompiledDecoderStack
+
+        packed = [m for m in model.modules() if hasattr(m, "packed_weight")]
+        for name, limit in (("panels", LINEAR_MAX_ROWS_PANEL), ("rows", 0)):
+            kernels.linear_max_rows_panel = limit
+            packs = [kernels.pack_linear_weight(m.weight) for m in packed]
+            for m, p in zip(packed, packs):
+                m.packed_weight = p
+            forms[name] = (limit, packs, CompiledDecoderStack.build(model.model, kernels))
 
     def setting(name: str) -> None:
         if args.compare == "stack":
             model.model.compiled_stack = stack if name == "stack" else None
         else:
-            limit = 24 if name == "24 rows" else 16
-            kernels.linear_max_rows_packed[dtype] = kernels.linear_max_rows_narrow = limit
-            stack.max_rows = limit
+            limit, packs, form_stack = forms[name]
+            kernels.linear_max_rows_panel = limit
+            for m, p in zip(packed, packs):
+                m.packed_weight = p
+            model.model.compiled_stack = form_stack
 
-    names = ("stack", "modules") if args.compare == "stack" else ("24 rows", "16 rows")
+    names = ("stack", "modules") if args.compare == "stack" else ("panels", "rows")
     vocab = SHAPES[args.shape]["vocab_size"]
     params = SamplingParams(temperature=0.0, max_tokens=args.rounds * 20 + 64, ignore_eos=True)
     for i in range(args.batch):

@@ -5,9 +5,13 @@ DRAM (the set is far larger than the caches), medians of interleaved repeats in 
 SmolLM2-135M's 120 linears) at each M, to place ``LINEAR_MAX_ROWS_PACKED*``.
 ``--mode exact_bf16``: fp32 weights holding only bf16 values (a bf16 checkpoint served in fp32)
 through the fp32 kernel vs through their exact bf16 copies (88M shape: 48 linears + LM head).
+``--mode panel``: fp32 weights in their row layout (the GEMV kernel), packed in panels
+(``pack_panels``) and prepacked for oneDNN, at each M; above the panel kernel's row limit,
+F.linear on the plain weight (what the panel layout runs there) vs oneDNN.
 
     python benchmarks/linear_streamed.py --mode crossover --rows 4,8,16,24,32
     python benchmarks/linear_streamed.py --mode exact_bf16 --rows 1,4,8,16
+    python benchmarks/linear_streamed.py --mode panel --rows 1,2,4,8,16,32,64 --shape smollm2
 
 On a shared machine the host's memory bandwidth moves from minute to minute: compare the two
 columns of one row (measured in the same seconds), not rows of different runs.
@@ -85,9 +89,59 @@ def exact_bf16(kernels, rows: list[int], repeats: int) -> None:
               flush=True)
 
 
+def panel(kernels, rows: list[int], repeats: int, shape: str, narrow: bool) -> None:
+    """The row-layout kernel, the panel-packed kernel and oneDNN's prepacked GEMM at each M.
+    ``narrow``: weights of exact bf16 values, both kernels streaming their bf16 copies."""
+    ws = [torch.randn(n, k) for n, k in (LLAMA_88M if shape == "llama-88m" else SMOLLM2)]
+    if narrow:
+        ws = [w.to(torch.bfloat16).float() for w in ws]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws]
+    streamed = [w.to(torch.bfloat16) if narrow else w for w in ws]
+    panels = [kernels.pack_panels(w) for w in streamed]
+    for M in rows:
+        xs = {k: torch.randn(M, k) for k in {w.shape[1] for w in ws}}
+
+        def rows_kernel():
+            for w in streamed:
+                n, k = w.shape
+                out = torch.empty(M, n)
+                if narrow:
+                    kernels._linear_wbf16(out.data_ptr(), xs[k].data_ptr(), w.data_ptr(), None,
+                                          M, n, k, k, n, torch.get_num_threads())
+                else:
+                    kernels._linear(out.data_ptr(), xs[k].data_ptr(), w.data_ptr(), None, M, n,
+                                    k, k, n, 0, torch.get_num_threads())
+
+        def panel_kernel():
+            for w, p in zip(ws, panels):
+                kernels.linear_panel(xs[w.shape[1]], p, w.shape[0])
+
+        def onednn_gemm():
+            for w, p in zip(ws, onednn):
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+        def f_linear():  # what the panel layout runs above its row limit
+            for w in ws:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+
+        if M > kernels.linear_max_rows_panel:
+            f, o = timed_pair(f_linear, onednn_gemm, repeats)
+            print(f"M={M:3d}  F.linear {f:7.2f} ms  oneDNN {o:7.2f} ms  "
+                  f"(oneDNN / F.linear {o / f:.2f})", flush=True)
+            continue
+        r, p = timed_pair(rows_kernel, panel_kernel, repeats)
+        o, p2 = timed_pair(onednn_gemm, panel_kernel, repeats)
+        print(f"M={M:3d}  rows {r:7.2f} ms  panel {p:7.2f} ms  (rows / panel {r / p:.2f})   "
+              f"oneDNN {o:7.2f} ms  panel {p2:7.2f} ms  (oneDNN / panel {o / p2:.2f})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("crossover", "exact_bf16"), required=True)
+    ap.add_argument("--mode", choices=("crossover", "exact_bf16", "panel"), required=True)
+    ap.add_argument("--shape", choices=("llama-88m", "smollm2"), default="llama-88m",
+                    help="--mode panel: whose linears")
+    ap.add_argument("--narrow", action="store_true",
+                    help="--mode panel: weights of exact bf16 values, streamed as bf16")
     ap.add_argument("--rows", default="1,4,8,16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=9)
@@ -100,7 +154,11 @@ def main() -> None:
         raise SystemExit(f"needs the compiled CPU kernels, got {kernels.describe()}")
     print(kernels.describe(), f"{args.threads} threads")
     rows = [int(r) for r in args.rows.split(",")]
-    (crossover if args.mode == "crossover" else exact_bf16)(kernels, rows, args.repeats)
+    if args.mode == "panel":
+        panel(kernels, rows, args.repeats, args.shape, args.narrow)
+    else:  # both are about the row layout and its oneDNN / bf16 copies
+        kernels.linear_max_rows_panel = 0
+        (crossover if args.mode == "crossover" else exact_bf16)(kernels, rows, args.repeats)
 
 
 if __name__ == "__main__":

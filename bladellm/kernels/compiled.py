@@ -40,6 +40,11 @@ LINEAR_MAX_ROWS_PACKED_AVX2_FP32 = 16
 # the fp32 kernel stops at 4 against oneDNN).
 LINEAR_MAX_ROWS_NARROW = {"avx2": 16}
 LINEAR_MAX_ROWS_NARROW_DEFAULT = 8
+# Where fp32 weights are packed in panels (pack_panels / linear_panel) instead of prepacked for
+# oneDNN, and the largest M the panel kernel takes (F.linear above it). AVX2 only, where it
+# was measured (benchmarks/linear_streamed.py --mode panel, docs/kernels.md).
+LINEAR_PANEL_ISAS = ("avx2",)
+LINEAR_MAX_ROWS_PANEL = 64
 
 
 class _PagedAttentionArgs(ctypes.Structure):
@@ -78,7 +83,11 @@ class _CacheWriteArgs(ctypes.Structure):
 
 class LinearArgs(ctypes.Structure):  # decoder.cpp; one linear layer of a decoder stack
     _fields_ = [("weight", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64),
-                ("narrow", c_int32)]
+                ("kind", c_int32)]
+
+
+# LinearArgs.kind: which kernel a decoder stack's linear runs (decoder.cpp).
+LINEAR_ROWS, LINEAR_ROWS_BF16, LINEAR_PANEL, LINEAR_PANEL_BF16 = 0, 1, 2, 3
 
 
 class DecoderLayerArgs(ctypes.Structure):
@@ -106,18 +115,19 @@ class _PackedLinear:
     """Load-time forms of one weight, and the weight they were made from (by identity):
     ``onednn``, the weight reordered for oneDNN's batched GEMM; ``narrow``, for an fp32 weight
     whose every value is exactly a bf16 one (a bf16 checkpoint served in fp32), its bf16 copy,
-    which the small-M kernel streams at half the bytes with a bit-identical result. Either may
-    be None."""
+    which the small-M kernel streams at half the bytes with a bit-identical result; ``panel``
+    (AVX2, fp32 weights; instead of the other two), the weight, or its exact bf16 copy, packed
+    for ``linear_panel``. Any may be None."""
 
-    __slots__ = ("onednn", "narrow", "weight")
+    __slots__ = ("onednn", "narrow", "panel", "weight")
 
     def __init__(self, onednn: torch.Tensor | None, narrow: torch.Tensor | None,
-                 weight: torch.Tensor) -> None:
-        self.onednn, self.narrow, self.weight = onednn, narrow, weight
+                 weight: torch.Tensor, panel: torch.Tensor | None = None) -> None:
+        self.onednn, self.narrow, self.weight, self.panel = onednn, narrow, weight, panel
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.onednn, self.narrow)
+        return sum(t.numel() * t.element_size() for t in (self.onednn, self.narrow, self.panel)
                    if t is not None)
 
 
@@ -200,6 +210,12 @@ class CompiledKernels(Kernels):
         self._linear_int4 = self._bind(lib.bl_linear_int4, [
             c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64,
             c_int64, c_int64, c_int64, c_int64, c_int32])
+        self._linear_pack = self._bind(lib.bl_linear_pack, [c_void_p, c_void_p, c_int64,
+                                                            c_int64, c_int32])
+        self._linear_panel = self._bind(lib.bl_linear_panel, [
+            c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64,
+            c_int32, c_int32])
+        self.panel_width: int = lib.bl_linear_panel_width()
         self._decoder_stack = self._bind(lib.bl_decoder_stack, [POINTER(DecoderStackArgs)])
         self._token_bitmask = self._bind(lib.bl_apply_token_bitmask, [
             c_void_p, c_int64, c_int64, c_int64, c_void_p, c_int64, c_void_p, c_int64])
@@ -215,6 +231,7 @@ class CompiledKernels(Kernels):
                 table[torch.bfloat16] = min(table[torch.bfloat16], LINEAR_MAX_ROWS_BF16_NO_DPBF16)
         if isa == "avx2":
             self.linear_max_rows_packed[torch.float32] = LINEAR_MAX_ROWS_PACKED_AVX2_FP32
+        self.linear_max_rows_panel = LINEAR_MAX_ROWS_PANEL if isa in LINEAR_PANEL_ISAS else 0
         self.linear_max_rows_narrow = LINEAR_MAX_ROWS_NARROW.get(isa,
                                                                  LINEAR_MAX_ROWS_NARROW_DEFAULT)
 
@@ -449,6 +466,10 @@ class CompiledKernels(Kernels):
         if (weight.dtype not in _DTYPES or not weight.is_cpu or weight.dim() != 2
                 or not weight.is_contiguous()):
             return None
+        if weight.dtype == torch.float32 and self.linear_max_rows_panel > 0:
+            narrow = exact_bf16_copy(weight)  # half the bytes to stream, same results
+            return _PackedLinear(None, None, weight,
+                                 self.pack_panels(weight if narrow is None else narrow))
         try:
             onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
         except (RuntimeError, AttributeError):
@@ -459,10 +480,11 @@ class CompiledKernels(Kernels):
         return _PackedLinear(onednn, narrow, weight)
 
     def small_rows_weight(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                          packed: object | None) -> tuple[torch.Tensor, bool, int] | None:
+                          packed: object | None) -> tuple[torch.Tensor, int, int] | None:
         """How ``linear`` runs ``x @ weight.T + bias`` for x of the weight's dtype and few rows:
-        (the weight it streams, whether that is the fp32 weight's bf16 copy, the most rows of x
-        it takes that way), or None where ``linear`` never uses the GEMV kernel for it. The
+        (the weight it streams, its kind: ``LINEAR_ROWS`` / ``LINEAR_ROWS_BF16`` (the fp32
+        weight's bf16 copy) / ``LINEAR_PANEL`` / ``LINEAR_PANEL_BF16``, the most rows of x it
+        takes that way), or None where ``linear`` never uses the GEMV kernel for it. The
         decoder stack (``decoder_stack``) runs its linears by this, so both stay bit-identical;
         it mirrors ``linear``'s choices (tests/models/test_decoder_stack.py checks)."""
         dtype = weight.dtype
@@ -471,11 +493,34 @@ class CompiledKernels(Kernels):
         if (not weight.is_cpu or weight.dim() != 2 or not weight.is_contiguous()
                 or (bias is not None and (bias.dtype != dtype or not bias.is_contiguous()))):
             return None
+        if packed is not None and packed.panel is not None and dtype == torch.float32:
+            kind = LINEAR_PANEL_BF16 if packed.panel.dtype == torch.bfloat16 else LINEAR_PANEL
+            return packed.panel, kind, self.linear_max_rows_panel
         if packed is not None and packed.narrow is not None and dtype == torch.float32:
-            return packed.narrow, True, self.linear_max_rows_narrow
+            return packed.narrow, LINEAR_ROWS_BF16, self.linear_max_rows_narrow
         max_rows = (self.linear_max_rows if packed is None or packed.onednn is None
                     else self.linear_max_rows_packed).get(dtype)
-        return None if max_rows is None else (weight, False, max_rows)
+        return None if max_rows is None else (weight, LINEAR_ROWS, max_rows)
+
+    def pack_panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` [N, K] (fp32, or the exact bf16 copy of one) in the panel layout of
+        ``linear_panel``: [ceil(N / panel_width), K, panel_width], the last panel zero-padded."""
+        assert weight.dtype in _DTYPES and weight.dim() == 2 and weight.is_contiguous()
+        N, K = weight.shape
+        panel = torch.empty((-(-N // self.panel_width), K, self.panel_width), dtype=weight.dtype)
+        self._linear_pack(panel.data_ptr(), weight.data_ptr(), N, K, _DTYPES[weight.dtype])
+        return panel
+
+    def linear_panel(self, x: torch.Tensor, panel: torch.Tensor, n: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 ``x`` [M, K] (last stride 1) times the weight packed by ``pack_panels`` (``n``
+        output features), plus ``bias`` (fp32, contiguous)."""
+        M, K = x.shape
+        out = torch.empty((M, n), dtype=torch.float32)
+        self._linear_panel(out.data_ptr(), x.data_ptr(), panel.data_ptr(),
+                           None if bias is None else bias.data_ptr(), M, n, K, x.stride(0), n,
+                           _DTYPES[panel.dtype], torch.get_num_threads())
+        return out
 
     def decoder_stack(self, args: DecoderStackArgs) -> None:
         """A whole Llama-layout decoder stack in one call (``cpu/decoder.cpp``); the caller
@@ -493,6 +538,9 @@ class CompiledKernels(Kernels):
         if isinstance(packed, _PackedLinear) and packed.weight is not weight:
             packed = None  # made for another weight (the layer's weight was replaced)
         K = x.shape[-1]
+        if packed is not None and packed.panel is not None and dtype == torch.float32:
+            out = self._linear_panels(x, packed.panel, weight.shape[0], bias, K)
+            return out if out is not None else super().linear(x, weight, bias, None)
         if packed is not None and packed.narrow is not None and dtype == torch.float32:
             out = self._linear_narrow(x, packed.narrow, bias, K)
             if out is not None:
@@ -519,6 +567,28 @@ class CompiledKernels(Kernels):
         self._linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(),
                      None if bias is None else bias.data_ptr(), M, N, K, x_stride, N,
                      _DTYPES[dtype], torch.get_num_threads())
+        return out
+
+    def _linear_panels(self, x: torch.Tensor, panel: torch.Tensor, n: int,
+                       bias: torch.Tensor | None, K: int) -> torch.Tensor | None:
+        """fp32 x times a panel-packed weight, or None where the kernel does not take the call
+        (more rows than ``linear_max_rows_panel``, a layout it cannot read)."""
+        if (not x.is_cpu or panel.shape[1] != K or x.stride(-1) != 1 or K == 0
+                or (bias is not None and (bias.dtype != torch.float32
+                                          or not bias.is_contiguous()))):
+            return None
+        if x.dim() == 2:
+            M, x_stride = x.shape[0], x.stride(0)
+        elif x.dim() == 1 or x.is_contiguous():
+            M, x_stride = x.numel() // K, K
+        else:
+            return None
+        if M == 0 or M > self.linear_max_rows_panel:
+            return None
+        out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+        self._linear_panel(out.data_ptr(), x.data_ptr(), panel.data_ptr(),
+                           None if bias is None else bias.data_ptr(), M, n, K, x_stride, n,
+                           _DTYPES[panel.dtype], torch.get_num_threads())
         return out
 
     def _linear_narrow(self, x: torch.Tensor, narrow: torch.Tensor, bias: torch.Tensor | None,

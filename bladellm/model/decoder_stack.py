@@ -102,12 +102,12 @@ class CompiledDecoderStack:
                     logger.info("compiled decoder stack not used: %s has no GEMV path",
                                 lin.prefix)
                     return None
-                weight, narrow, rows = plan
+                weight, kind, rows = plan
                 max_rows = rows if max_rows is None else min(max_rows, rows)
                 keep += [weight] + ([] if lin.bias is None else [lin.bias])
                 setattr(dst, field, LinearArgs(
                     weight.data_ptr(), 0 if lin.bias is None else lin.bias.data_ptr(),
-                    weight.shape[0], weight.shape[1], int(narrow)))
+                    lin.weight.shape[0], lin.weight.shape[1], kind))
             dst.input_norm = layer.input_layernorm.weight.data_ptr()
             dst.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             keep += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]

@@ -92,6 +92,7 @@ class ModelRunner:
         """Let each linear layer and the LM head keep its kernels' load-time weight forms (on
         CPU: a oneDNN reordered copy that runs batched GEMMs 1.2-2x faster, and for fp32
         weights that are exact bf16 values a bf16 copy that halves what a decode step streams;
+        on AVX2, fp32 weights (or their exact bf16 copies) packed in panels instead;
         ``CompiledKernels.pack_linear_weight``). The copies take up to 1.5x the linear weights'
         memory, so they are made only while that is at most a quarter of the memory the weights
         leave. Returns the bytes they added."""
@@ -117,7 +118,9 @@ class ModelRunner:
         kernels = get_kernels()
         packs = [getattr(m, "packed_weight", None) for m in packable]
         added = sum(kernels.packed_bytes(p) for p in packs)
-        narrow = sum(getattr(p, "narrow", None) is not None for p in packs)
+        narrow = sum(getattr(p, "narrow", None) is not None
+                     or getattr(getattr(p, "panel", None), "dtype", None) == torch.bfloat16
+                     for p in packs)
         logger.info("prepacked %d of %d linear weights (+%.0f MiB)%s",
                     sum(p is not None for p in packs), len(packable), added / (1 << 20),
                     f"; {narrow} fp32 weights hold only bf16 values: small batches read their "

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from bladellm.kernels import Kernels, load_kernels
+from bladellm.kernels.compiled import LINEAR_MAX_ROWS_PANEL
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(1280, 768), (67, 100), (5, 33), (130, 7), (1, 64), (17, 2048)]  # (N, K)
@@ -51,6 +52,15 @@ def check_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     assert float((err - (want - exact).abs() - ulp).max()) <= 1e-6 * scale
 
 
+@pytest.fixture(params=["panel", "rows"])
+def layout(request, compiled, monkeypatch) -> str:
+    """fp32 weights packed in panels (what AVX2 machines do) or kept in rows with a oneDNN copy
+    (elsewhere): both are tested on every machine."""
+    monkeypatch.setattr(compiled, "linear_max_rows_panel",
+                        LINEAR_MAX_ROWS_PANEL if request.param == "panel" else 0)
+    return request.param
+
+
 def rows_around(compiled, dtype: torch.dtype) -> list[int]:
     top = compiled.linear_max_rows[dtype]
     return sorted({1, 2, 3, 4, 5, max(1, top - 1), top, top + 1, 33})
@@ -69,51 +79,85 @@ def test_linear_matches_f_linear(compiled, dtype, shape, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_with_packed_weight(compiled, dtype):
-    """What pack_linear_weight made at load time (if anything) gives the same products."""
-    w = randn(1280, 768, dtype=dtype, seed=1)
-    b = randn(1280, dtype=dtype, seed=2)
+@pytest.mark.parametrize("shape", [(1280, 768), (67, 100), (33, 7)])
+def test_linear_with_packed_weight(compiled, layout, dtype, shape):
+    """What pack_linear_weight made at load time (if anything) gives the same products, on
+    both sides of every crossover (a panel's zero-padded tail included: N % 32 != 0)."""
+    N, K = shape
+    w = randn(N, K, dtype=dtype, seed=1)
+    b = randn(N, dtype=dtype, seed=2)
     packed = compiled.pack_linear_weight(w)
-    for M in rows_around(compiled, dtype) + [64, 256]:
-        x = randn(M, 768, dtype=dtype, seed=M)
+    if layout == "panel" and dtype == torch.float32:
+        assert packed.panel is not None and packed.onednn is None and packed.narrow is None
+        assert packed.panel.shape == (-(-N // compiled.panel_width), K, compiled.panel_width)
+    else:
+        assert packed is None or packed.panel is None
+    rows = rows_around(compiled, dtype) + [7, 13, LINEAR_MAX_ROWS_PANEL,
+                                           LINEAR_MAX_ROWS_PANEL + 1, 256]
+    for M in sorted(set(rows)):
+        x = randn(M, K, dtype=dtype, seed=M)
         check_close(compiled.linear(x, w, b, packed), x, w, b)
         check_close(compiled.linear(x, w, None, packed), x, w, None)
 
 
+def test_panel_rows_do_not_depend_on_the_batch(compiled, layout):
+    """Each output of the panel kernel is one FMA chain along K whatever the tile it ran in:
+    a row's result is the same bits alone or in a batch of any size (speculative decoding's
+    verification and a plain decode see the same logits)."""
+    if layout != "panel":
+        pytest.skip("the panel kernel only")
+    w = randn(200, 96, dtype=torch.float32, seed=1)
+    b = randn(200, dtype=torch.float32, seed=2)
+    packed = compiled.pack_linear_weight(w)
+    x = randn(LINEAR_MAX_ROWS_PANEL, 96, dtype=torch.float32, seed=3)
+    full = compiled.linear(x, w, b, packed)
+    for M in (1, 2, 3, 4, 5, 7, 12, 13, 31):
+        assert torch.equal(compiled.linear(x[:M], w, b, packed), full[:M])
+    assert torch.equal(compiled.linear(x[5:6], w, b, packed), full[5:6])
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_exact_bf16_copy_is_bit_identical(compiled, shape, bias):
+def test_linear_exact_bf16_copy_is_bit_identical(compiled, layout, shape, bias):
     """An fp32 weight of exact bf16 values (a bf16 checkpoint served in fp32) gets a bf16 copy
-    that small batches stream instead: the products are those of the fp32 kernel, bit for
-    bit (widening bf16 is exact and the FMA order is the same), and within GEMM rounding of
-    F.linear at every M, the kernel's and oneDNN's alike."""
+    that small batches stream instead (in rows, or packed in panels): the products are those
+    of the fp32 kernel, bit for bit (widening bf16 is exact and the FMA order is the same),
+    and within GEMM rounding of F.linear at every M, the kernel's and oneDNN's alike."""
     N, K = shape
     w = randn(N, K, dtype=torch.bfloat16, seed=1).float()
     b = randn(N, dtype=torch.float32, seed=2) if bias else None
     packed = compiled.pack_linear_weight(w)
-    assert packed.narrow is not None and packed.narrow.dtype == torch.bfloat16
+    copy = packed.panel if layout == "panel" else packed.narrow
+    assert copy is not None and copy.dtype == torch.bfloat16
     assert compiled.packed_bytes(packed) >= w.numel() * 2
-    top = compiled.linear_max_rows_narrow
-    for M in sorted({1, 2, 3, 4, 5, top, top + 1, 33}):
+    if layout == "panel":
+        top = compiled.linear_max_rows_panel
+        fp32_panel = compiled.pack_panels(w)
+        fp32 = lambda x: compiled.linear_panel(x, fp32_panel, N, b)  # noqa: E731
+    else:
+        top = min(compiled.linear_max_rows_narrow, compiled.linear_max_rows[torch.float32])
+        fp32 = lambda x: compiled.linear(x, w, b)  # noqa: E731 - the fp32 kernel, no copy
+    for M in sorted({1, 2, 3, 4, 5, 16, top, top + 1, 33}):
         x = randn(M, K, dtype=torch.float32, seed=M)
         got = compiled.linear(x, w, b, packed)
         check_close(got, x, w, b)
-        if M <= min(top, compiled.linear_max_rows[torch.float32]):
-            assert torch.equal(got, compiled.linear(x, w, b))  # the fp32 kernel, no copy
+        if M <= top:
+            assert torch.equal(got, fp32(x))
 
 
-def test_linear_no_bf16_copy_of_inexact_weights(compiled):
+def test_linear_no_bf16_copy_of_inexact_weights(compiled, layout):
     """A weight with any value bf16 cannot hold keeps no bf16 copy (it would change results);
     a bf16 weight needs none."""
     w = randn(64, 32, dtype=torch.bfloat16, seed=1).float()
     w[5, 7] += 2 ** -20
     packed = compiled.pack_linear_weight(w)
     assert packed is None or packed.narrow is None
+    assert packed is None or packed.panel is None or packed.panel.dtype == torch.float32
     packed = compiled.pack_linear_weight(w.to(torch.bfloat16))
     assert packed is None or packed.narrow is None
 
 
-def test_stale_bf16_copy_is_not_used(compiled):
+def test_stale_bf16_copy_is_not_used(compiled, layout):
     """A packed form made for another weight (the layer's weight was replaced, e.g. by a
     LoRA merge) is ignored."""
     w = randn(64, 32, dtype=torch.bfloat16, seed=1).float()

@@ -12,11 +12,19 @@
 #include "vec.h"
 
 extern "C" {
+// LinearArgs::kind, as CompiledKernels.linear chose for the layer (kernels/compiled.py).
+enum LinearKind : int32_t {
+  kRows = 0,       // bl_linear: weight [n, k] of the layer's dtype
+  kRowsBf16 = 1,   // bl_linear_wbf16: fp32 activations, the weight's exact bf16 copy
+  kPanel = 2,      // bl_linear_panel: fp32, the weight packed in panels
+  kPanelBf16 = 3,  // bl_linear_panel: fp32 activations, the exact bf16 copy packed in panels
+};
+
 struct LinearArgs {    // out[M, n] = x[M, k] @ weight^T + bias
-  const void* weight;  // [n, k] contiguous: the layer's dtype, or its exact bf16 copy (narrow)
+  const void* weight;  // as kind says
   const void* bias;    // [n] or null
   int64_t n, k;
-  int32_t narrow;      // fp32 activations with the bf16 copy (bl_linear_wbf16)
+  int32_t kind;
 };
 
 struct DecoderLayerArgs {
@@ -57,7 +65,11 @@ struct DecoderStackArgs {  // mirrored by kernels/compiled.py; buffers contiguou
 namespace {
 
 int linear(const DecoderStackArgs& s, const LinearArgs& l, void* out, const void* x) {
-  if (l.narrow)
+  if (l.kind == kPanel || l.kind == kPanelBf16)
+    return bl_linear_panel(static_cast<float*>(out), static_cast<const float*>(x), l.weight,
+                           static_cast<const float*>(l.bias), s.tokens, l.n, l.k, l.k, l.n,
+                           l.kind == kPanel ? kFloat32 : kBFloat16, s.num_threads);
+  if (l.kind == kRowsBf16)
     return bl_linear_wbf16(static_cast<float*>(out), static_cast<const float*>(x),
                            static_cast<const uint16_t*>(l.weight),
                            static_cast<const float*>(l.bias), s.tokens, l.n, l.k, l.k, l.n,

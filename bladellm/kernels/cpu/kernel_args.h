@@ -68,4 +68,7 @@ int bl_linear(void* out, const void* x, const void* w, const void* bias, int64_t
 int bl_linear_wbf16(float* out, const float* x, const uint16_t* w, const float* bias, int64_t M,
                     int64_t N, int64_t K, int64_t x_stride, int64_t out_stride,
                     int32_t num_threads);
+int bl_linear_panel(float* out, const float* x, const void* wp, const float* bias, int64_t M,
+                    int64_t N, int64_t K, int64_t x_stride, int64_t out_stride, int32_t wdtype,
+                    int32_t num_threads);
 }
