@@ -62,8 +62,11 @@ def test_client_disconnect_mid_upload(server):
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
                      b'{"prompt": "')
-        time.sleep(0.2)
-    time.sleep(0.5)
+    # Wait for the server to notice (no fixed sleep: a loaded machine may take longer).
+    deadline = time.monotonic() + 10
+    while "client disconnected before sending the whole request body" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.02)
     assert httpx.get(server.url + "/health").status_code == 200
     log = server.log()
     assert "Traceback" not in log and "ClientDisconnect" not in log, log[-3000:]
@@ -98,7 +101,12 @@ async def test_sigterm_under_load(server):
                if "resource_tracker" not in open(f"/proc/{pid}/cmdline").read()]
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
         short = asyncio.ensure_future(_one(http, stream=False, max_tokens=2))
-        await asyncio.sleep(0.05)  # admitted first: it finishes within the grace period
+        # Admitted first (it finishes within the grace period): wait until the engine holds
+        # it, or it is already answered (2 tokens may come and go between two polls).
+        deadline = time.monotonic() + 60
+        while not short.done() and await _queued(http) < 1:
+            assert time.monotonic() < deadline, server.log()[-3000:]
+            await asyncio.sleep(0.01)
         jobs = [asyncio.ensure_future(_one(http, stream=i % 2 == 0, max_tokens=240))
                 for i in range(24)]
         # All admitted (waiting or running) before the signal: a fixed sleep was not always
@@ -149,15 +157,17 @@ async def test_sigterm_under_load(server):
 def test_engine_death_exits_nonzero(tiny_model_factory, tmp_path, monkeypatch):
     """Served from a hub model id in a pre-populated cache, offline (issue 15 item 6)."""
     snapshot = tmp_path / "models--acme--tiny" / "snapshots" / ("c" * 40)
-    shutil.copytree(tiny_model_factory("llama"), snapshot)
+    shutil.copytree(tiny_model_factory("llama", max_position_embeddings=1024), snapshot)
     (tmp_path / "models--acme--tiny" / "refs").mkdir()
     (tmp_path / "models--acme--tiny" / "refs" / "main").write_text("c" * 40)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    srv = _start("acme/tiny", "--download_dir", str(tmp_path))
+    # 1000 tokens cannot all come before the kill at the first one, even on a loaded machine
+    # (the last --max_model_len wins; the model gets the positions for it).
+    srv = _start("acme/tiny", "--download_dir", str(tmp_path), "--max_model_len", "1024")
     try:
         (core,) = [pid for pid in _children(srv.proc.pid)
                    if "resource_tracker" not in open(f"/proc/{pid}/cmdline").read()]
-        body = {"model": "tiny", "prompt": "x", "max_tokens": 200, "ignore_eos": True,
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 1000, "ignore_eos": True,
                 "stream": True}
         with httpx.Client(base_url=srv.url, timeout=30) as http:
             with http.stream("POST", "/v1/completions", json=body) as r:
