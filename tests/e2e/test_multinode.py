@@ -9,6 +9,7 @@ dies."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,15 +31,14 @@ ENGINE = dict(dtype="float32", max_model_len=128, num_threads=1)
 
 
 def _free_ports() -> int:
-    """A port P with P+1 and P+2 free too (the engine listens on all three)."""
+    """A port P with P+1 and P+2 free too (the engine listens on all three). Drawn below
+    Linux's ephemeral range (32768-60999): a port the kernel hands out for port 0 may go to
+    another socket (torchrun's rendezvous, an outgoing connection) before the engine binds it."""
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port > 65000:
-            continue
+        port = random.SystemRandom().randint(20000, 32000)  # not reseeded by tests
         try:
-            with socket.socket() as a, socket.socket() as b:
+            with socket.socket() as s, socket.socket() as a, socket.socket() as b:
+                s.bind(("127.0.0.1", port))
                 a.bind(("127.0.0.1", port + 1))
                 b.bind(("127.0.0.1", port + 2))
             return port
