@@ -181,8 +181,10 @@ def test_a_step_failing_on_one_stage_fails_its_requests_not_the_engine(tiny_mode
     script = tmp_path / "inject.py"
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script.write_text(_INJECT.format(tests=tests, stage=stage, start=start, model=model))
+    # The script runs from tmp_path: import bladellm from this checkout, not an installed one.
+    repo = os.path.dirname(tests)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(tests))
+                          timeout=300, cwd=repo, env={**os.environ, "PYTHONPATH": repo})
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["finish"][0] == "error"
