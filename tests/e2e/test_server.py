@@ -27,6 +27,7 @@ API_KEY = "e2e-key"
 # the disconnect tests make, even on a slow, loaded CI machine (the tiny model's default
 # context is 512: the fixture's model has 1024 positions).
 MAX_MODEL_LEN = 1024
+BLOCK_SIZE = 16
 READY = re.compile(r"ready at (http://[\d.]+:(\d+))")
 
 
@@ -103,8 +104,9 @@ def server(tiny_model_factory):
     srv = ServerProcess([
         "--model", model, "--served_model_name", "tiny", "--host", "127.0.0.1", "--port", "0",
         "--dtype", "float32", "--max_model_len", str(MAX_MODEL_LEN), "--num_kv_blocks", "1024",
-        "--block_size", "16", "--api_key", API_KEY, "--max_request_body_bytes", "64KiB",
-        "--disable_access_log", "--shutdown_timeout", "5", "--num_threads", "1"])
+        "--block_size", str(BLOCK_SIZE), "--api_key", API_KEY,
+        "--max_request_body_bytes", "64KiB", "--disable_access_log", "--shutdown_timeout", "5",
+        "--num_threads", "1"])
     srv.wait_ready(timeout=240)
     yield srv
     if srv.proc.poll() is None:
@@ -220,7 +222,7 @@ async def test_64_concurrent_streams(client):
 async def test_disconnect_mid_stream_frees_kv_blocks(server):
     """Close the stream at its first token. No in-stream /metrics round trip: on a loaded
     machine the stream could finish during it. That the request held KV blocks when it was
-    cut is implied by the abort (+1) and by fewer tokens than max_tokens being generated."""
+    cut is implied by the abort (+1) and by fewer than max_tokens tokens reaching the API."""
     before = await _metrics(server)
     aborted_before = _metric(before, 'bladellm_request_success_total{finished_reason="abort"}')
     tokens_before = _metric(before, "bladellm_generation_tokens_total")
@@ -236,8 +238,10 @@ async def test_disconnect_mid_stream_frees_kv_blocks(server):
                 pass
         # Leaving the block closed the connection mid-stream, right after the first token.
     deadline = time.monotonic() + 20
+    peak = 0.0
     while True:
         after = await _metrics(server)
+        peak = max(peak, _metric(after, "bladellm_kv_cache_used_blocks"))
         if _metric(after, "bladellm_kv_cache_used_blocks") == 0 or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.05)
@@ -245,13 +249,24 @@ async def test_disconnect_mid_stream_frees_kv_blocks(server):
     assert _metric(after, 'bladellm_request_success_total{finished_reason="abort"}') \
         == aborted_before + 1
     assert _metric(after, "bladellm_generation_tokens_total") - tokens_before < max_tokens
+    _assert_stopped_in_the_core(peak, max_tokens)
+
+
+def _assert_stopped_in_the_core(peak_blocks: float, max_tokens: int) -> None:
+    """The API forgets an aborted request at once (its token counter stops), so blocks that
+    reach 0 could also mean the core ran it to its end. While polling until they do, the
+    request never held the blocks of half its tokens: the core stopped it early."""
+    assert peak_blocks * BLOCK_SIZE < max_tokens // 2, \
+        f"the core kept running the aborted request (up to {peak_blocks:.0f} blocks)"
 
 
 async def test_disconnect_while_waiting_for_a_full_response_aborts(server):
     before = await _metrics(server)
     aborted_before = _metric(before, 'bladellm_request_success_total{finished_reason="abort"}')
+    tokens_before = _metric(before, "bladellm_generation_tokens_total")
+    max_tokens = MAX_MODEL_LEN - 32
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                       "max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True}).encode()
+                       "max_tokens": max_tokens, "ignore_eos": True}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
@@ -275,8 +290,10 @@ async def test_disconnect_while_waiting_for_a_full_response_aborts(server):
         # The stats snapshot that comes with the abort may predate the core's processing of
         # the abort (blocks still held): wait for both.
         deadline = time.monotonic() + 20
+        peak = 0.0
         while True:
             after = await metrics()
+            peak = max(peak, _metric(after, "bladellm_kv_cache_used_blocks"))
             if ((_metric(after, 'bladellm_request_success_total{finished_reason="abort"}')
                     > aborted_before and _metric(after, "bladellm_kv_cache_used_blocks") == 0)
                     or time.monotonic() > deadline):
@@ -285,6 +302,8 @@ async def test_disconnect_while_waiting_for_a_full_response_aborts(server):
     assert _metric(after, 'bladellm_request_success_total{finished_reason="abort"}') \
         == aborted_before + 1
     assert _metric(after, "bladellm_kv_cache_used_blocks") == 0
+    assert _metric(after, "bladellm_generation_tokens_total") - tokens_before < max_tokens
+    _assert_stopped_in_the_core(peak, max_tokens)
 
 
 # ------------------------------------------------------- vLLM extras (issue 15, item 7)
