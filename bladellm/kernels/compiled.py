@@ -40,9 +40,10 @@ LINEAR_MAX_ROWS_PACKED_AVX2_FP32 = 16
 # the fp32 kernel stops at 4 against oneDNN).
 LINEAR_MAX_ROWS_NARROW = {"avx2": 16}
 LINEAR_MAX_ROWS_NARROW_DEFAULT = 8
-# Where fp32 weights are packed in panels (pack_panels / linear_panel) instead of prepacked for
-# oneDNN, and the largest M the panel kernel takes (F.linear above it). AVX2 only, where it
-# was measured (benchmarks/linear_streamed.py --mode panel, docs/kernels.md).
+# Where fp32 weights are also packed in panels (pack_panels / linear_panel), and the largest M
+# the panel kernel takes (oneDNN's prepacked GEMM above it: F.linear on the plain weight was
+# 1.15-1.3x slower at M = 128-512). AVX2 only, where it was measured
+# (benchmarks/linear_streamed.py --mode panel, docs/kernels.md).
 LINEAR_PANEL_ISAS = ("avx2",)
 LINEAR_MAX_ROWS_PANEL = 64
 
@@ -116,7 +117,7 @@ class _PackedLinear:
     ``onednn``, the weight reordered for oneDNN's batched GEMM; ``narrow``, for an fp32 weight
     whose every value is exactly a bf16 one (a bf16 checkpoint served in fp32), its bf16 copy,
     which the small-M kernel streams at half the bytes with a bit-identical result; ``panel``
-    (AVX2, fp32 weights; instead of the other two), the weight, or its exact bf16 copy, packed
+    (AVX2, fp32 weights; instead of ``narrow``), the weight, or its exact bf16 copy, packed
     for ``linear_panel``. Any may be None."""
 
     __slots__ = ("onednn", "narrow", "panel", "weight")
@@ -466,15 +467,16 @@ class CompiledKernels(Kernels):
         if (weight.dtype not in _DTYPES or not weight.is_cpu or weight.dim() != 2
                 or not weight.is_contiguous()):
             return None
-        if weight.dtype == torch.float32 and self.linear_max_rows_panel > 0:
-            narrow = exact_bf16_copy(weight)  # half the bytes to stream, same results
-            return _PackedLinear(None, None, weight,
-                                 self.pack_panels(weight if narrow is None else narrow))
         try:
             onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
         except (RuntimeError, AttributeError):
             onednn = None
         narrow = exact_bf16_copy(weight)
+        if weight.dtype == torch.float32 and self.linear_max_rows_panel > 0:
+            # Up to linear_max_rows_panel rows the panels (of the bf16 copy where exact: half
+            # the bytes, same results), oneDNN above.
+            return _PackedLinear(onednn, None, weight,
+                                 self.pack_panels(weight if narrow is None else narrow))
         if onednn is None and narrow is None:
             return None
         return _PackedLinear(onednn, narrow, weight)
@@ -540,7 +542,8 @@ class CompiledKernels(Kernels):
         K = x.shape[-1]
         if packed is not None and packed.panel is not None and dtype == torch.float32:
             out = self._linear_panels(x, packed.panel, weight.shape[0], bias, K)
-            return out if out is not None else super().linear(x, weight, bias, None)
+            if out is not None:
+                return out  # else more rows than the panel kernel takes: oneDNN, below
         if packed is not None and packed.narrow is not None and dtype == torch.float32:
             out = self._linear_narrow(x, packed.narrow, bias, K)
             if out is not None:

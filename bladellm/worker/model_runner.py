@@ -93,7 +93,7 @@ class ModelRunner:
         CPU: a oneDNN reordered copy that runs batched GEMMs 1.2-2x faster, and for fp32
         weights that are exact bf16 values a bf16 copy that halves what a decode step streams;
         on AVX2, fp32 weights (or their exact bf16 copies) packed in panels instead;
-        ``CompiledKernels.pack_linear_weight``). The copies take up to 1.5x the linear weights'
+        ``CompiledKernels.pack_linear_weight``). The copies take up to 2x the linear weights'
         memory, so they are made only while that is at most a quarter of the memory the weights
         leave. Returns the bytes they added."""
         from bladellm.kernels import get_kernels
@@ -104,7 +104,7 @@ class ModelRunner:
         heads = [m for m in self.model.modules() if isinstance(m, ParallelLMHead)]
         packable = layers + heads
         extra = sum(m.weight.numel() * m.weight.element_size()
-                    * (1.5 if m.weight.dtype == torch.float32 else 1.0) for m in packable)
+                    * (2.0 if m.weight.dtype == torch.float32 else 1.0) for m in packable)
         spare = total_memory_bytes() - model_weight_bytes(self.model)
         if not packable or extra > spare // 4:
             if packable:

@@ -88,7 +88,7 @@ def test_linear_with_packed_weight(compiled, layout, dtype, shape):
     b = randn(N, dtype=dtype, seed=2)
     packed = compiled.pack_linear_weight(w)
     if layout == "panel" and dtype == torch.float32:
-        assert packed.panel is not None and packed.onednn is None and packed.narrow is None
+        assert packed.panel is not None and packed.narrow is None
         assert packed.panel.shape == (-(-N // compiled.panel_width), K, compiled.panel_width)
     else:
         assert packed is None or packed.panel is None

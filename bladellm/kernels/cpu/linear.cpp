@@ -176,60 +176,97 @@ static void linear(T* out, int64_t out_stride, const T* x, int64_t xs, const TW*
 // --mode panel), and the P outputs sit in the vector lanes: no horizontal sums. Each output
 // is one FMA chain along K in order, whatever M and the tile: the result of a row does not
 // depend on the other rows of the batch.
-#ifndef LINEAR_PANEL_VECS
-#define LINEAR_PANEL_VECS 4
-#endif
-constexpr int kPanelVecs = LINEAR_PANEL_VECS;
+//
+//
+// Tiles: fp32 weights run over the whole panel (4 vectors) with up to 3 rows: 12 accumulators
+// and the weights as memory operands of the FMAs. bf16 weights must be widened into registers:
+// one or two rows run over the whole panel, more over each half of it in turn (2 vectors, the
+// two halves of one 64-byte line per k) with up to 6 rows, which keeps 12 accumulators and the
+// 2 widened vectors within AVX2's 16 registers (3 rows over the whole panel need 17 and spill).
+// Halving does not pay for fp32, whose halves are different lines: each pass then streams
+// every other line (measured 1.6x slower at M = 4-16).
+constexpr int kPanelVecs = 4;
 constexpr int kPanel = kPanelVecs * VLEN;
-constexpr int kPanelMT = 12 / kPanelVecs;  // activation rows per tile: 12 accumulators
+constexpr int kHalfVecs = kPanelVecs / 2;
+constexpr int kHalfMT = 6;
+constexpr int kFullMT = 3;  // fp32 weights
 
-template <class TW, int MM>
+// out[m, j] (+)= x[m, :] . panel column j for MM rows and the NV vectors of the panel at wp
+// (already offset to its first vector); valid: how many of the NV * VLEN outputs exist.
+template <class TW, int MM, int NV>
 static inline void panel_tile(float* out, int64_t os, const float* x, int64_t xs, const TW* wp,
                               const float* bias, int64_t K, int64_t valid) {
-  vfloat acc[MM][kPanelVecs];
+  vfloat acc[MM][NV];
   for (int m = 0; m < MM; ++m)
-    for (int h = 0; h < kPanelVecs; ++h) acc[m][h] = vfloat{};
+    for (int h = 0; h < NV; ++h) acc[m][h] = vfloat{};
   for (int64_t k = 0; k < K; ++k) {
-    vfloat w[kPanelVecs];
-    for (int h = 0; h < kPanelVecs; ++h) w[h] = loadu(wp + k * kPanel + h * VLEN);
+    vfloat w[NV];
+    for (int h = 0; h < NV; ++h) w[h] = loadu(wp + k * kPanel + h * VLEN);
     for (int m = 0; m < MM; ++m) {
       const vfloat xb = splat(x[m * xs + k]);
-      for (int h = 0; h < kPanelVecs; ++h) acc[m][h] += xb * w[h];
+      for (int h = 0; h < NV; ++h) acc[m][h] += xb * w[h];
     }
   }
   for (int m = 0; m < MM; ++m) {
     float* o = out + m * os;
-    if (valid == kPanel) {
-      for (int h = 0; h < kPanelVecs; ++h)
+    if (valid == NV * VLEN) {
+      for (int h = 0; h < NV; ++h)
         storeu(o + h * VLEN, bias ? acc[m][h] + loadu(bias + h * VLEN) : acc[m][h]);
     } else {  // the last, zero-padded panel
-      float tmp[kPanel];
-      for (int h = 0; h < kPanelVecs; ++h) storeu(tmp + h * VLEN, acc[m][h]);
+      float tmp[NV * VLEN];
+      for (int h = 0; h < NV; ++h) storeu(tmp + h * VLEN, acc[m][h]);
       for (int64_t j = 0; j < valid; ++j) o[j] = bias ? tmp[j] + bias[j] : tmp[j];
     }
   }
 }
 
-// Tile sizes 1..MM; the caller spreads M evenly over the fewest tiles (M = 4 with MM = 3 runs
-// 2 + 2, not 3 + 1: a one-row tile is an FMA chain per vector, latency-bound).
 template <class TW, int MM>
-static inline void panel_tile_n(int mm, float* out, int64_t os, const float* x, int64_t xs,
-                                const TW* wp, const float* bias, int64_t K, int64_t valid) {
+static inline void full_tile_n(int mm, float* out, int64_t os, const float* x, int64_t xs,
+                               const TW* wp, const float* bias, int64_t K, int64_t valid) {
   if constexpr (MM > 1) {
-    if (mm < MM) return panel_tile_n<TW, MM - 1>(mm, out, os, x, xs, wp, bias, K, valid);
+    if (mm < MM) return full_tile_n<TW, MM - 1>(mm, out, os, x, xs, wp, bias, K, valid);
   }
-  panel_tile<TW, MM>(out, os, x, xs, wp, bias, K, valid);
+  panel_tile<TW, MM, kPanelVecs>(out, os, x, xs, wp, bias, K, valid);
 }
 
+template <class TW, int MM>
+static inline void half_tile_n(int mm, float* out, int64_t os, const float* x, int64_t xs,
+                               const TW* wp, const float* bias, int64_t K, int64_t valid) {
+  if constexpr (MM > 1) {
+    if (mm < MM) return half_tile_n<TW, MM - 1>(mm, out, os, x, xs, wp, bias, K, valid);
+  }
+  panel_tile<TW, MM, kHalfVecs>(out, os, x, xs, wp, bias, K, valid);
+}
+
+// One panel (valid outputs of kPanel) for all M rows.
 template <class TW>
 static inline void panel_rows(float* out, int64_t os, const float* x, int64_t xs, const TW* wp,
                               const float* bias, int64_t M, int64_t K, int64_t valid) {
-  const int64_t tiles = (M + kPanelMT - 1) / kPanelMT, base = M / tiles, extra = M % tiles;
-  int64_t m0 = 0;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int mm = int(base + (t < extra ? 1 : 0));
-    panel_tile_n<TW, kPanelMT>(mm, out + m0 * os, os, x + m0 * xs, xs, wp, bias, K, valid);
-    m0 += mm;
+  // M spread evenly over the fewest tiles (8 rows run 4 + 4, not 6 + 2).
+  if (sizeof(TW) == 4 && M == 4)  // one 4-row tile (16 accumulators, one spilled) beat 2 + 2
+    return panel_tile<TW, 4, kPanelVecs>(out, os, x, xs, wp, bias, K, valid);  // by ~8%
+  if (sizeof(TW) == 4 || M <= 2) {
+    const int64_t tiles = (M + kFullMT - 1) / kFullMT, base = M / tiles, extra = M % tiles;
+    int64_t m0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int mm = int(base + (t < extra ? 1 : 0));
+      full_tile_n<TW, kFullMT>(mm, out + m0 * os, os, x + m0 * xs, xs, wp, bias, K, valid);
+      m0 += mm;
+    }
+    return;
+  }
+  const int64_t tiles = (M + kHalfMT - 1) / kHalfMT, base = M / tiles, extra = M % tiles;
+  for (int half = 0; half < 2; ++half) {
+    const int64_t j0 = int64_t(half) * kHalfVecs * VLEN;
+    const int64_t part = std::min<int64_t>(kHalfVecs * VLEN, valid - j0);
+    if (part <= 0) break;
+    int64_t m0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int mm = int(base + (t < extra ? 1 : 0));
+      half_tile_n<TW, kHalfMT>(mm, out + m0 * os + j0, os, x + m0 * xs, xs, wp + j0,
+                               bias ? bias + j0 : nullptr, K, part);
+      m0 += mm;
+    }
   }
 }
 
@@ -243,8 +280,8 @@ static void linear_panel(float* out, int64_t out_stride, const float* x, int64_t
 #pragma omp parallel for num_threads(num_threads) if (par) schedule(dynamic, chunk)
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t n0 = p * kPanel;
-    panel_rows<TW>(out + n0, out_stride, x, xs, wp + n0 * K, bias ? bias + n0 : nullptr,
-                             M, K, std::min<int64_t>(kPanel, N - n0));
+    panel_rows<TW>(out + n0, out_stride, x, xs, wp + n0 * K, bias ? bias + n0 : nullptr, M, K,
+                   std::min<int64_t>(kPanel, N - n0));
   }
 }
 
