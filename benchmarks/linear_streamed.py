@@ -155,6 +155,9 @@ def main() -> None:
     print(kernels.describe(), f"{args.threads} threads")
     rows = [int(r) for r in args.rows.split(",")]
     if args.mode == "panel":
+        from bladellm.kernels.compiled import LINEAR_MAX_ROWS_PANEL
+
+        kernels.linear_max_rows_panel = LINEAR_MAX_ROWS_PANEL  # on any ISA
         panel(kernels, rows, args.repeats, args.shape, args.narrow)
     else:  # both are about the row layout and its oneDNN / bf16 copies
         kernels.linear_max_rows_panel = 0

@@ -515,13 +515,12 @@ class CompiledKernels(Kernels):
 
     def linear_panel(self, x: torch.Tensor, panel: torch.Tensor, n: int,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 ``x`` [M, K] (last stride 1) times the weight packed by ``pack_panels`` (``n``
-        output features), plus ``bias`` (fp32, contiguous)."""
-        M, K = x.shape
-        out = torch.empty((M, n), dtype=torch.float32)
-        self._linear_panel(out.data_ptr(), x.data_ptr(), panel.data_ptr(),
-                           None if bias is None else bias.data_ptr(), M, n, K, x.stride(0), n,
-                           _DTYPES[panel.dtype], torch.get_num_threads())
+        """fp32 ``x`` [M, K] (M up to ``linear_max_rows_panel``, last stride 1) times the weight
+        packed by ``pack_panels`` (``n`` output features), plus ``bias`` (fp32, contiguous)."""
+        out = self._linear_panels(x, panel, n, bias, x.shape[-1])
+        if out is None:
+            raise ValueError(f"linear_panel takes 1..{self.linear_max_rows_panel} rows of x "
+                             f"with a unit last stride, got {tuple(x.shape)}")
         return out
 
     def decoder_stack(self, args: DecoderStackArgs) -> None:

@@ -114,6 +114,9 @@ def test_panel_rows_do_not_depend_on_the_batch(compiled, layout):
     for M in (1, 2, 3, 4, 5, 7, 12, 13, 31):
         assert torch.equal(compiled.linear(x[:M], w, b, packed), full[:M])
     assert torch.equal(compiled.linear(x[5:6], w, b, packed), full[5:6])
+    too_many = randn(LINEAR_MAX_ROWS_PANEL + 1, 96, dtype=torch.float32)
+    with pytest.raises(ValueError, match="linear_panel takes"):
+        compiled.linear_panel(too_many, packed.panel, 200, b)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
