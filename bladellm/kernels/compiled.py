@@ -145,6 +145,22 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
+def _fp32_rows(x: torch.Tensor, K: int, bias: torch.Tensor | None,
+               max_rows: int) -> tuple[int, int] | None:
+    """(M, row stride) of activations x [..., K] that the fp32 small-M kernels can read (rows
+    with a unit last stride, 1 <= M <= max_rows, bias fp32 and contiguous or None), else None."""
+    if (not x.is_cpu or x.stride(-1) != 1 or K == 0
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+        return None
+    if x.dim() == 2:
+        M, x_stride = x.shape[0], x.stride(0)
+    elif x.dim() == 1 or x.is_contiguous():
+        M, x_stride = x.numel() // K, K
+    else:
+        return None
+    return (M, x_stride) if 0 < M <= max_rows else None
+
+
 def _rows_view(x: torch.Tensor) -> tuple[int, int, int, int] | None:
     """(outer, inner, outer_stride, inner_stride) of x's rows (last dim contiguous), or None
     if they do not form such a two-level grid."""
@@ -575,18 +591,10 @@ class CompiledKernels(Kernels):
                        bias: torch.Tensor | None, K: int) -> torch.Tensor | None:
         """fp32 x times a panel-packed weight, or None where the kernel does not take the call
         (more rows than ``linear_max_rows_panel``, a layout it cannot read)."""
-        if (not x.is_cpu or panel.shape[1] != K or x.stride(-1) != 1 or K == 0
-                or (bias is not None and (bias.dtype != torch.float32
-                                          or not bias.is_contiguous()))):
+        rows = _fp32_rows(x, K, bias, self.linear_max_rows_panel)
+        if rows is None or panel.shape[1] != K:
             return None
-        if x.dim() == 2:
-            M, x_stride = x.shape[0], x.stride(0)
-        elif x.dim() == 1 or x.is_contiguous():
-            M, x_stride = x.numel() // K, K
-        else:
-            return None
-        if M == 0 or M > self.linear_max_rows_panel:
-            return None
+        M, x_stride = rows
         out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
         self._linear_panel(out.data_ptr(), x.data_ptr(), panel.data_ptr(),
                            None if bias is None else bias.data_ptr(), M, n, K, x_stride, n,
@@ -597,18 +605,10 @@ class CompiledKernels(Kernels):
                        K: int) -> torch.Tensor | None:
         """fp32 x times the exact bf16 copy of its weight, or None where the kernel does not
         take the call (too many rows, a layout it cannot read): the caller goes on as usual."""
-        if (not x.is_cpu or narrow.shape[1] != K or x.stride(-1) != 1 or K == 0
-                or (bias is not None and (bias.dtype != torch.float32
-                                          or not bias.is_contiguous()))):
+        rows = _fp32_rows(x, K, bias, self.linear_max_rows_narrow)
+        if rows is None or narrow.shape[1] != K:
             return None
-        if x.dim() == 2:
-            M, x_stride = x.shape[0], x.stride(0)
-        elif x.dim() == 1 or x.is_contiguous():
-            M, x_stride = x.numel() // K, K
-        else:
-            return None
-        if M == 0 or M > self.linear_max_rows_narrow:
-            return None
+        M, x_stride = rows
         N = narrow.shape[0]
         out = torch.empty((*x.shape[:-1], N), dtype=torch.float32)
         self._linear_wbf16(out.data_ptr(), x.data_ptr(), narrow.data_ptr(),

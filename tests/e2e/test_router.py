@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import re
 import signal
@@ -19,7 +18,8 @@ import time
 
 import httpx
 import pytest
-from test_server import ServerProcess, _children  # tests/e2e is on sys.path (pytest's prepend mode)
+# tests/e2e is on sys.path (pytest's prepend mode)
+from test_server import ServerProcess, _alive, _children
 
 from tiny_models import CORPUS
 
@@ -279,14 +279,6 @@ def test_killed_instance_costs_no_request_that_had_not_started_streaming(servers
     # The victim's engine core, in the middle of requests when its API process was SIGKILLed,
     # notices and exits instead of blocking forever on its output socket.
     deadline = time.monotonic() + 30
-    while any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in victim_cores):
+    while any(_alive(pid) for pid in victim_cores):
         assert time.monotonic() < deadline, f"orphaned engine core still running: {victim_cores}"
         time.sleep(0.2)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

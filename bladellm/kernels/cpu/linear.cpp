@@ -220,37 +220,30 @@ static inline void panel_tile(float* out, int64_t os, const float* x, int64_t xs
   }
 }
 
-template <class TW, int MM>
-static inline void full_tile_n(int mm, float* out, int64_t os, const float* x, int64_t xs,
-                               const TW* wp, const float* bias, int64_t K, int64_t valid) {
+// A tile of mm rows (1..MM) over NV vectors of the panel.
+template <class TW, int MM, int NV>
+static inline void tile_n(int mm, float* out, int64_t os, const float* x, int64_t xs,
+                          const TW* wp, const float* bias, int64_t K, int64_t valid) {
   if constexpr (MM > 1) {
-    if (mm < MM) return full_tile_n<TW, MM - 1>(mm, out, os, x, xs, wp, bias, K, valid);
+    if (mm < MM) return tile_n<TW, MM - 1, NV>(mm, out, os, x, xs, wp, bias, K, valid);
   }
-  panel_tile<TW, MM, kPanelVecs>(out, os, x, xs, wp, bias, K, valid);
-}
-
-template <class TW, int MM>
-static inline void half_tile_n(int mm, float* out, int64_t os, const float* x, int64_t xs,
-                               const TW* wp, const float* bias, int64_t K, int64_t valid) {
-  if constexpr (MM > 1) {
-    if (mm < MM) return half_tile_n<TW, MM - 1>(mm, out, os, x, xs, wp, bias, K, valid);
-  }
-  panel_tile<TW, MM, kHalfVecs>(out, os, x, xs, wp, bias, K, valid);
+  panel_tile<TW, MM, NV>(out, os, x, xs, wp, bias, K, valid);
 }
 
 // One panel (valid outputs of kPanel) for all M rows.
 template <class TW>
 static inline void panel_rows(float* out, int64_t os, const float* x, int64_t xs, const TW* wp,
                               const float* bias, int64_t M, int64_t K, int64_t valid) {
-  // M spread evenly over the fewest tiles (8 rows run 4 + 4, not 6 + 2).
   if (sizeof(TW) == 4 && M == 4)  // one 4-row tile (16 accumulators, one spilled) beat 2 + 2
     return panel_tile<TW, 4, kPanelVecs>(out, os, x, xs, wp, bias, K, valid);  // by ~8%
+  // Otherwise M spread evenly over the fewest tiles (8 rows run 3 + 3 + 2, or 4 + 4 in halves).
   if (sizeof(TW) == 4 || M <= 2) {
     const int64_t tiles = (M + kFullMT - 1) / kFullMT, base = M / tiles, extra = M % tiles;
     int64_t m0 = 0;
     for (int64_t t = 0; t < tiles; ++t) {
       const int mm = int(base + (t < extra ? 1 : 0));
-      full_tile_n<TW, kFullMT>(mm, out + m0 * os, os, x + m0 * xs, xs, wp, bias, K, valid);
+      tile_n<TW, kFullMT, kPanelVecs>(mm, out + m0 * os, os, x + m0 * xs, xs, wp, bias, K,
+                                      valid);
       m0 += mm;
     }
     return;
@@ -263,8 +256,8 @@ static inline void panel_rows(float* out, int64_t os, const float* x, int64_t xs
     int64_t m0 = 0;
     for (int64_t t = 0; t < tiles; ++t) {
       const int mm = int(base + (t < extra ? 1 : 0));
-      half_tile_n<TW, kHalfMT>(mm, out + m0 * os + j0, os, x + m0 * xs, xs, wp + j0,
-                               bias ? bias + j0 : nullptr, K, part);
+      tile_n<TW, kHalfMT, kHalfVecs>(mm, out + m0 * os + j0, os, x + m0 * xs, xs, wp + j0,
+                                     bias ? bias + j0 : nullptr, K, part);
       m0 += mm;
     }
   }
