@@ -478,8 +478,10 @@ class CompiledKernels(Kernels):
         """The weight reordered for oneDNN (a second copy: the small-M kernel reads the
         original), which runs M above the kernel's crossover 1.2-2x faster than F.linear
         (bf16, M 4..32; about even from M = 64); and, for an fp32 weight of exact bf16 values,
-        the bf16 copy the small-M kernel reads instead of the original (``_PackedLinear``).
-        None where neither applies."""
+        the bf16 copy the small-M kernel reads instead of the original; where
+        ``linear_max_rows_panel`` > 0 (AVX2) and the weight is fp32, the weight or that bf16
+        copy packed in panels instead, for every M up to that limit (``_PackedLinear``).
+        None where none applies."""
         if (weight.dtype not in _DTYPES or not weight.is_cpu or weight.dim() != 2
                 or not weight.is_contiguous()):
             return None
