@@ -168,15 +168,14 @@ static void linear(T* out, int64_t out_stride, const T* x, int64_t xs, const TW*
   }
 }
 
-// ---- Panel-packed weights (fp32 activations), the decode GEMV on AVX2 ----
+// ---- Panel-packed weights (fp32 activations): M = 1..64 on AVX2 ----
 // The weight repacked once at load as [ceil(N / P)][K][P] (P = kPanel outputs, the last panel
 // zero-padded): a thread then streams one contiguous run of memory per panel instead of R rows
-// at once, which the hardware prefetchers follow better (measured on an AVX2 EPYC: the 88M
-// shape's 49 linears at M = 1 in 17-19 ms instead of 19-21 ms, benchmarks/linear_streamed.py
-// --mode panel), and the P outputs sit in the vector lanes: no horizontal sums. Each output
-// is one FMA chain along K in order, whatever M and the tile: the result of a row does not
-// depend on the other rows of the batch.
-//
+// at once, which the hardware prefetchers follow better (measured on an AVX2 EPYC, the 88M
+// shape's 49 linears: 1.08-1.14x the row kernel at M = 1, 1.15-1.3x oneDNN at M = 32;
+// benchmarks/linear_streamed.py --mode panel, docs/kernels.md), and the P outputs sit in the
+// vector lanes: no horizontal sums. Each output is one FMA chain along K in order, whatever M
+// and the tile: the result of a row does not depend on the other rows of the batch.
 //
 // Tiles: fp32 weights run over the whole panel (4 vectors) with up to 3 rows: 12 accumulators
 // and the weights as memory operands of the FMAs. bf16 weights must be widened into registers:
