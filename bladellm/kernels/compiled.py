@@ -131,6 +131,14 @@ class _PackedLinear:
         return sum(t.numel() * t.element_size() for t in (self.onednn, self.narrow, self.panel)
                    if t is not None)
 
+    @property
+    def bf16_copy(self) -> torch.Tensor | None:
+        """What small batches stream in place of an fp32 weight of exact bf16 values (the row
+        copy, or the panels packed from it), or None."""
+        if self.panel is not None:
+            return self.panel if self.panel.dtype == torch.bfloat16 else None
+        return self.narrow
+
 
 def exact_bf16_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` (fp32) in bf16 when that loses nothing (every value is a bf16 value), else

@@ -46,7 +46,6 @@ class CompiledDecoderStack:
         attn, rope = first.self_attn, first.self_attn.rotary_emb
         self.hidden_size, self.dtype = model.hidden_size, model.dtype
         inter2 = first.mlp.gate_up_proj.weight.shape[0]
-        self._rows = max_rows  # the scratch's capacity (a benchmark may lower max_rows)
         # Scratch for the largest step it takes: a few hundred KiB, reused every step.
         self._scratch = {name: torch.empty((max_rows, width), dtype=self.dtype)
                          for name, width in (("normed", self.hidden_size),
@@ -177,7 +176,7 @@ class CompiledDecoderStack:
         md = ctx.attn_metadata
         T = hidden.shape[0]
         if (md is None or md.tree is not None or ctx.lora is not None or T == 0
-                or T > min(self.max_rows, self._rows) or md.num_actual_tokens != T
+                or T > self.max_rows or md.num_actual_tokens != T
                 or hidden.dtype != self.dtype or not hidden.is_contiguous()
                 or positions.dtype not in _INDEX_DTYPES
                 or md.slot_mapping.dtype not in _INDEX_DTYPES

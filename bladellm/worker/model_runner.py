@@ -118,9 +118,7 @@ class ModelRunner:
         kernels = get_kernels()
         packs = [getattr(m, "packed_weight", None) for m in packable]
         added = sum(kernels.packed_bytes(p) for p in packs)
-        narrow = sum(getattr(p, "narrow", None) is not None
-                     or getattr(getattr(p, "panel", None), "dtype", None) == torch.bfloat16
-                     for p in packs)
+        narrow = sum(getattr(p, "bf16_copy", None) is not None for p in packs)
         logger.info("prepacked %d of %d linear weights (+%.0f MiB)%s",
                     sum(p is not None for p in packs), len(packable), added / (1 << 20),
                     f"; {narrow} fp32 weights hold only bf16 values: small batches read their "

@@ -236,12 +236,9 @@ def test_bf16_checkpoint_served_in_fp32_identical_to_transformers(tiny_model_fac
     runner = llm.engine.core.executor.worker.model_runner
     head = runner.model.lm_head.packed_weight
     if head is not None:  # compiled kernels: the copies exist and are bf16 (in panels on AVX2)
-
-        def bf16_copy(p) -> torch.Tensor | None:
-            return p.panel if p.panel is not None else p.narrow
-
-        assert bf16_copy(head) is not None and bf16_copy(head).dtype == torch.bfloat16
-        assert all(bf16_copy(m.packed_weight).dtype == torch.bfloat16
+        assert head.bf16_copy is not None and head.bf16_copy.dtype == torch.bfloat16
+        assert all(m.packed_weight.bf16_copy is not None
+                   and m.packed_weight.bf16_copy.dtype == torch.bfloat16
                    for m in runner.model.modules() if hasattr(m, "quant_method"))
     prompts = _prompts(llm.engine.model_info.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -130,8 +130,9 @@ def test_linear_exact_bf16_copy_is_bit_identical(compiled, layout, shape, bias):
     w = randn(N, K, dtype=torch.bfloat16, seed=1).float()
     b = randn(N, dtype=torch.float32, seed=2) if bias else None
     packed = compiled.pack_linear_weight(w)
-    copy = packed.panel if layout == "panel" else packed.narrow
+    copy = packed.bf16_copy
     assert copy is not None and copy.dtype == torch.bfloat16
+    assert copy is (packed.panel if layout == "panel" else packed.narrow)
     assert compiled.packed_bytes(packed) >= w.numel() * 2
     if layout == "panel":
         top = compiled.linear_max_rows_panel
