@@ -13,6 +13,12 @@ a function at the moment it is needed, so tests can set it with ``monkeypatch.se
   (``model/gguf_cache.py``); ``0`` always reads the GGUF file.
 - ``BLADELLM_GGUF_CACHE_DIR`` (a directory, default ``BLADELLM_CACHE_DIR/gguf``): where those
   copies are kept.
+- ``BLADELLM_RESOLUTION_CACHE`` (``1`` | ``0``, default ``1``): remember the config transformers
+  builds for a model directory and the tokenizer class ``AutoTokenizer`` picks, so later starts
+  skip most of transformers' imports (``model/resolution_cache.py``); ``0`` asks transformers
+  every time.
+- ``BLADELLM_RESOLUTION_CACHE_DIR`` (a directory, default ``BLADELLM_CACHE_DIR/resolved``): where
+  those entries are kept.
 - ``HF_HUB_OFFLINE`` (huggingface_hub's own switch): ``--model org/name`` uses only the local
   hub cache and never reaches the network.
 - OpenMP's own ``OMP_NUM_THREADS`` (the engine's thread count when ``--num_threads`` is not
@@ -51,6 +57,21 @@ def gguf_cache_enabled() -> bool:
     if value not in ("0", "1", "true", "false"):
         raise ValueError(f"BLADELLM_GGUF_CACHE={value!r} is not one of 0, 1")
     return value in ("1", "true")
+
+
+def resolution_cache_enabled() -> bool:
+    """``BLADELLM_RESOLUTION_CACHE``: whether resolved configs and tokenizer classes are
+    remembered across starts."""
+    value = os.environ.get("BLADELLM_RESOLUTION_CACHE", "1").strip().lower() or "1"
+    if value not in ("0", "1", "true", "false"):
+        raise ValueError(f"BLADELLM_RESOLUTION_CACHE={value!r} is not one of 0, 1")
+    return value in ("1", "true")
+
+
+def resolution_cache_dir() -> Path:
+    """``BLADELLM_RESOLUTION_CACHE_DIR``: where remembered configs and tokenizer classes are."""
+    value = os.environ.get("BLADELLM_RESOLUTION_CACHE_DIR", "").strip()
+    return Path(value).expanduser() if value else cache_dir() / "resolved"
 
 
 def gguf_cache_dir() -> Path:

@@ -34,13 +34,17 @@ def tiny_llama(tiny_model_factory) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _gguf_cache_in_tmp(tmp_path_factory):
-    """Dense copies of GGUF files (model/gguf_cache.py) go to a per-session directory, never the
-    user's cache; set in os.environ so server subprocesses inherit it."""
-    old = os.environ.get("BLADELLM_GGUF_CACHE_DIR")
-    os.environ["BLADELLM_GGUF_CACHE_DIR"] = str(tmp_path_factory.mktemp("gguf-cache"))
+def _caches_in_tmp(tmp_path_factory):
+    """Dense copies of GGUF files (model/gguf_cache.py) and remembered configs and tokenizer
+    classes (model/resolution_cache.py) go to per-session directories, never the user's cache;
+    set in os.environ so server subprocesses inherit them."""
+    names = ("BLADELLM_GGUF_CACHE_DIR", "BLADELLM_RESOLUTION_CACHE_DIR")
+    old = {name: os.environ.get(name) for name in names}
+    for name in names:
+        os.environ[name] = str(tmp_path_factory.mktemp(name.lower()))
     yield
-    if old is None:
-        os.environ.pop("BLADELLM_GGUF_CACHE_DIR", None)
-    else:
-        os.environ["BLADELLM_GGUF_CACHE_DIR"] = old
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

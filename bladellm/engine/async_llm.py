@@ -55,7 +55,7 @@ class AsyncLLM:
         self.config = config
         self.client = client
         try:
-            resolved = resolve_model(config.model)
+            resolved = resolve_model(config.model, snapshot_config=True)
             if self.client is None:  # the engine core loads weights while we load the tokenizer
                 self.client = AsyncMPClient(_local_model_config(config, resolved), wait=False)
             self.model_info = model_info_for(resolved)

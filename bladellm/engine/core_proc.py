@@ -25,7 +25,11 @@ import zmq
 
 from bladellm.config import EngineConfig
 from bladellm.engine.messages import EngineCoreOutputs, EngineCoreRequest
-from bladellm.executor.base import WorkerDiedError
+
+# The API process imports this module to start the core (core_client), before it imports
+# anything heavy: nothing here may import torch at module level (the executor, the model), or
+# the core would start only after the API process spent ~2.5 s importing torch for nothing
+# (tests/models/test_resolution_cache.py checks).
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
         from bladellm.engine.engine_core import EngineCore
         from bladellm.model.checkpoint import resolve_model
 
-        core = EngineCore(config, resolve_model(config.model))
+        core = EngineCore(config, resolve_model(config.model, snapshot_config=True))
     except BaseException as exc:  # noqa: BLE001 - report any start-up failure to the parent
         ready_conn.send({"status": "failed",
                          "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"})
@@ -186,6 +190,8 @@ def _utility(core: Any, method: str, args: list) -> Any:
         core.remove_lora(int(args[0]))
         return True
     if method in ("embed", "prompt_logprobs"):  # one extra forward per prompt, between steps
+        from bladellm.executor import WorkerDiedError
+
         try:
             return {"result": getattr(core, method)(*args)}
         except WorkerDiedError:

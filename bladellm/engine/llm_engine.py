@@ -33,7 +33,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        resolved = resolve_model(config.model)
+        resolved = resolve_model(config.model, snapshot_config=True)
         self.model_info = model_info_for(resolved)
         self.input_processor = InputProcessor(self.model_info, config.guided.guided_max_grammar_size)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)

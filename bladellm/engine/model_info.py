@@ -68,10 +68,18 @@ def load_model_info(model_dir: str, tokenizer_dir: str | None = None,
 
 
 def _load_tokenizer(tokenizer_dir: str, trust_remote_code: bool):
-    from transformers import AutoTokenizer
+    """``AutoTokenizer``'s tokenizer; on later starts through the class it picked, where that
+    was proven to give the same tokenizer (``model/resolution_cache.py``: importing
+    ``AutoTokenizer`` costs seconds)."""
+    from bladellm.model.resolution_cache import remembered_tokenizer
+
+    def auto():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
 
     try:
-        return AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
+        return remembered_tokenizer(tokenizer_dir, trust_remote_code, auto)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... here
         raise ValueError(f"could not load a tokenizer from {tokenizer_dir!r}: {e}") from e
 

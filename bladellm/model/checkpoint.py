@@ -54,8 +54,10 @@ def default_served_name(model: str, path: str) -> str:
     return base[:-5] if base.endswith(".gguf") else base
 
 
-def resolve_model(model_config: ModelConfig) -> ResolvedModel:
-    """Find the checkpoint and read its config (cheap); weights are read by ``load_model``."""
+def resolve_model(model_config: ModelConfig, snapshot_config: bool = False) -> ResolvedModel:
+    """Find the checkpoint and read its config (cheap); weights are read by ``load_model``.
+    ``snapshot_config``: the caller only reads the config's attributes, so a snapshot from an
+    earlier start will do (``load_hf_config``)."""
     from bladellm.model.demo import resolve_model_path
     from bladellm.model.hub import download_model, is_model_id
     from bladellm.model.loader import load_hf_config, resolve_dtype
@@ -70,7 +72,7 @@ def resolve_model(model_config: ModelConfig) -> ResolvedModel:
     if is_gguf:
         path, gguf = _open_gguf(path)
     hf_config = gguf.hf_config() if gguf is not None else load_hf_config(
-        path, model_config.trust_remote_code)
+        path, model_config.trust_remote_code, snapshot=snapshot_config)
     # Validates quantization_config / --quantization here, before any process starts.
     get_quant_config(hf_config, model_config.quantization)
     dtype = resolve_dtype(hf_config, model_config.dtype)

@@ -38,8 +38,18 @@ SPLIT_FORMAT_VERSION = 1
 BIN_INDEX = "pytorch_model.bin.index.json"
 
 
-def load_hf_config(model_dir: str, trust_remote_code: bool) -> Any:
-    """Read ``config.json`` as a transformers ``PretrainedConfig``."""
+def load_hf_config(model_dir: str, trust_remote_code: bool, snapshot: bool = False) -> Any:
+    """Read ``config.json`` as a transformers ``PretrainedConfig``; with ``snapshot``, callers
+    that only read attributes may get a ``ConfigSnapshot`` of what transformers built for these
+    bytes at an earlier start instead (``model/resolution_cache.py``: the import of
+    transformers' config classes is most of a start-up)."""
+    if snapshot:
+        from bladellm.model.resolution_cache import remembered_config
+
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"--model: model directory {model_dir!r} does not exist")
+        return remembered_config(model_dir, trust_remote_code,
+                                 lambda: load_hf_config(model_dir, trust_remote_code))
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 

@@ -58,7 +58,8 @@ class DraftModelProposer:
         self.block_size = block_size
         self.device = device
         self.kv_cache_quant = config.cache.kv_cache_quant  # the draft's KV is stored alike
-        resolved = resolve_model(draft_model_config(config, target_resolved.max_model_len))
+        resolved = resolve_model(draft_model_config(config, target_resolved.max_model_len),
+                                 snapshot_config=True)
         check_draft_vocab(target_resolved.hf_config, resolved.hf_config, resolved.path)
         self.model = resolved.load_model(device, get_attn_backend(config.draft.attn_cls, device))
         self.model.eval()

@@ -278,14 +278,25 @@ static void linear_panel(float* out, int64_t out_stride, const float* x, int64_t
 }
 
 template <class TW>
-static void pack_panels(TW* dst, const TW* w, int64_t N, int64_t K) {
+static void pack_panels(TW* dst, const TW* w, int64_t N, int64_t K, int num_threads) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  for (int64_t p = 0; p < panels; ++p)
-    for (int64_t k = 0; k < K; ++k)
-      for (int j = 0; j < kPanel; ++j) {
-        const int64_t n = p * kPanel + j;
-        dst[(p * K + k) * kPanel + j] = n < N ? w[n * K + k] : TW(0);
+  // Row by row: each weight row is read once, in order, and written down one lane of its
+  // panel ([K][kPanel]: ~74 KB at K = 576, resident in L2 while it fills). The other order
+  // (k outer) read kPanel rows K apart at once: 0.30 s of the demo's 0.5 GB of weights on
+  // one core against ~0.1 s this way.
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && panels > 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    TW* panel = dst + p * K * kPanel;
+    for (int j = 0; j < kPanel; ++j) {
+      const int64_t n = p * kPanel + j;
+      if (n < N) {
+        const TW* row = w + n * K;
+        for (int64_t k = 0; k < K; ++k) panel[k * kPanel + j] = row[k];
+      } else {
+        for (int64_t k = 0; k < K; ++k) panel[k * kPanel + j] = TW(0);
       }
+    }
+  }
 }
 
 }  // namespace
@@ -296,11 +307,12 @@ int bl_linear_panel_width() { return kPanel; }
 
 // w: [N, K] contiguous, of wdtype (0 fp32, 1 bf16); dst: ceil(N / width) * width * K elements
 // of the same type. Returns 0, or 1 for an unknown dtype.
-int bl_linear_pack(void* dst, const void* w, int64_t N, int64_t K, int32_t wdtype) {
+int bl_linear_pack(void* dst, const void* w, int64_t N, int64_t K, int32_t wdtype,
+                   int32_t num_threads) {
   if (wdtype == kFloat32)
-    pack_panels(static_cast<float*>(dst), static_cast<const float*>(w), N, K);
+    pack_panels(static_cast<float*>(dst), static_cast<const float*>(w), N, K, num_threads);
   else if (wdtype == kBFloat16)
-    pack_panels(static_cast<bf16_t*>(dst), static_cast<const bf16_t*>(w), N, K);
+    pack_panels(static_cast<bf16_t*>(dst), static_cast<const bf16_t*>(w), N, K, num_threads);
   else
     return 1;
   return 0;
