@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -46,7 +47,11 @@ FORMAT_VERSION = 1
 # The files whose bytes decide what transformers resolves for a directory.
 CONFIG_FILES = ("config.json",)
 TOKENIZER_FILES = ("tokenizer_config.json", "config.json", "tokenizer.json",
-                   "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+                   "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+                   "tekken.json", "tokenizer.model")
+# Installed packages that change which class AutoTokenizer picks (mistral models get
+# MistralCommonBackend where mistral-common is installed and tekken.json exists).
+TOKENIZER_PACKAGES = ("mistral_common", "sentencepiece")
 # Encoded one after another by the tokenizer agreement check (ASCII, digits, whitespace runs,
 # non-Latin scripts, an emoji: where pre-tokenizers and normalizers differ).
 PROBE_TEXT = "Hello, world!  12345 café Ünïcödé 你好 🤖\n\tdef f(x): return x ** 2"
@@ -106,7 +111,9 @@ class ConfigSnapshot:
 def _encode(value: Any) -> Any:
     """A JSON form of ``value`` that ``_decode`` turns back into an equal value of the same
     types (tuples, int dict keys, torch dtypes and sub-configs kept), or ``_Unrecordable``."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if isinstance(value, type):  # a class (``sub_configs`` maps names to config classes)
+        raise _Unrecordable(f"class {value.__name__}")
+    if value is None or type(value) in (bool, int, float, str):  # not subclasses (enums)
         return value
     if isinstance(value, list):
         return [_encode(v) for v in value]
@@ -148,11 +155,14 @@ def _decode(value: Any) -> Any:
     raise ValueError(f"unknown record {sorted(value)[:3]}")
 
 
-def _public_attributes(config: Any) -> dict[str, Any]:
-    """Every public, non-callable attribute ``config`` answers (fields and properties), plus
-    ``_name_or_path`` (AutoTokenizer reads it)."""
-    names = [n for n in dir(config) if not n.startswith("_")] + ["_name_or_path"]
-    attrs = {}
+def _public_attributes(config: Any) -> tuple[dict[str, Any], list[str]]:
+    """Every public, non-callable attribute ``config`` answers (fields, properties and
+    ``attribute_map`` aliases), plus ``_name_or_path`` (AutoTokenizer reads it); and the names
+    whose reading raised."""
+    aliases = list(getattr(type(config), "attribute_map", None) or {})
+    names = sorted({n for n in dir(config) if not n.startswith("_")} | set(aliases)
+                   | {"_name_or_path"})
+    attrs, raised = {}, []
     # Reading deprecated aliases (torch_dtype, use_return_dict) makes transformers warn once.
     hf_logger = logging.getLogger("transformers")
     level = hf_logger.level
@@ -161,26 +171,28 @@ def _public_attributes(config: Any) -> dict[str, Any]:
         for name in names:
             try:
                 value = getattr(config, name)
-            except Exception:  # noqa: BLE001 - a property that raises: the snapshot raises too
+            except AttributeError:
                 continue
-            if not callable(value) or hasattr(value, "to_json_string"):
+            except Exception:  # noqa: BLE001 - a property that raises: the snapshot raises too
+                raised.append(name)
+                continue
+            if not callable(value) or isinstance(value, type):  # methods are not data
                 attrs[name] = value
     finally:
         hf_logger.setLevel(level)
-    return attrs
+    return attrs, raised
 
 
 def _config_record(config: Any) -> dict[str, Any]:
-    encoded, unrecorded = {}, []
-    attrs = _public_attributes(config)
+    encoded = {}
+    attrs, unrecorded = _public_attributes(config)
     for name, value in attrs.items():
         try:
             encoded[name] = _encode(value)
         except _Unrecordable:
             unrecorded.append(name)  # reading it from the snapshot raises
     record = {"class": type(config).__name__, "attrs": encoded, "unrecorded": unrecorded,
-              "dict": json.loads(json.dumps(config.to_dict(), default=str)),
-              "json": config.to_json_string()}
+              "dict": _encode(config.to_dict()), "json": config.to_json_string()}
     # Exactness: every attribute must come back equal (NaN-free configs compare by value).
     back = _snapshot_from_record(json.loads(json.dumps(record)))
     for name in encoded:
@@ -196,8 +208,9 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _snapshot_from_record(record: dict[str, Any]) -> ConfigSnapshot:
-    return ConfigSnapshot({k: _decode(v) for k, v in record["attrs"].items()}, record["dict"],
-                          record["json"], record["class"], tuple(record["unrecorded"]))
+    return ConfigSnapshot({k: _decode(v) for k, v in record["attrs"].items()},
+                          _decode(record["dict"]), record["json"], record["class"],
+                          tuple(record["unrecorded"]))
 
 
 def _transformers_version() -> str | None:
@@ -207,21 +220,28 @@ def _transformers_version() -> str | None:
         return None
 
 
-def _entry_path(kind: str, directory: str, files: tuple[str, ...]) -> Path | None:
-    """Where the entry for ``directory`` lives, or None when the cache is off or transformers'
-    version cannot be read."""
-    if not envs.resolution_cache_enabled():
+def _entry_path(kind: str, directory: str, files: tuple[str, ...],
+                packages: tuple[str, ...] = ()) -> Path | None:
+    """Where the entry for ``directory`` lives, or None when the cache is off, ``directory`` is
+    not a local directory (a hub id is resolved by transformers every time), a file cannot be
+    read, or transformers' version cannot be read."""
+    if not envs.resolution_cache_enabled() or not os.path.isdir(directory):
         return None
     version = _transformers_version()
     if version is None:
         return None
-    real = os.path.realpath(directory)
-    h = hashlib.sha256(f"{FORMAT_VERSION}\0{kind}\0{real}\0{version}".encode())
+    # The path as given and as resolved: transformers matches some checkpoints by their name.
+    spelled, real = os.path.abspath(directory), os.path.realpath(directory)
+    installed = [p for p in packages if importlib.util.find_spec(p) is not None]
+    h = hashlib.sha256(f"{FORMAT_VERSION}\0{kind}\0{spelled}\0{real}\0{version}\0"
+                       f"{installed}".encode())
     for name in files:
         try:
             h.update(name.encode() + b"\0" + Path(real, name).read_bytes() + b"\0")
         except FileNotFoundError:
             h.update(name.encode() + b"\0-\0")
+        except OSError:  # unreadable: let transformers report it
+            return None
     return envs.resolution_cache_dir() / f"{kind}-{h.hexdigest()[:32]}.json"
 
 
@@ -229,7 +249,8 @@ def _read(path: Path) -> dict[str, Any] | None:
     try:
         with open(path, encoding="utf-8") as f:
             entry = json.load(f)
-        return entry if entry.get("format") == FORMAT_VERSION else None
+        return entry if isinstance(entry, dict) and entry.get("format") == FORMAT_VERSION \
+            else None
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -238,14 +259,18 @@ def _read(path: Path) -> dict[str, Any] | None:
 
 
 def _write(path: Path, entry: dict[str, Any]) -> None:
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"format": FORMAT_VERSION, **entry}, f)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep a shared cache directory private
         os.replace(tmp, path)  # atomic: the other process reads the old state or this one
     except OSError as e:
         logger.debug("cannot write %s: %s", path, e)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def remembered_config(model_dir: str, trust_remote_code: bool,
@@ -262,9 +287,11 @@ def remembered_config(model_dir: str, trust_remote_code: bool,
     config = load()
     if path is not None:
         try:
-            _write(path, {"config": _config_record(config)})
-        except _Unrecordable as e:
+            record = _config_record(config)
+        except Exception as e:  # noqa: BLE001 - anything unexpected: just do not remember it
             logger.debug("config of %s not remembered: %s", model_dir, e)
+        else:
+            _write(path, {"config": record})
     return config
 
 
@@ -284,14 +311,19 @@ def remembered_tokenizer(tokenizer_dir: str, trust_remote_code: bool,
     class it picked, loaded directly, where the first call proved that gives the same
     tokenizer."""
     path = None if trust_remote_code else _entry_path("tokenizer", tokenizer_dir,
-                                                      TOKENIZER_FILES)
+                                                      TOKENIZER_FILES, TOKENIZER_PACKAGES)
     entry = _read(path) if path is not None else None
-    if entry is not None and entry.get("class"):
+    if entry is not None and isinstance(entry.get("class"), str):
         import transformers
 
         cls = getattr(transformers, entry["class"], None)
-        if cls is not None:
-            return cls.from_pretrained(tokenizer_dir)
+        if isinstance(cls, type):
+            try:
+                return cls.from_pretrained(tokenizer_dir)
+            except Exception as e:  # noqa: BLE001 - whatever changed, AutoTokenizer decides
+                logger.warning("remembered tokenizer class %s failed on %s (%s); asking "
+                               "AutoTokenizer", entry["class"], tokenizer_dir, e)
+        entry = None
     tok = load()
     if path is None or entry is not None:
         return tok

@@ -34,7 +34,7 @@ def _copy(src: str, dst) -> str:
 
 
 def _attrs(config) -> dict:
-    return rc._public_attributes(config)
+    return rc._public_attributes(config)[0]
 
 
 @pytest.mark.parametrize("arch,overrides", [
@@ -66,7 +66,7 @@ def test_snapshot_answers_every_attribute_as_transformers(tiny_model_factory, tm
         got = getattr(snap, name)
         assert type(got) is type(value) and got == value, name
     assert snap.to_json_string() == real.to_json_string()
-    assert snap.to_dict() == json.loads(json.dumps(real.to_dict(), default=str))
+    assert snap.to_dict() == real.to_dict()
     assert getattr(snap, "no_such_attribute", "default") == "default"
     assert isinstance(snap.dtype, torch.dtype) or isinstance(snap.dtype, str)
     back = pickle.loads(pickle.dumps(snap))
@@ -192,3 +192,46 @@ def test_warm_start_skips_transformers_config_and_auto_imports(tiny_model_factor
     warm = run()
     assert warm.returncode == 0, warm.stderr
     assert warm.stdout.split() == ["ConfigSnapshot", "512", "[]"], warm.stdout
+
+
+@pytest.mark.parametrize("name", ["LlavaConfig", "Qwen2VLConfig", "Gemma3Config", "GPT2Config"])
+def test_composite_and_aliased_configs_record_or_refuse_cleanly(name):
+    """Composite configs (sub-configs, ``sub_configs`` naming classes) and ``attribute_map``
+    aliases (GPT-2's n_embd for hidden_size): every recorded attribute answers as the config;
+    what cannot be recorded raises on access instead of defaulting."""
+    import transformers
+
+    config = getattr(transformers, name)()
+    record = rc._config_record(config)
+    snap = rc._snapshot_from_record(json.loads(json.dumps(record)))
+    attrs, _ = rc._public_attributes(config)
+    for attr, value in attrs.items():
+        if attr in snap._unrecorded:
+            with pytest.raises(RuntimeError):
+                getattr(snap, attr, None)
+        else:
+            assert rc._same(getattr(snap, attr), value), attr
+    assert snap.hidden_size == config.hidden_size if hasattr(config, "hidden_size") else True
+    assert snap.to_json_string() == config.to_json_string()
+    assert snap.to_dict() == config.to_dict()
+
+
+@pytest.mark.parametrize("content", ["[]", "null", '"x"', '{"format": 1, "class": 3}'])
+def test_malformed_entries_fall_back(tiny_model_factory, tmp_path, cache_dir, content):
+    from transformers import AutoTokenizer
+
+    model_dir = _copy(tiny_model_factory("llama"), tmp_path / "m")
+    load_hf_config(model_dir, False, snapshot=True)
+    rc.remembered_tokenizer(model_dir, False, lambda: AutoTokenizer.from_pretrained(model_dir))
+    for entry in cache_dir.glob("*.json"):
+        entry.write_text(content)
+    assert load_hf_config(model_dir, False, snapshot=True).hidden_size == 64
+    tok = rc.remembered_tokenizer(model_dir, False,
+                                  lambda: AutoTokenizer.from_pretrained(model_dir))
+    assert tok.encode("hello")
+
+
+def test_unreadable_config_is_still_a_clear_error(tmp_path, cache_dir):
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ValueError, match="config.json"):
+        load_hf_config(str(tmp_path), False, snapshot=True)
