@@ -40,12 +40,15 @@ LINEAR_MAX_ROWS_PACKED_AVX2_FP32 = 16
 # the fp32 kernel stops at 4 against oneDNN).
 LINEAR_MAX_ROWS_NARROW = {"avx2": 16}
 LINEAR_MAX_ROWS_NARROW_DEFAULT = 8
-# Where fp32 weights are also packed in panels (pack_panels / linear_panel), and the largest M
-# the panel kernel takes (oneDNN's prepacked GEMM above it: F.linear on the plain weight was
-# 1.15-1.3x slower at M = 128-512). AVX2 only, where it was measured
-# (benchmarks/linear_streamed.py --mode panel, docs/kernels.md).
+# Where fp32 weights are packed in panels (pack_panels / linear_panel) instead of keeping a
+# oneDNN copy, and the largest M the panel kernel takes. Since its broadcasts became plain
+# loads (vec.h splat) it matched or beat oneDNN's prepacked GEMM at every M measured, 1 to 2048
+# (1.0-1.2x at M = 96-2048 on the demo's shapes, 0.92-1.04x on an 8B model's; docs/kernels.md),
+# so it takes every step the scheduler can make and no oneDNN copy is kept (half the memory
+# and none of its load time); F.linear on the plain weight past the limit. AVX2 only, where it
+# was measured (benchmarks/linear_streamed.py --mode panel).
 LINEAR_PANEL_ISAS = ("avx2",)
-LINEAR_MAX_ROWS_PANEL = 64
+LINEAR_MAX_ROWS_PANEL = 1 << 16
 
 
 class _PagedAttentionArgs(ctypes.Structure):
@@ -493,22 +496,22 @@ class CompiledKernels(Kernels):
         original), which runs M above the kernel's crossover 1.2-2x faster than F.linear
         (bf16, M 4..32; about even from M = 64); and, for an fp32 weight of exact bf16 values,
         the bf16 copy the small-M kernel reads instead of the original; where
-        ``linear_max_rows_panel`` > 0 (AVX2) and the weight is fp32, the weight or that bf16
-        copy packed in panels instead, for every M up to that limit (``_PackedLinear``).
+        ``linear_max_rows_panel`` > 0 (AVX2) and the weight is fp32, only the weight or that
+        bf16 copy packed in panels, for every M up to that limit (``_PackedLinear``).
         None where none applies."""
         if (weight.dtype not in _DTYPES or not weight.is_cpu or weight.dim() != 2
                 or not weight.is_contiguous()):
             return None
+        narrow = exact_bf16_copy(weight)
+        if weight.dtype == torch.float32 and self.linear_max_rows_panel > 0:
+            # Every step through the panels (of the bf16 copy where exact: half the bytes,
+            # same results); no oneDNN copy.
+            return _PackedLinear(None, None, weight,
+                                 self.pack_panels(weight if narrow is None else narrow))
         try:
             onednn = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
         except (RuntimeError, AttributeError):
             onednn = None
-        narrow = exact_bf16_copy(weight)
-        if weight.dtype == torch.float32 and self.linear_max_rows_panel > 0:
-            # Up to linear_max_rows_panel rows the panels (of the bf16 copy where exact: half
-            # the bytes, same results), oneDNN above.
-            return _PackedLinear(onednn, None, weight,
-                                 self.pack_panels(weight if narrow is None else narrow))
         if onednn is None and narrow is None:
             return None
         return _PackedLinear(onednn, narrow, weight)
@@ -575,7 +578,7 @@ class CompiledKernels(Kernels):
         if packed is not None and packed.panel is not None and dtype == torch.float32:
             out = self._linear_panels(x, packed.panel, weight.shape[0], bias, K)
             if out is not None:
-                return out  # else more rows than the panel kernel takes: oneDNN, below
+                return out  # else more rows than the panel kernel takes: F.linear, below
         if packed is not None and packed.narrow is not None and dtype == torch.float32:
             out = self._linear_narrow(x, packed.narrow, bias, K)
             if out is not None:

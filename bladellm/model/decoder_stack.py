@@ -13,9 +13,9 @@ output is bit-identical to theirs; where it does not apply it returns None and t
 - at build: a model whose layers are not the plain Llama layout (Qwen3's q/k norms, LoRA or
   quantized linears, tensor or pipeline parallelism), or kernels that are not the compiled CPU
   set (``--attn_cls torch``, the GPU);
-- per step: more tokens than every linear's GEMV row limit (the kernels' choice: above it
-  ``linear`` goes to oneDNN), a dummy run without KV cache, padding tokens, tree attention
-  (look_ahead), or a LoRA step.
+- per step: more tokens than ``STACK_MAX_ROWS`` or than a linear's row limit (the kernels'
+  choice: above it ``linear`` goes to oneDNN), a dummy run without KV cache, padding tokens,
+  tree attention (look_ahead), or a LoRA step.
 """
 
 from __future__ import annotations
@@ -31,6 +31,11 @@ from bladellm.model.forward_context import ForwardContext
 logger = logging.getLogger(__name__)
 
 _INDEX_DTYPES = (torch.int64, torch.int32)  # positions and slots: the kernels take either
+# The most tokens a step may have to run as one call (its scratch holds that many rows of every
+# activation: 8.6 MB on the demo model, ~54 MB at an 8B model's widths). A busy server's steps
+# (a few dozen decodes and a prefill chunk) fit; a bigger step spends ~1 ms in the modules'
+# Python against a forward of hundreds of milliseconds.
+STACK_MAX_ROWS = 256
 
 
 class CompiledDecoderStack:
@@ -111,7 +116,7 @@ class CompiledDecoderStack:
             dst.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             keep += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         assert max_rows is not None
-        stack = cls(kernels, array, model, max_rows, keep)
+        stack = cls(kernels, array, model, min(max_rows, STACK_MAX_ROWS), keep)
         logger.info("compiled decoder stack: %d layers in one call for steps of up to %d "
                     "tokens", len(layers), max_rows)
         return stack

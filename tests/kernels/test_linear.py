@@ -52,12 +52,17 @@ def check_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     assert float((err - (want - exact).abs() - ulp).max()) <= 1e-6 * scale
 
 
+# The panel layout's row limit in these tests: the production one (LINEAR_MAX_ROWS_PANEL) is
+# above any step, so a low one lets the tests cross it (past it linear falls back to F.linear).
+PANEL_ROWS = 64
+
+
 @pytest.fixture(params=["panel", "rows"])
 def layout(request, compiled, monkeypatch) -> str:
     """fp32 weights packed in panels (what AVX2 machines do) or kept in rows with a oneDNN copy
     (elsewhere): both are tested on every machine."""
     monkeypatch.setattr(compiled, "linear_max_rows_panel",
-                        LINEAR_MAX_ROWS_PANEL if request.param == "panel" else 0)
+                        PANEL_ROWS if request.param == "panel" else 0)
     return request.param
 
 
@@ -92,12 +97,31 @@ def test_linear_with_packed_weight(compiled, layout, dtype, shape):
         assert packed.panel.shape == (-(-N // compiled.panel_width), K, compiled.panel_width)
     else:
         assert packed is None or packed.panel is None
-    rows = rows_around(compiled, dtype) + [7, 13, LINEAR_MAX_ROWS_PANEL,
-                                           LINEAR_MAX_ROWS_PANEL + 1, 256]
+    rows = rows_around(compiled, dtype) + [7, 13, PANEL_ROWS, PANEL_ROWS + 1, 256]
     for M in sorted(set(rows)):
         x = randn(M, K, dtype=dtype, seed=M)
         check_close(compiled.linear(x, w, b, packed), x, w, b)
         check_close(compiled.linear(x, w, None, packed), x, w, None)
+
+
+def test_panel_layout_takes_every_step_without_a_onednn_copy(compiled, monkeypatch):
+    """At the production limit the panels take every step the scheduler can make (its token
+    budget included), so no oneDNN copy is kept; big batches give F.linear's products and the
+    rows of a 300-row batch are those of the same rows alone."""
+    monkeypatch.setattr(compiled, "linear_max_rows_panel", LINEAR_MAX_ROWS_PANEL)
+    from bladellm.config import SchedulerConfig
+
+    assert LINEAR_MAX_ROWS_PANEL >= SchedulerConfig().max_num_batched_tokens
+    w = randn(200, 96, dtype=torch.float32, seed=1)
+    b = randn(200, dtype=torch.float32, seed=2)
+    packed = compiled.pack_linear_weight(w)
+    assert packed.onednn is None and packed.panel is not None
+    assert compiled.packed_bytes(packed) == packed.panel.numel() * 4
+    x = randn(300, 96, dtype=torch.float32, seed=3)
+    full = compiled.linear(x, w, b, packed)
+    check_close(full, x, w, b)
+    for M in (1, 3, 65, 257):
+        assert torch.equal(compiled.linear(x[:M], w, b, packed), full[:M])
 
 
 def test_panel_rows_do_not_depend_on_the_batch(compiled, layout):
@@ -109,12 +133,12 @@ def test_panel_rows_do_not_depend_on_the_batch(compiled, layout):
     w = randn(200, 96, dtype=torch.float32, seed=1)
     b = randn(200, dtype=torch.float32, seed=2)
     packed = compiled.pack_linear_weight(w)
-    x = randn(LINEAR_MAX_ROWS_PANEL, 96, dtype=torch.float32, seed=3)
+    x = randn(PANEL_ROWS, 96, dtype=torch.float32, seed=3)
     full = compiled.linear(x, w, b, packed)
     for M in (1, 2, 3, 4, 5, 7, 12, 13, 31):
         assert torch.equal(compiled.linear(x[:M], w, b, packed), full[:M])
     assert torch.equal(compiled.linear(x[5:6], w, b, packed), full[5:6])
-    too_many = randn(LINEAR_MAX_ROWS_PANEL + 1, 96, dtype=torch.float32)
+    too_many = randn(PANEL_ROWS + 1, 96, dtype=torch.float32)
     with pytest.raises(ValueError, match="linear_panel takes"):
         compiled.linear_panel(too_many, packed.panel, 200, b)
 

@@ -46,15 +46,15 @@ def prepack(model) -> None:
 
 
 def run_both(model, steps: list[list[int]], dtype: torch.dtype, block_size: int = 4,
-             seed: int = 0) -> int:
+             seed: int = 0, num_blocks: int = 64) -> int:
     """Runs each step (query length per sequence) through the stack and through the modules on
     two identical caches; asserts equal outputs and caches. Returns the steps the stack took."""
     inner = model.model
     stack = CompiledDecoderStack.build(inner, get_kernels())
     assert stack is not None
     spec = model.get_kv_cache_spec()
-    kv_a = PagedKV(spec, num_blocks=64, block_size=block_size, dtype=dtype, seed=seed)
-    kv_b = PagedKV(spec, num_blocks=64, block_size=block_size, dtype=dtype, seed=seed)
+    kv_a = PagedKV(spec, num_blocks=num_blocks, block_size=block_size, dtype=dtype, seed=seed)
+    kv_b = PagedKV(spec, num_blocks=num_blocks, block_size=block_size, dtype=dtype, seed=seed)
     seqs_a = [Seq() for _ in steps[0]]
     seqs_b = [Seq() for _ in steps[0]]
     gen = torch.Generator().manual_seed(seed)
@@ -106,6 +106,16 @@ def test_stack_matches_modules_with_bf16_exact_fp32_weights(tiny_model_factory, 
     assert run_both(model, STEPS, torch.float32) >= 3
 
 
+def test_busy_server_steps_run_in_the_stack(tiny_model_factory):
+    """Steps of a busy server (dozens of decodes beside a prefill chunk: over 64 rows) run as
+    one call on panel-packed weights, bit-identical to the modules."""
+    if get_kernels().linear_max_rows_panel == 0:
+        pytest.skip("no panel layout on this machine's kernels")
+    model = load(tiny_model_factory("llama"), torch.float32)
+    steps = [[40] + [3] * 30, [97] + [1] * 30, [1] * 31, [130] + [1] * 30]
+    assert run_both(model, steps, torch.float32, num_blocks=256) == len(steps)
+
+
 def test_steps_over_the_row_limit_run_the_modules(tiny_model_factory, layout):
     model = load(tiny_model_factory("llama"), torch.float32)
     stack = CompiledDecoderStack.build(model.model, get_kernels())
@@ -114,7 +124,7 @@ def test_steps_over_the_row_limit_run_the_modules(tiny_model_factory, layout):
     stack.kernels = type("Spy", (), {"decoder_stack": lambda self, a: (calls.append(a.tokens),
                                                                        real(a))})()
     spec = model.get_kv_cache_spec()
-    kv = PagedKV(spec, num_blocks=64, block_size=4)
+    kv = PagedKV(spec, num_blocks=128, block_size=4)
     seqs = [Seq()]
     model.model.compiled_stack = stack
     big = stack.max_rows + 1

@@ -36,7 +36,21 @@ static inline To bit_cast(const From& x) {
   return y;
 }
 
-static inline vfloat splat(float x) { return vfloat{} + x; }
+// Every lane x. `vfloat{} + x` would say it without intrinsics, but 0 + x is not x for x = -0,
+// so GCC must emit the add: a scalar add and a register shuffle per broadcast, in the inner loop
+// of every tile (measured: the 6-row linear tile ran at ~40 % of the FMA peak). The intrinsic
+// is one vbroadcastss from memory, a pure load.
+static inline vfloat splat(float x) {
+#if defined(__AVX512F__)
+  return bit_cast<vfloat>(_mm512_set1_ps(x));
+#elif defined(__AVX__)
+  return bit_cast<vfloat>(_mm256_set1_ps(x));
+#else
+  vfloat v;
+  for (int i = 0; i < VLEN; ++i) v[i] = x;
+  return v;
+#endif
+}
 
 static inline vfloat loadu(const float* p) {
   vfloat v;
