@@ -92,7 +92,7 @@ class ModelRunner:
         """Let each linear layer and the LM head keep its kernels' load-time weight forms (on
         CPU: a oneDNN reordered copy that runs batched GEMMs 1.2-2x faster, and for fp32
         weights that are exact bf16 values a bf16 copy that halves what a decode step streams;
-        on AVX2 that weight or its bf16 copy packed in panels for the small batches instead;
+        on AVX2 only that weight or its bf16 copy packed in panels, for every batch;
         ``CompiledKernels.pack_linear_weight``). The copies take up to 2x the linear weights'
         memory, so they are made only while that is at most a quarter of the memory the weights
         leave. Returns the bytes they added."""
