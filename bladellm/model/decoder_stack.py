@@ -118,7 +118,7 @@ class CompiledDecoderStack:
         assert max_rows is not None
         stack = cls(kernels, array, model, min(max_rows, STACK_MAX_ROWS), keep)
         logger.info("compiled decoder stack: %d layers in one call for steps of up to %d "
-                    "tokens", len(layers), max_rows)
+                    "tokens", len(layers), stack.max_rows)
         return stack
 
     @staticmethod
