@@ -569,6 +569,19 @@ class CompiledKernels(Kernels):
     def packed_bytes(self, packed: object | None) -> int:
         return packed.nbytes if isinstance(packed, _PackedLinear) else 0
 
+    def packed_bytes_bound(self, weight: torch.Tensor) -> int:
+        # Mirrors pack_linear_weight: the fp32 panels (at most: the exact-bf16 ones are half),
+        # or oneDNN's copy (its blocked layouts pad both dimensions; 64 covers them) plus, for
+        # fp32, the exact bf16 copy.
+        if (weight.dtype not in _DTYPES or not weight.is_cpu or weight.dim() != 2
+                or not weight.is_contiguous()):
+            return 0
+        n, k = weight.shape
+        if weight.dtype == torch.float32 and self.linear_max_rows_panel > 0:
+            return -(-n // self.panel_width) * self.panel_width * k * 4
+        onednn = -(-n // 64) * 64 * -(-k // 64) * 64 * weight.element_size()
+        return onednn + (weight.numel() * 2 if weight.dtype == torch.float32 else 0)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                packed: object | None = None) -> torch.Tensor:
         dtype = x.dtype

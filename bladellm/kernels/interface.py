@@ -76,6 +76,11 @@ class Kernels:
         """Memory held by what ``pack_linear_weight`` returned."""
         return 0
 
+    def packed_bytes_bound(self, weight: torch.Tensor) -> int:
+        """The most memory ``pack_linear_weight(weight)`` can add, known before packing (the
+        runner decides from it whether the copies fit)."""
+        return 0
+
     def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor,
                             bitmask: torch.Tensor) -> None:
         """Ban, in place, the tokens a packed grammar bitmask bans (structured output)."""

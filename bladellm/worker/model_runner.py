@@ -93,9 +93,9 @@ class ModelRunner:
         CPU: a oneDNN reordered copy that runs batched GEMMs 1.2-2x faster, and for fp32
         weights that are exact bf16 values a bf16 copy that halves what a decode step streams;
         on AVX2 only that weight or its bf16 copy packed in panels, for every batch;
-        ``CompiledKernels.pack_linear_weight``). The copies take up to 2x the linear weights'
-        memory, so they are made only while that is at most a quarter of the memory the weights
-        leave. Returns the bytes they added."""
+        ``CompiledKernels.pack_linear_weight``). They are made only while the most they can take
+        (``packed_bytes_bound``: 1x the fp32 weights on AVX2, 1.5x elsewhere, 1x for bf16) is at
+        most a quarter of the memory the weights leave. Returns the bytes they added."""
         from bladellm.kernels import get_kernels
 
         # Quantized layers were unpacked into their kernels' layout by the loader already.
@@ -103,8 +103,8 @@ class ModelRunner:
                   if isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod)]
         heads = [m for m in self.model.modules() if isinstance(m, ParallelLMHead)]
         packable = layers + heads
-        extra = sum(m.weight.numel() * m.weight.element_size()
-                    * (2.0 if m.weight.dtype == torch.float32 else 1.0) for m in packable)
+        kernels = get_kernels()
+        extra = sum(kernels.packed_bytes_bound(m.weight) for m in packable)
         spare = total_memory_bytes() - model_weight_bytes(self.model)
         if not packable or extra > spare // 4:
             if packable:
@@ -115,7 +115,6 @@ class ModelRunner:
             m.quant_method.process_weights_after_loading(m)
         for h in heads:
             h.process_weights_after_loading()
-        kernels = get_kernels()
         packs = [getattr(m, "packed_weight", None) for m in packable]
         added = sum(kernels.packed_bytes(p) for p in packs)
         narrow = sum(getattr(p, "bf16_copy", None) is not None for p in packs)

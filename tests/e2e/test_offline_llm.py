@@ -213,6 +213,45 @@ def test_failed_step_fails_its_requests_not_the_engine(tiny_llama):
     assert again.error is None and len(again.outputs[0].token_ids) == 8
 
 
+def test_weights_are_prepacked_only_when_the_copies_fit(tiny_model_factory, monkeypatch):
+    """The runner packs the linear weights only while the most the copies can take (the
+    kernels' ``packed_bytes_bound``) is at most a quarter of the memory the weights leave; the
+    copies it makes stay within that bound, and unpacked weights give the same tokens."""
+    from bladellm.kernels import get_kernels
+    from bladellm.worker import model_runner as runner_mod
+
+    kernels = get_kernels()
+    model_dir = tiny_model_factory("llama")
+    args = dict(model=model_dir, dtype="float32", block_size=4, max_num_seqs=4, num_kv_blocks=96,
+                max_model_len=160)
+    llm = LLM(**args)
+    runner = llm.engine.core.executor.worker.model_runner
+    packable = [m for m in runner.model.modules() if hasattr(m, "packed_weight")]
+    bound = sum(kernels.packed_bytes_bound(m.weight) for m in packable)
+    if kernels.name == "ref":
+        assert bound == 0 and runner.packed_weight_bytes == 0
+        return
+    assert 0 < runner.packed_weight_bytes <= bound
+    weights = runner_mod.model_weight_bytes(runner.model)
+    prompts = _prompts(llm.engine.model_info.vocab_size)[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    packed_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.shutdown()
+    # Both sides of the limit: just enough spare memory packs, one word less does not.
+    monkeypatch.setattr(runner_mod, "total_memory_bytes", lambda: weights + 4 * bound)
+    llm = LLM(**args)
+    assert llm.engine.core.executor.worker.model_runner.packed_weight_bytes > 0
+    llm.shutdown()
+    monkeypatch.setattr(runner_mod, "total_memory_bytes", lambda: weights + 4 * bound - 4)
+    llm = LLM(**args)
+    runner = llm.engine.core.executor.worker.model_runner
+    assert runner.packed_weight_bytes == 0
+    assert all(getattr(m, "packed_weight", None) is None for m in runner.model.modules())
+    assert [o.outputs[0].token_ids
+            for o in llm.generate(prompts, params, use_tqdm=False)] == packed_out
+    llm.shutdown()
+
+
 def test_bf16_checkpoint_served_in_fp32_identical_to_transformers(tiny_model_factory, tmp_path):
     """A checkpoint whose weights are all bf16 values (as a bf16 checkpoint is) served at
     --dtype float32: small batches read the weights' exact bf16 copies, and greedy tokens are
