@@ -27,7 +27,7 @@ from bladellm.engine.metrics import StatLogger
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
 from bladellm.lora.request import LoRARequest
-from bladellm.model.checkpoint import ResolvedModel, resolve_model
+from bladellm.model.checkpoint import ResolvedModel, locate_model
 from bladellm.model.pooling_config import pooling_config
 from bladellm.engine.prompt_logprobs import to_token_logprobs
 from bladellm.outputs import RequestOutput, TokenLogprob
@@ -55,7 +55,9 @@ class AsyncLLM:
         self.config = config
         self.client = client
         try:
-            resolved = resolve_model(config.model, snapshot_config=True)
+            # Located, not resolved: the engine core checks the quantization config and
+            # --dtype (they need torch, which this process never imports).
+            resolved = locate_model(config.model, snapshot_config=True)
             if self.client is None:  # the engine core loads weights while we load the tokenizer
                 self.client = AsyncMPClient(_local_model_config(config, resolved), wait=False)
             self.model_info = model_info_for(resolved)

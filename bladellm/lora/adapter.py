@@ -18,9 +18,10 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the API process validates adapters without torch; only loading needs it
+    import torch
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -195,6 +196,8 @@ def validate_dir(path: str, max_rank: int, base: BaseShapes) -> AdapterConfig:
 
 def load_adapter(path: str, max_rank: int, base: BaseShapes, dtype: torch.dtype) -> LoRAWeights:
     """Read and check an adapter from disk (the host tier's loader thread calls this)."""
+    import torch
+
     config = read_config(path, max_rank)
     file = weight_file(path)
     try:

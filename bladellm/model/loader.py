@@ -23,6 +23,7 @@ from torch import nn
 from bladellm.attention.backend import AttentionBackend
 from bladellm.config import ModelConfig
 from bladellm.model.registry import get_model_class
+from bladellm.model.hf_config import load_hf_config  # noqa: F401 - re-exported
 from bladellm.model.layers.rotary import RotaryEmbedding
 from bladellm.platforms.cpu import CpuInfo, detect_cpu
 from bladellm.platforms.cpu_defaults import choose_cpu_dtype
@@ -36,45 +37,6 @@ SPLIT_MANIFEST = "bladellm_split.json"  # written by blade_llm_split
 SPLIT_FORMAT = "bladellm_split"
 SPLIT_FORMAT_VERSION = 1
 BIN_INDEX = "pytorch_model.bin.index.json"
-
-
-def load_hf_config(model_dir: str, trust_remote_code: bool, snapshot: bool = False) -> Any:
-    """Read ``config.json`` as a transformers ``PretrainedConfig``; with ``snapshot``, callers
-    that only read attributes may get a ``ConfigSnapshot`` of what transformers built for these
-    bytes at an earlier start instead (``model/resolution_cache.py``: the import of
-    transformers' config classes is most of a start-up)."""
-    if snapshot:
-        from bladellm.model.resolution_cache import remembered_config
-
-        if not os.path.isdir(model_dir):
-            raise ValueError(f"--model: model directory {model_dir!r} does not exist")
-        return remembered_config(model_dir, trust_remote_code,
-                                 lambda: load_hf_config(model_dir, trust_remote_code))
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if not os.path.isdir(model_dir):
-        raise ValueError(f"--model: model directory {model_dir!r} does not exist")
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"--model: {model_dir!r} has no config.json; expected a Hugging Face "
-                         f"/ ModelScope model directory")
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from e
-    needs_code = "auto_map" in raw and raw.get("model_type") not in CONFIG_MAPPING
-    if needs_code and not trust_remote_code:
-        raise ValueError(f"{path} needs custom code from the model directory (auto_map, "
-                         f"model_type {raw.get('model_type')!r}); pass --trust_remote_code to "
-                         f"allow it")
-    try:
-        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except (ValueError, OSError, KeyError) as e:
-        if "trust_remote_code" in str(e) and not trust_remote_code:
-            raise ValueError(f"{path}: loading this config needs --trust_remote_code") from e
-        raise ValueError(f"cannot load {path}: {e}") from e
 
 
 def resolve_dtype(hf_config: Any, dtype: str, device: str | torch.device = "cpu",

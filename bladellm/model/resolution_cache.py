@@ -61,6 +61,21 @@ class _Unrecordable(Exception):
     """An attribute value that the snapshot cannot hold exactly."""
 
 
+class _LazyDtype:
+    """A torch dtype attribute of a snapshot, named until read: the API process reads the
+    config without importing torch (it never reads the dtype)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def resolve(self) -> Any:
+        import torch
+
+        return getattr(torch, self.name)
+
+
 class ConfigSnapshot:
     """A model config as transformers built it, frozen: every public attribute it answered,
     ``to_dict()`` and ``to_json_string()``. Read-only; what it never answered raises
@@ -77,10 +92,15 @@ class ConfigSnapshot:
         object.__setattr__(self, "_unrecorded", unrecorded)
 
     def __getattr__(self, name: str) -> Any:
+        attrs = object.__getattribute__(self, "_attrs")
         try:
-            return object.__getattribute__(self, "_attrs")[name]
+            value = attrs[name]
         except KeyError:
             pass
+        else:
+            if isinstance(value, _LazyDtype):
+                value = attrs[name] = value.resolve()
+            return value
         if name in object.__getattribute__(self, "_unrecorded"):
             # Not AttributeError: getattr(config, name, default) must not quietly answer what
             # the real config would not have.
@@ -207,8 +227,14 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _decode_attr(value: Any) -> Any:
+    if isinstance(value, dict) and "__dtype__" in value:
+        return _LazyDtype(value["__dtype__"])
+    return _decode(value)
+
+
 def _snapshot_from_record(record: dict[str, Any]) -> ConfigSnapshot:
-    return ConfigSnapshot({k: _decode(v) for k, v in record["attrs"].items()},
+    return ConfigSnapshot({k: _decode_attr(v) for k, v in record["attrs"].items()},
                           _decode(record["dict"]), record["json"], record["class"],
                           tuple(record["unrecorded"]))
 

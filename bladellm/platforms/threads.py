@@ -63,9 +63,12 @@ def configure_engine_threads(num_threads: int | None) -> int:
 
 
 def configure_frontend_threads() -> None:
-    import torch
-
-    torch.set_num_threads(1)
+    """The API process does no tensor work and never imports torch itself (importing it would
+    add ~1-2 s and ~150 MB to the process). Where torch is loaded anyway (AsyncLLM embedded in
+    a program that uses it), its intra-op pool is kept to one thread, off the engine's CPUs."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 def engine_process_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -164,23 +164,25 @@ def test_tokenizer_class_is_remembered_only_when_both_loads_agree(tiny_model_fac
 
 def test_warm_start_skips_transformers_config_and_auto_imports(tiny_model_factory, tmp_path,
                                                                cache_dir):
-    """What the start-up gain rests on: with entries written, resolving the model and loading
-    its tokenizer import neither transformers' config classes nor AutoTokenizer's world
-    (torch._dynamo, torch.distributed.tensor), and importing the core client imports no torch."""
+    """What the start-up gain rests on: with entries written, what the API process does to
+    start (import the server and AsyncLLM, locate the model, load its tokenizer) imports
+    neither transformers' config classes nor torch at all; importing the core client imports
+    no torch even cold."""
     model_dir = _copy(tiny_model_factory("llama"), tmp_path / "m")
     script = textwrap.dedent(f"""
         import sys
         import bladellm.engine.core_client
         assert "torch" not in sys.modules, "core_client imports torch"
+        import bladellm.entrypoints.openai.server
+        import bladellm.engine.async_llm
         from bladellm.config import ModelConfig
         from bladellm.engine.model_info import model_info_for
-        from bladellm.model.checkpoint import resolve_model
-        resolved = resolve_model(ModelConfig(model={model_dir!r}), snapshot_config=True)
+        from bladellm.model.checkpoint import locate_model
+        resolved = locate_model(ModelConfig(model={model_dir!r}), snapshot_config=True)
         info = model_info_for(resolved)
         print(type(resolved.hf_config).__name__, info.max_model_len,
               sorted(m for m in ("transformers.models.llama.configuration_llama",
-                                 "transformers.models.auto.tokenization_auto",
-                                 "torch._dynamo", "torch.distributed.tensor")
+                                 "transformers.models.auto.tokenization_auto", "torch")
                      if m in sys.modules))
     """)
     env = {**os.environ, "PYTHONPATH": REPO}
