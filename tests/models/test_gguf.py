@@ -606,6 +606,34 @@ def test_gguf_cache_second_resolve_reads_no_gguf(tiny_llama, tmp_path, gguf_cach
         torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
 
 
+def test_cached_gguf_is_located_without_torch(tiny_llama, tmp_path, gguf_cache_dir):
+    """The API process locates a .gguf model whose dense copy is cached (the demo, after its
+    first start) without importing torch: the GGUF reader is imported only on a miss."""
+    import os
+    import subprocess
+    import textwrap
+
+    path = write_gguf(tiny_llama, tmp_path / "m.gguf", Q.Q8_0, add_bos=True)
+    assert _resolve(path).gguf is None  # fills the cache
+    script = textwrap.dedent(f"""
+        import sys
+        from bladellm.config import ModelConfig
+        from bladellm.engine.model_info import model_info_for
+        from bladellm.model.checkpoint import locate_model
+        located = locate_model(ModelConfig(model={str(path)!r}), snapshot_config=True)
+        assert located.gguf is None and located.dtype is None
+        model_info_for(located)
+        print("torch" in sys.modules, "bladellm.model.gguf" in sys.modules)
+    """)
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": repo}
+    for _ in range(2):  # the first run records the config and tokenizer resolution
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"], out.stdout
+
+
 def test_gguf_cache_same_tokens_as_gguf(tiny_llama, tmp_path, gguf_cache_dir, monkeypatch):
     from bladellm.engine.llm_engine import LLM
     from bladellm.sampling_params import SamplingParams

@@ -178,6 +178,8 @@ def test_warm_start_skips_transformers_config_and_auto_imports(tiny_model_factor
         from bladellm.config import ModelConfig
         from bladellm.engine.model_info import model_info_for
         from bladellm.model.checkpoint import locate_model
+        from bladellm.platforms.threads import configure_frontend_threads
+        configure_frontend_threads()  # AsyncLLM's first step
         resolved = locate_model(ModelConfig(model={model_dir!r}), snapshot_config=True)
         info = model_info_for(resolved)
         print(type(resolved.hf_config).__name__, info.max_model_len,
