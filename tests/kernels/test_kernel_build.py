@@ -143,3 +143,20 @@ def test_prune_keeps_the_newest_builds_of_one_isa(tmp_path):
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == ["cpu-avx2-0003.so", *[f"cpu-avx2-{i:04d}.so" for i in range(4, 11)],
                     "cpu-avx2_x-0000.so"]
+
+
+@needs_compiler
+@pytest.mark.parametrize("isa", ["avx512_bf16", "avx512", "avx2"])
+def test_every_isa_builds(compiled, tmp_path, isa):
+    """Each ISA's library compiles and links on any machine, also one whose CPU cannot run it:
+    an error in an AVX-512 branch must fail here, not turn those machines' kernels into the
+    reference with a warning. (The ``amx`` build uses ``avx512_bf16``'s flags.)"""
+    from bladellm.platforms.cpu import detect_cpu
+
+    if isa == detect_cpu().isa:
+        pytest.skip("this machine's build: the compiled fixture built and loaded it")
+    assert build.ISA_FLAGS["amx"] == build.ISA_FLAGS["avx512_bf16"]
+    compiler, _ = build._compiler_identity(build.COMPILER)
+    target = tmp_path / f"cpu-{isa}.so"
+    build._compile(compiler, isa, None, target)
+    assert target.stat().st_size > 0
