@@ -63,8 +63,10 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
 
         core = EngineCore(config, resolve_model(config.model, snapshot_config=True))
     except BaseException as exc:  # noqa: BLE001 - report any start-up failure to the parent
-        ready_conn.send({"status": "failed",
-                         "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"})
+        error = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, ValueError):  # ValueError: a flag or the checkpoint's config,
+            error += f"\n{traceback.format_exc()}"  # its message says all (no traceback)
+        ready_conn.send({"status": "failed", "error": error})
         return
     ready_conn.send({"status": "ready", "num_blocks": core.num_blocks})
     ready_conn.close()

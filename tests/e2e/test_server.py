@@ -521,10 +521,12 @@ def test_sigterm_shuts_down_cleanly(server):
     assert "Traceback" not in server.log(), server.log()[-3000:]
 
 
-@pytest.mark.parametrize("case", ["port_taken", "bad_model"])
+@pytest.mark.parametrize("case", ["port_taken", "bad_model", "bad_quantization"])
 def test_failed_start_leaves_no_engine_behind(tiny_model_factory, tmp_path, case):
     """The engine core is started before the HTTP stack is imported; a start that fails after
-    that (port taken, model unreadable) must still exit 1 with the reason and stop the core."""
+    that (port taken, model unreadable, a --quantization the checkpoint does not have: the
+    engine core checks it, the API process never imports torch) must still exit 1 with the
+    reason, without a traceback, and stop the core."""
     model = tiny_model_factory("llama")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -532,8 +534,9 @@ def test_failed_start_leaves_no_engine_behind(tiny_model_factory, tmp_path, case
         port = taken.getsockname()[1] if case == "port_taken" else 0
         if case == "bad_model":
             model = str(tmp_path / "no-such-model")
+        quant = ["--quantization", "gptq"] if case == "bad_quantization" else []
         srv = ServerProcess(["--model", model, "--host", "127.0.0.1", "--port", str(port),
-                             "--dtype", "float32", "--num_threads", "1"])
+                             "--dtype", "float32", "--num_threads", "1", *quant])
         children: set[int] = set()
         deadline = time.monotonic() + 120
         while srv.proc.poll() is None and time.monotonic() < deadline:
@@ -542,7 +545,9 @@ def test_failed_start_leaves_no_engine_behind(tiny_model_factory, tmp_path, case
         assert srv.proc.wait(timeout=5) == 1
         # A missing model path is not started early (it may be a hub id to fetch first).
         assert children or case == "bad_model", "the engine core was never started"
-    expected = "cannot listen" if case == "port_taken" else "no-such-model"
+    expected = {"port_taken": "cannot listen", "bad_model": "no-such-model",
+                "bad_quantization": "--quantization gptq: the checkpoint's config.json has no "
+                                    "quantization_config"}[case]
     assert expected in srv.log(), srv.log()
     assert "Traceback" not in srv.log()
     deadline = time.monotonic() + 10
