@@ -66,6 +66,8 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
         error = f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, ValueError):  # ValueError: a flag or the checkpoint's config,
             error += f"\n{traceback.format_exc()}"  # its message says all (no traceback)
+        else:  # still there for --log_level debug, should a library raise one by mistake
+            logger.debug("engine core start-up failed", exc_info=True)
         ready_conn.send({"status": "failed", "error": error})
         return
     ready_conn.send({"status": "ready", "num_blocks": core.num_blocks})
