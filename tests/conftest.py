@@ -33,6 +33,20 @@ def tiny_llama(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
 
 
+@pytest.fixture
+def fresh_cache_dir(tmp_path, monkeypatch):
+    """``fresh_cache_dir(dir_var, switch_var)``: this test's own empty cache directory in
+    ``dir_var`` (not created yet), with the cache's on/off switch ``switch_var`` at its default
+    (on)."""
+    def make(dir_var: str, switch_var: str):
+        root = tmp_path / dir_var.lower()
+        monkeypatch.setenv(dir_var, str(root))
+        monkeypatch.delenv(switch_var, raising=False)
+        return root
+
+    return make
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _caches_in_tmp(tmp_path_factory):
     """Dense copies of GGUF files (model/gguf_cache.py) and remembered configs and tokenizer

@@ -560,11 +560,8 @@ def _resolve(path, **kwargs):
 
 
 @pytest.fixture
-def gguf_cache_dir(tmp_path, monkeypatch):
-    root = tmp_path / "gguf-cache"
-    monkeypatch.setenv("BLADELLM_GGUF_CACHE_DIR", str(root))
-    monkeypatch.delenv("BLADELLM_GGUF_CACHE", raising=False)
-    return root
+def gguf_cache_dir(fresh_cache_dir):
+    return fresh_cache_dir("BLADELLM_GGUF_CACHE_DIR", "BLADELLM_GGUF_CACHE")
 
 
 def test_gguf_cache_second_resolve_reads_no_gguf(tiny_llama, tmp_path, gguf_cache_dir,

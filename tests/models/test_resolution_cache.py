@@ -21,11 +21,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    d = tmp_path / "resolved"
-    monkeypatch.setenv("BLADELLM_RESOLUTION_CACHE_DIR", str(d))
-    monkeypatch.delenv("BLADELLM_RESOLUTION_CACHE", raising=False)
-    return d
+def cache_dir(fresh_cache_dir):
+    return fresh_cache_dir("BLADELLM_RESOLUTION_CACHE_DIR", "BLADELLM_RESOLUTION_CACHE")
 
 
 def _copy(src: str, dst) -> str:
