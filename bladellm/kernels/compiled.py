@@ -143,6 +143,12 @@ class _PackedLinear:
         return self.narrow
 
 
+def _packable(weight: torch.Tensor) -> bool:
+    """Whether ``pack_linear_weight`` makes load-time forms of ``weight`` at all."""
+    return (weight.dtype in _DTYPES and weight.is_cpu and weight.dim() == 2
+            and weight.is_contiguous())
+
+
 def exact_bf16_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` (fp32) in bf16 when that loses nothing (every value is a bf16 value), else
     None."""
@@ -499,8 +505,7 @@ class CompiledKernels(Kernels):
         ``linear_max_rows_panel`` > 0 (AVX2) and the weight is fp32, only the weight or that
         bf16 copy packed in panels, for every M up to that limit (``_PackedLinear``).
         None where none applies."""
-        if (weight.dtype not in _DTYPES or not weight.is_cpu or weight.dim() != 2
-                or not weight.is_contiguous()):
+        if not _packable(weight):
             return None
         narrow = exact_bf16_copy(weight)
         if weight.dtype == torch.float32 and self.linear_max_rows_panel > 0:
@@ -573,8 +578,7 @@ class CompiledKernels(Kernels):
         # Mirrors pack_linear_weight: the fp32 panels (at most: the exact-bf16 ones are half),
         # or oneDNN's copy (its blocked layouts pad both dimensions; 64 covers them) plus, for
         # fp32, the exact bf16 copy.
-        if (weight.dtype not in _DTYPES or not weight.is_cpu or weight.dim() != 2
-                or not weight.is_contiguous()):
+        if not _packable(weight):
             return 0
         n, k = weight.shape
         if weight.dtype == torch.float32 and self.linear_max_rows_panel > 0:

@@ -14,8 +14,8 @@ output is bit-identical to theirs; where it does not apply it returns None and t
   quantized linears, tensor or pipeline parallelism), or kernels that are not the compiled CPU
   set (``--attn_cls torch``, the GPU);
 - per step: more tokens than ``STACK_MAX_ROWS`` or than a linear's row limit (the kernels'
-  choice: above it ``linear`` goes to oneDNN), a dummy run without KV cache, padding tokens,
-  tree attention (look_ahead), or a LoRA step.
+  choice: above it ``linear`` goes to oneDNN or F.linear), a dummy run without KV cache,
+  padding tokens, tree attention (look_ahead), or a LoRA step.
 """
 
 from __future__ import annotations
