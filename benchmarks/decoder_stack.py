@@ -6,12 +6,14 @@ machine (the host's memory bandwidth moves from minute to minute):
 
 - ``--compare stack``: the compiled decoder stack (model/decoder_stack.py) vs the modules
   (what ``--enforce_eager`` runs);
-- ``--compare layout``: fp32 weights packed in panels (``linear_panel``, up to 64 rows, what
-  AVX2 machines run) vs in rows with a oneDNN copy (the GEMV kernel up to 16 rows, oneDNN
-  above), each with its own decoder stack.
+- ``--compare layout``: fp32 weights packed in panels (``linear_panel``) or bf16 weights in
+  pair panels (``linear_pairs``), what AVX2 machines run, vs in rows with a oneDNN copy (the
+  GEMV kernel up to its row limit, oneDNN or F.linear above), each with its own decoder stack.
 
     python benchmarks/decoder_stack.py --shape llama-88m --batch 1 --compare stack
     python benchmarks/decoder_stack.py --shape smollm2-135m --batch 32 --compare layout
+    python benchmarks/decoder_stack.py --shape smollm2-135m --batch 32 --compare layout \
+        --dtype bfloat16
 
 Run it as the server runs the engine: ``OMP_WAIT_POLICY=PASSIVE``.
 """
@@ -64,7 +66,6 @@ def main() -> None:
     from bladellm.sampling_params import SamplingParams
 
     kernels = get_kernels()
-    dtype = getattr(torch, args.dtype)
     core = make_core(args.shape, args.dtype, args.batch)
     model = core.executor.worker.model_runner.model
     stack = model.model.compiled_stack
@@ -72,14 +73,12 @@ def main() -> None:
         raise SystemExit("the compiled decoder stack does not apply here (see the load log)")
     forms: dict[str, tuple] = {}
     if args.compare == "layout":
-        if dtype != torch.float32:
-            raise SystemExit("--compare layout is about fp32 weights")
         from bladellm.kernels.compiled import LINEAR_MAX_ROWS_PANEL
         from bladellm.model.decoder_stack import CompiledDecoderStack
 
         packed = [m for m in model.modules() if hasattr(m, "packed_weight")]
         for name, limit in (("panels", LINEAR_MAX_ROWS_PANEL), ("rows", 0)):
-            kernels.linear_max_rows_panel = limit
+            kernels.linear_max_rows_panel = kernels.linear_max_rows_pairs = limit
             packs = [kernels.pack_linear_weight(m.weight) for m in packed]
             for m, p in zip(packed, packs):
                 m.packed_weight = p
@@ -90,7 +89,7 @@ def main() -> None:
             model.model.compiled_stack = stack if name == "stack" else None
         else:
             limit, packs, form_stack = forms[name]
-            kernels.linear_max_rows_panel = limit
+            kernels.linear_max_rows_panel = kernels.linear_max_rows_pairs = limit
             for m, p in zip(packed, packs):
                 m.packed_weight = p
             model.model.compiled_stack = form_stack

@@ -8,10 +8,14 @@ through the fp32 kernel vs through their exact bf16 copies (88M shape: 48 linear
 ``--mode panel``: fp32 weights in their row layout (the GEMV kernel), packed in panels
 (``pack_panels``) and prepacked for oneDNN, at each M; above the panel kernel's row limit,
 F.linear on the plain weight (what the panel layout runs there) vs oneDNN.
+``--mode pairs``: bf16 weights and activations: the row-layout kernel, the pair panels
+(``pack_pairs``; vdpbf16ps on AVX512-BF16, widened FMAs elsewhere) and oneDNN's prepacked bf16
+GEMM at each M.
 
     python benchmarks/linear_streamed.py --mode crossover --rows 4,8,16,24,32
     python benchmarks/linear_streamed.py --mode exact_bf16 --rows 1,4,8,16
     python benchmarks/linear_streamed.py --mode panel --rows 1,2,4,8,16,32,64 --shape smollm2
+    python benchmarks/linear_streamed.py --mode pairs --rows 1,2,4,8,16,32,64,256 --shape smollm2
 
 On a shared machine the host's memory bandwidth moves from minute to minute: compare the two
 columns of one row (measured in the same seconds), not rows of different runs.
@@ -135,9 +139,50 @@ def panel(kernels, rows: list[int], repeats: int, shape: str, narrow: bool) -> N
               f"oneDNN {o:7.2f} ms  panel {p2:7.2f} ms  (oneDNN / panel {o / p2:.2f})", flush=True)
 
 
+def pairs(kernels, rows: list[int], repeats: int, shape: str) -> None:
+    """bf16: the row-layout kernel (M <= 16), the pair panels and oneDNN's prepacked GEMM (or,
+    where oneDNN has no bf16 reorder (AVX2), F.linear, what runs there otherwise)."""
+    ws = [torch.randn(n, k).to(torch.bfloat16)
+          for n, k in (LLAMA_88M if shape == "llama-88m" else SMOLLM2)]
+    try:
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws]
+        peer = "oneDNN"
+    except RuntimeError:
+        onednn, peer = None, "F.linear"
+    packed = [kernels.pack_pairs(w) for w in ws]
+    for M in rows:
+        xs = {k: torch.randn(M, k).to(torch.bfloat16) for k in {w.shape[1] for w in ws}}
+
+        def rows_kernel():
+            for w in ws:
+                n, k = w.shape
+                out = torch.empty(M, n, dtype=torch.bfloat16)
+                kernels._linear(out.data_ptr(), xs[k].data_ptr(), w.data_ptr(), None, M, n, k,
+                                k, n, 1, torch.get_num_threads())
+
+        def pair_kernel():
+            for w, p in zip(ws, packed):
+                kernels.linear_pairs(xs[w.shape[1]], p, w.shape[0])
+
+        def peer_gemm():
+            if onednn is None:
+                for w in ws:
+                    torch.nn.functional.linear(xs[w.shape[1]], w)
+                return
+            for w, p in zip(ws, onednn):
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+        o, p = timed_pair(peer_gemm, pair_kernel, repeats)
+        line = (f"M={M:3d}  {peer} {o:7.2f} ms  pairs {p:7.2f} ms  ({peer} / pairs {o / p:.2f})")
+        if M <= 16:
+            r, p2 = timed_pair(rows_kernel, pair_kernel, repeats)
+            line += f"   rows {r:7.2f} ms  pairs {p2:7.2f} ms  (rows / pairs {r / p2:.2f})"
+        print(line, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("crossover", "exact_bf16", "panel"), required=True)
+    ap.add_argument("--mode", choices=("crossover", "exact_bf16", "panel", "pairs"), required=True)
     ap.add_argument("--shape", choices=("llama-88m", "smollm2"), default="llama-88m",
                     help="--mode panel: whose linears")
     ap.add_argument("--narrow", action="store_true",
@@ -159,6 +204,11 @@ def main() -> None:
 
         kernels.linear_max_rows_panel = LINEAR_MAX_ROWS_PANEL  # on any ISA
         panel(kernels, rows, args.repeats, args.shape, args.narrow)
+    elif args.mode == "pairs":
+        from bladellm.kernels.compiled import LINEAR_MAX_ROWS_PANEL
+
+        kernels.linear_max_rows_pairs = LINEAR_MAX_ROWS_PANEL  # on any ISA
+        pairs(kernels, rows, args.repeats, args.shape)
     else:  # both are about the row layout and its oneDNN / bf16 copies
         kernels.linear_max_rows_panel = 0
         (crossover if args.mode == "crossover" else exact_bf16)(kernels, rows, args.repeats)

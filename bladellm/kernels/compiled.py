@@ -49,6 +49,10 @@ LINEAR_MAX_ROWS_NARROW_DEFAULT = 8
 # was measured (benchmarks/linear_streamed.py --mode panel).
 LINEAR_PANEL_ISAS = ("avx2",)
 LINEAR_MAX_ROWS_PANEL = 1 << 16
+# Where bf16 weights are packed in pair panels (bl_linear_pack_pairs / bl_linear_pairs: pairs of
+# K in 32-bit lanes, vdpbf16ps with AVX512-BF16, exact widening and FMAs elsewhere) for bf16
+# activations, instead of a oneDNN copy; the same row limit as the fp32 panels.
+LINEAR_PAIRS_ISAS = ("avx2",)
 
 
 class _PagedAttentionArgs(ctypes.Structure):
@@ -91,7 +95,7 @@ class LinearArgs(ctypes.Structure):  # decoder.cpp; one linear layer of a decode
 
 
 # LinearArgs.kind: which kernel a decoder stack's linear runs (decoder.cpp).
-LINEAR_ROWS, LINEAR_ROWS_BF16, LINEAR_PANEL, LINEAR_PANEL_BF16 = 0, 1, 2, 3
+LINEAR_ROWS, LINEAR_ROWS_BF16, LINEAR_PANEL, LINEAR_PANEL_BF16, LINEAR_PAIRS = 0, 1, 2, 3, 4
 
 
 class DecoderLayerArgs(ctypes.Structure):
@@ -121,18 +125,21 @@ class _PackedLinear:
     whose every value is exactly a bf16 one (a bf16 checkpoint served in fp32), its bf16 copy,
     which the small-M kernel streams at half the bytes with a bit-identical result; ``panel``
     (AVX2, fp32 weights; instead of ``narrow``), the weight, or its exact bf16 copy, packed
-    for ``linear_panel``. Any may be None."""
+    for ``linear_panel``; ``pairs`` (bf16 weights, where ``linear_max_rows_pairs`` > 0), the
+    weight packed in pair panels for ``linear_pairs``. Any may be None."""
 
-    __slots__ = ("onednn", "narrow", "panel", "weight")
+    __slots__ = ("onednn", "narrow", "panel", "pairs", "weight")
 
     def __init__(self, onednn: torch.Tensor | None, narrow: torch.Tensor | None,
-                 weight: torch.Tensor, panel: torch.Tensor | None = None) -> None:
+                 weight: torch.Tensor, panel: torch.Tensor | None = None,
+                 pairs: torch.Tensor | None = None) -> None:
         self.onednn, self.narrow, self.weight, self.panel = onednn, narrow, weight, panel
+        self.pairs = pairs
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.onednn, self.narrow, self.panel)
-                   if t is not None)
+        return sum(t.numel() * t.element_size()
+                   for t in (self.onednn, self.narrow, self.panel, self.pairs) if t is not None)
 
     @property
     def bf16_copy(self) -> torch.Tensor | None:
@@ -168,12 +175,13 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
-def _fp32_rows(x: torch.Tensor, K: int, bias: torch.Tensor | None,
-               max_rows: int) -> tuple[int, int] | None:
-    """(M, row stride) of activations x [..., K] that the fp32 small-M kernels can read (rows
-    with a unit last stride, 1 <= M <= max_rows, bias fp32 and contiguous or None), else None."""
-    if (not x.is_cpu or x.stride(-1) != 1 or K == 0
-            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+def _kernel_rows(x: torch.Tensor, K: int, bias: torch.Tensor | None, max_rows: int,
+                 dtype: torch.dtype = torch.float32) -> tuple[int, int] | None:
+    """(M, row stride) of activations x [..., K] of ``dtype`` that the small-M kernels can read
+    (rows with a unit last stride, 1 <= M <= max_rows, bias of ``dtype`` and contiguous or
+    None), else None."""
+    if (x.dtype != dtype or not x.is_cpu or x.stride(-1) != 1 or K == 0
+            or (bias is not None and (bias.dtype != dtype or not bias.is_contiguous()))):
         return None
     if x.dim() == 2:
         M, x_stride = x.shape[0], x.stride(0)
@@ -256,6 +264,12 @@ class CompiledKernels(Kernels):
             c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64,
             c_int32, c_int32])
         self.panel_width: int = lib.bl_linear_panel_width()
+        self._linear_pack_pairs = self._bind(lib.bl_linear_pack_pairs, [
+            c_void_p, c_void_p, c_int64, c_int64, c_int32])
+        self._linear_pairs = self._bind(lib.bl_linear_pairs, [
+            c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64,
+            c_int32])
+        self.pair_panel_width: int = lib.bl_linear_pair_panel_width()
         self._decoder_stack = self._bind(lib.bl_decoder_stack, [POINTER(DecoderStackArgs)])
         self._token_bitmask = self._bind(lib.bl_apply_token_bitmask, [
             c_void_p, c_int64, c_int64, c_int64, c_void_p, c_int64, c_void_p, c_int64])
@@ -272,6 +286,7 @@ class CompiledKernels(Kernels):
         if isa == "avx2":
             self.linear_max_rows_packed[torch.float32] = LINEAR_MAX_ROWS_PACKED_AVX2_FP32
         self.linear_max_rows_panel = LINEAR_MAX_ROWS_PANEL if isa in LINEAR_PANEL_ISAS else 0
+        self.linear_max_rows_pairs = LINEAR_MAX_ROWS_PANEL if isa in LINEAR_PAIRS_ISAS else 0
         self.linear_max_rows_narrow = LINEAR_MAX_ROWS_NARROW.get(isa,
                                                                  LINEAR_MAX_ROWS_NARROW_DEFAULT)
 
@@ -503,10 +518,13 @@ class CompiledKernels(Kernels):
         (bf16, M 4..32; about even from M = 64); and, for an fp32 weight of exact bf16 values,
         the bf16 copy the small-M kernel reads instead of the original; where
         ``linear_max_rows_panel`` > 0 (AVX2) and the weight is fp32, only the weight or that
-        bf16 copy packed in panels, for every M up to that limit (``_PackedLinear``).
-        None where none applies."""
+        bf16 copy packed in panels, for every M up to that limit; where
+        ``linear_max_rows_pairs`` > 0 and the weight is bf16, only its pair panels
+        (``_PackedLinear``). None where none applies."""
         if not _packable(weight):
             return None
+        if weight.dtype == torch.bfloat16 and self.linear_max_rows_pairs > 0:
+            return _PackedLinear(None, None, weight, pairs=self.pack_pairs(weight))
         narrow = exact_bf16_copy(weight)
         if weight.dtype == torch.float32 and self.linear_max_rows_panel > 0:
             # Every step through the panels (of the bf16 copy where exact: half the bytes,
@@ -538,6 +556,8 @@ class CompiledKernels(Kernels):
         if packed is not None and packed.panel is not None and dtype == torch.float32:
             kind = LINEAR_PANEL_BF16 if packed.panel.dtype == torch.bfloat16 else LINEAR_PANEL
             return packed.panel, kind, self.linear_max_rows_panel
+        if packed is not None and packed.pairs is not None and dtype == torch.bfloat16:
+            return packed.pairs, LINEAR_PAIRS, self.linear_max_rows_pairs
         if packed is not None and packed.narrow is not None and dtype == torch.float32:
             return packed.narrow, LINEAR_ROWS_BF16, self.linear_max_rows_narrow
         max_rows = (self.linear_max_rows if packed is None or packed.onednn is None
@@ -553,6 +573,28 @@ class CompiledKernels(Kernels):
         self._linear_pack(panel.data_ptr(), weight.data_ptr(), N, K, _DTYPES[weight.dtype],
                           torch.get_num_threads())
         return panel
+
+    def pack_pairs(self, weight: torch.Tensor) -> torch.Tensor:
+        """bf16 ``weight`` [N, K] in the pair-panel layout of ``linear_pairs``:
+        [ceil(N / pair_panel_width), ceil(K / 2), pair_panel_width, 2] (the pair (k, k + 1) of
+        an output side by side), zero-padded."""
+        assert weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.is_contiguous()
+        N, K = weight.shape
+        width = self.pair_panel_width
+        pairs = torch.empty((-(-N // width), -(-K // 2), width, 2), dtype=torch.bfloat16)
+        self._linear_pack_pairs(pairs.data_ptr(), weight.data_ptr(), N, K,
+                                torch.get_num_threads())
+        return pairs
+
+    def linear_pairs(self, x: torch.Tensor, pairs: torch.Tensor, n: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+        """bf16 ``x`` [M, K] (M up to ``linear_max_rows_pairs``, last stride 1) times the weight
+        packed by ``pack_pairs`` (``n`` output features), plus ``bias`` (bf16, contiguous)."""
+        out = self._linear_pair_panels(x, pairs, n, bias, x.shape[-1])
+        if out is None:
+            raise ValueError(f"linear_pairs takes 1..{self.linear_max_rows_pairs} bf16 rows of "
+                             f"x with a unit last stride, got {tuple(x.shape)} {x.dtype}")
+        return out
 
     def linear_panel(self, x: torch.Tensor, panel: torch.Tensor, n: int,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -583,6 +625,8 @@ class CompiledKernels(Kernels):
         n, k = weight.shape
         if weight.dtype == torch.float32 and self.linear_max_rows_panel > 0:
             return -(-n // self.panel_width) * self.panel_width * k * 4
+        if weight.dtype == torch.bfloat16 and self.linear_max_rows_pairs > 0:
+            return -(-n // self.pair_panel_width) * self.pair_panel_width * -(-k // 2) * 4
         onednn = -(-n // 64) * 64 * -(-k // 64) * 64 * weight.element_size()
         return onednn + (weight.numel() * 2 if weight.dtype == torch.float32 else 0)
 
@@ -596,6 +640,10 @@ class CompiledKernels(Kernels):
             out = self._linear_panels(x, packed.panel, weight.shape[0], bias, K)
             if out is not None:
                 return out  # else more rows than the panel kernel takes: F.linear, below
+        if packed is not None and packed.pairs is not None and dtype == torch.bfloat16:
+            out = self._linear_pair_panels(x, packed.pairs, weight.shape[0], bias, K)
+            if out is not None:
+                return out  # else F.linear, below
         if packed is not None and packed.narrow is not None and dtype == torch.float32:
             out = self._linear_narrow(x, packed.narrow, bias, K)
             if out is not None:
@@ -628,7 +676,7 @@ class CompiledKernels(Kernels):
                        bias: torch.Tensor | None, K: int) -> torch.Tensor | None:
         """fp32 x times a panel-packed weight, or None where the kernel does not take the call
         (more rows than ``linear_max_rows_panel``, a layout it cannot read)."""
-        rows = _fp32_rows(x, K, bias, self.linear_max_rows_panel)
+        rows = _kernel_rows(x, K, bias, self.linear_max_rows_panel)
         if rows is None or panel.shape[1] != K:
             return None
         M, x_stride = rows
@@ -638,11 +686,25 @@ class CompiledKernels(Kernels):
                            _DTYPES[panel.dtype], torch.get_num_threads())
         return out
 
+    def _linear_pair_panels(self, x: torch.Tensor, pairs: torch.Tensor, n: int,
+                            bias: torch.Tensor | None, K: int) -> torch.Tensor | None:
+        """bf16 x times a weight packed in pair panels, or None where the kernel does not take
+        the call (more rows than ``linear_max_rows_pairs``, a layout it cannot read)."""
+        rows = _kernel_rows(x, K, bias, self.linear_max_rows_pairs, torch.bfloat16)
+        if rows is None or pairs.shape[1] != -(-K // 2):
+            return None
+        M, x_stride = rows
+        out = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+        self._linear_pairs(out.data_ptr(), x.data_ptr(), pairs.data_ptr(),
+                           None if bias is None else bias.data_ptr(), M, n, K, x_stride, n,
+                           torch.get_num_threads())
+        return out
+
     def _linear_narrow(self, x: torch.Tensor, narrow: torch.Tensor, bias: torch.Tensor | None,
                        K: int) -> torch.Tensor | None:
         """fp32 x times the exact bf16 copy of its weight, or None where the kernel does not
         take the call (too many rows, a layout it cannot read): the caller goes on as usual."""
-        rows = _fp32_rows(x, K, bias, self.linear_max_rows_narrow)
+        rows = _kernel_rows(x, K, bias, self.linear_max_rows_narrow)
         if rows is None or narrow.shape[1] != K:
             return None
         M, x_stride = rows

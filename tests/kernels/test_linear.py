@@ -59,10 +59,12 @@ PANEL_ROWS = 64
 
 @pytest.fixture(params=["panel", "rows"])
 def layout(request, compiled, monkeypatch) -> str:
-    """fp32 weights packed in panels (what AVX2 machines do) or kept in rows with a oneDNN copy
-    (elsewhere): both are tested on every machine."""
-    monkeypatch.setattr(compiled, "linear_max_rows_panel",
-                        PANEL_ROWS if request.param == "panel" else 0)
+    """fp32 weights packed in panels and bf16 weights in pair panels (what AVX2 machines do) or
+    kept in rows with a oneDNN copy (elsewhere): both are tested on every machine (the pair
+    panels on vdpbf16ps where the CPU has AVX512-BF16, on widened FMAs elsewhere)."""
+    rows = PANEL_ROWS if request.param == "panel" else 0
+    monkeypatch.setattr(compiled, "linear_max_rows_panel", rows)
+    monkeypatch.setattr(compiled, "linear_max_rows_pairs", rows)
     return request.param
 
 
@@ -96,10 +98,15 @@ def test_linear_with_packed_weight(compiled, layout, dtype, shape):
     assert compiled.packed_bytes(packed) <= compiled.packed_bytes_bound(w)
     if layout == "panel" and dtype == torch.float32:
         assert compiled.packed_bytes(packed) == compiled.packed_bytes_bound(w)
-        assert packed.panel is not None and packed.narrow is None
+        assert packed.panel is not None and packed.narrow is None and packed.pairs is None
         assert packed.panel.shape == (-(-N // compiled.panel_width), K, compiled.panel_width)
+    elif layout == "panel":
+        assert compiled.packed_bytes(packed) == compiled.packed_bytes_bound(w)
+        assert packed.pairs is not None and packed.onednn is None and packed.panel is None
+        width = compiled.pair_panel_width
+        assert packed.pairs.shape == (-(-N // width), -(-K // 2), width, 2)
     else:
-        assert packed is None or packed.panel is None
+        assert packed is None or (packed.panel is None and packed.pairs is None)
     rows = rows_around(compiled, dtype) + [7, 13, PANEL_ROWS, PANEL_ROWS + 1, 256]
     for M in sorted(set(rows)):
         x = randn(M, K, dtype=dtype, seed=M)
@@ -127,23 +134,29 @@ def test_panel_layout_takes_every_step_without_a_onednn_copy(compiled, monkeypat
         assert torch.equal(compiled.linear(x[:M], w, b, packed), full[:M])
 
 
-def test_panel_rows_do_not_depend_on_the_batch(compiled, layout):
-    """Each output of the panel kernel is one FMA chain along K whatever the tile it ran in:
-    a row's result is the same bits alone or in a batch of any size (speculative decoding's
-    verification and a plain decode see the same logits)."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_panel_rows_do_not_depend_on_the_batch(compiled, layout, dtype):
+    """Each output of the panel kernels (fp32 panels, bf16 pair panels) is one chain along K
+    whatever the tile it ran in: a row's result is the same bits alone or in a batch of any
+    size (speculative decoding's verification and a plain decode see the same logits)."""
     if layout != "panel":
-        pytest.skip("the panel kernel only")
-    w = randn(200, 96, dtype=torch.float32, seed=1)
-    b = randn(200, dtype=torch.float32, seed=2)
+        pytest.skip("the panel kernels only")
+    w = randn(200, 97, dtype=dtype, seed=1)  # K odd: the pair panels' padded last pair
+    b = randn(200, dtype=dtype, seed=2)
     packed = compiled.pack_linear_weight(w)
-    x = randn(PANEL_ROWS, 96, dtype=torch.float32, seed=3)
+    x = randn(PANEL_ROWS, 97, dtype=dtype, seed=3)
     full = compiled.linear(x, w, b, packed)
-    for M in (1, 2, 3, 4, 5, 7, 12, 13, 31):
+    check_close(full, x, w, b)
+    for M in (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 31):
         assert torch.equal(compiled.linear(x[:M], w, b, packed), full[:M])
     assert torch.equal(compiled.linear(x[5:6], w, b, packed), full[5:6])
-    too_many = randn(PANEL_ROWS + 1, 96, dtype=torch.float32)
-    with pytest.raises(ValueError, match="linear_panel takes"):
-        compiled.linear_panel(too_many, packed.panel, 200, b)
+    too_many = randn(PANEL_ROWS + 1, 97, dtype=dtype)
+    if dtype == torch.float32:
+        with pytest.raises(ValueError, match="linear_panel takes"):
+            compiled.linear_panel(too_many, packed.panel, 200, b)
+    else:
+        with pytest.raises(ValueError, match="linear_pairs takes"):
+            compiled.linear_pairs(too_many, packed.pairs, 200, b)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -289,3 +302,15 @@ def test_other_isa_builds_linear(tmp_path, isa):
             for M in (1, 3, 4, 5):
                 x = randn(M, K, dtype=dtype, seed=M)
                 check_close(kernels.linear(x, w, b), x, w, b)
+    # Both panel layouts at this build's vector width (AVX-512: 64-wide fp32 panels, 32-wide
+    # pair panels on widened FMAs), whether or not this ISA takes them by default.
+    kernels.linear_max_rows_panel = kernels.linear_max_rows_pairs = PANEL_ROWS
+    for N, K in SHAPES:
+        w = randn(N, K, dtype=torch.float32, seed=1)
+        wb = w.to(torch.bfloat16)
+        panel, pairs = kernels.pack_panels(w), kernels.pack_pairs(wb)
+        for M in (1, 4, 7, 13):
+            x = randn(M, K, dtype=torch.float32, seed=M)
+            check_close(kernels.linear_panel(x, panel, N), x, w, None)
+            check_close(kernels.linear_pairs(x.to(torch.bfloat16), pairs, N), x.to(torch.bfloat16),
+                        wb, None)

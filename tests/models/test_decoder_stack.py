@@ -10,8 +10,8 @@ import torch
 from bladellm.attention import get_attn_backend
 from bladellm.config import ModelConfig
 from bladellm.kernels import get_kernels
-from bladellm.kernels.compiled import (LINEAR_MAX_ROWS_PANEL, LINEAR_PANEL_BF16, LINEAR_ROWS_BF16,
-                                       CompiledKernels)
+from bladellm.kernels.compiled import (LINEAR_MAX_ROWS_PANEL, LINEAR_PAIRS, LINEAR_PANEL_BF16,
+                                       LINEAR_ROWS_BF16, CompiledKernels)
 from bladellm.model.decoder_stack import CompiledDecoderStack
 from bladellm.model.loader import load_hf_config, load_model
 from tiny_paged_kv import PagedKV, Seq
@@ -22,10 +22,12 @@ pytestmark = pytest.mark.skipif(not isinstance(get_kernels(), CompiledKernels),
 
 @pytest.fixture(params=["panel", "rows"])
 def layout(request, monkeypatch) -> str:
-    """fp32 linears on panel-packed weights (AVX2 machines) or on rows with a oneDNN copy
-    (elsewhere): the stack must mirror either, on every machine. Set before loading."""
-    monkeypatch.setattr(get_kernels(), "linear_max_rows_panel",
-                        LINEAR_MAX_ROWS_PANEL if request.param == "panel" else 0)
+    """fp32 linears on panel-packed weights and bf16 ones on pair panels (AVX2 machines) or on
+    rows with a oneDNN copy (elsewhere): the stack must mirror either, on every machine. Set
+    before loading."""
+    rows = LINEAR_MAX_ROWS_PANEL if request.param == "panel" else 0
+    monkeypatch.setattr(get_kernels(), "linear_max_rows_panel", rows)
+    monkeypatch.setattr(get_kernels(), "linear_max_rows_pairs", rows)
     return request.param
 
 
@@ -86,11 +88,14 @@ STEPS = [[5, 3], [1, 1], [2, 1], [1, 1], [1, 4], [1, 1], [9, 2]]
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stack_matches_modules(tiny_model_factory, layout, arch, overrides, dtype):
-    if layout == "rows" and dtype == torch.bfloat16:
-        pytest.skip("bf16 weights have no panel layout: the same as the other case")
     model = load(tiny_model_factory(arch, **overrides), dtype)
+    stack = CompiledDecoderStack.build(model.model, get_kernels())
+    if layout == "panel" and dtype == torch.bfloat16:
+        assert stack.layer_args[0].qkv.kind == LINEAR_PAIRS
     taken = run_both(model, STEPS, dtype)
     assert taken >= 3  # the steps within the GEMV row limit went through the stack
+    if layout == "panel":
+        assert taken == len(STEPS)
 
 
 def test_stack_matches_modules_with_bf16_exact_fp32_weights(tiny_model_factory, layout):
@@ -106,14 +111,16 @@ def test_stack_matches_modules_with_bf16_exact_fp32_weights(tiny_model_factory, 
     assert run_both(model, STEPS, torch.float32) >= 3
 
 
-def test_busy_server_steps_run_in_the_stack(tiny_model_factory):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_busy_server_steps_run_in_the_stack(tiny_model_factory, layout, dtype):
     """Steps of a busy server (dozens of decodes beside a prefill chunk: over 64 rows) run as
-    one call on panel-packed weights, bit-identical to the modules."""
-    if get_kernels().linear_max_rows_panel == 0:
-        pytest.skip("no panel layout on this machine's kernels")
-    model = load(tiny_model_factory("llama"), torch.float32)
+    one call on panel-packed weights (fp32) or pair panels (bf16), bit-identical to the
+    modules."""
+    if layout != "panel":
+        pytest.skip("the panel layouts only")
+    model = load(tiny_model_factory("llama"), dtype)
     steps = [[40] + [3] * 30, [97] + [1] * 30, [1] * 31, [130] + [1] * 30]
-    assert run_both(model, steps, torch.float32, num_blocks=256) == len(steps)
+    assert run_both(model, steps, dtype, num_blocks=256) == len(steps)
 
 
 def test_steps_over_the_row_limit_run_the_modules(tiny_model_factory, layout):

@@ -18,6 +18,7 @@ enum LinearKind : int32_t {
   kRowsBf16 = 1,   // bl_linear_wbf16: fp32 activations, the weight's exact bf16 copy
   kPanel = 2,      // bl_linear_panel: fp32, the weight packed in panels
   kPanelBf16 = 3,  // bl_linear_panel: fp32 activations, the exact bf16 copy packed in panels
+  kPairs = 4,      // bl_linear_pairs: bf16, the weight packed in pair panels
 };
 
 struct LinearArgs {    // out[M, n] = x[M, k] @ weight^T + bias
@@ -69,6 +70,10 @@ int linear(const DecoderStackArgs& s, const LinearArgs& l, void* out, const void
     return bl_linear_panel(static_cast<float*>(out), static_cast<const float*>(x), l.weight,
                            static_cast<const float*>(l.bias), s.tokens, l.n, l.k, l.k, l.n,
                            l.kind == kPanel ? kFloat32 : kBFloat16, s.num_threads);
+  if (l.kind == kPairs)
+    return bl_linear_pairs(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(x),
+                           l.weight, static_cast<const uint16_t*>(l.bias), s.tokens, l.n, l.k,
+                           l.k, l.n, s.num_threads);
   if (l.kind == kRowsBf16)
     return bl_linear_wbf16(static_cast<float*>(out), static_cast<const float*>(x),
                            static_cast<const uint16_t*>(l.weight),

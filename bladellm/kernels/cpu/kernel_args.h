@@ -71,4 +71,7 @@ int bl_linear_wbf16(float* out, const float* x, const uint16_t* w, const float* 
 int bl_linear_panel(float* out, const float* x, const void* wp, const float* bias, int64_t M,
                     int64_t N, int64_t K, int64_t x_stride, int64_t out_stride, int32_t wdtype,
                     int32_t num_threads);
+int bl_linear_pairs(uint16_t* out, const uint16_t* x, const void* wp, const uint16_t* bias,
+                    int64_t M, int64_t N, int64_t K, int64_t x_stride, int64_t out_stride,
+                    int32_t num_threads);
 }

@@ -18,6 +18,8 @@
 // oneDNN's/MKL's like any two GEMMs do.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "vec.h"
 
@@ -303,6 +305,166 @@ static void pack_panels(TW* dst, const TW* w, int64_t N, int64_t K, int num_thre
   }
 }
 
+// ---- Pair panels (bf16 activations and weights) ----
+// The weight repacked once at load as [ceil(N / P)][ceil(K / 2)][P] 32-bit lanes, each lane the
+// pair (w[n, 2p], w[n, 2p + 1]) (P = kPairPanel outputs; the last panel and an odd K's last
+// pair zero-padded). That is the operand layout of AVX512-BF16's vdpbf16ps, which multiplies a
+// lane's two bf16 pairs exactly and adds both into the fp32 lane: with x's pair broadcast, one
+// instruction does 2 * VLEN multiply-adds for VLEN outputs, no widening, no horizontal sums.
+// Without it the same layout runs on FMAs: a loaded vector widens exactly into its even and odd
+// halves (a shift and a mask), and x is widened to fp32 once per call. Every output is one chain
+// along K in pair order whatever M and the tile (bit-identical across batch sizes), accumulated
+// in fp32, rounded to bf16 once with the bias added, as F.linear does in bf16.
+// A pair panel is 2 vectors wide: one 64-byte line per pair on AVX2 (16 outputs), two on
+// AVX-512 (32), so a tile streams every line it loads; tiles of up to kPairMT rows fit the
+// registers (AVX2: 4 rows x 2 accumulators + 4 widened weights + 2 broadcasts = 14 of 16).
+constexpr int kPairVecs = 2;
+constexpr int kPairPanel = kPairVecs * VLEN;
+#if defined(__AVX512BF16__)
+constexpr int kPairMT = 8;
+#elif VLEN >= 16
+constexpr int kPairMT = 6;
+#else
+constexpr int kPairMT = 4;
+#endif
+
+// What a pair tile reads of x: the bf16 rows themselves (vdpbf16ps broadcasts a raw pair), or
+// the rows widened to fp32 (the FMA path broadcasts one value at a time).
+struct PairX {
+  const bf16_t* bf;  // rows `stride` apart
+  int64_t stride;
+  const float* f32;  // FMA path: [M, K] fp32, rows K apart
+};
+
+// One pair p of K for MM rows: acc[m] += x[m, 2p] * w_even + x[m, 2p + 1] * w_odd. Tail: K is
+// odd and this is its last pair (x has no element 2p + 1; the weight's odd lanes are 0).
+template <int MM, bool Tail>
+static inline void pair_step(vfloat (*acc)[kPairVecs], const PairX& x, int64_t m0,
+                             const uint32_t* wr, int64_t K, int64_t p) {
+#if defined(__AVX512BF16__)
+  __m512bh w[kPairVecs];
+  for (int h = 0; h < kPairVecs; ++h)
+    w[h] = (__m512bh)_mm512_loadu_si512(static_cast<const void*>(wr + h * VLEN));
+  for (int m = 0; m < MM; ++m) {
+    const bf16_t* xr = x.bf + (m0 + m) * x.stride + 2 * p;
+    uint32_t pair;
+    if constexpr (Tail)
+      pair = xr[0];
+    else
+      std::memcpy(&pair, xr, sizeof pair);  // x[2p] in the low half, as the weight's lanes
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(int(pair));
+    for (int h = 0; h < kPairVecs; ++h)
+      // Vector casts, not bit_cast: its memcpy kept the accumulators on the stack (GCC 12).
+      acc[m][h] = (vfloat)_mm512_dpbf16_ps((__m512)acc[m][h], xb, w[h]);
+  }
+#else
+  vfloat we[kPairVecs], wo[kPairVecs];
+  for (int h = 0; h < kPairVecs; ++h) {
+    vuint u;
+    std::memcpy(&u, wr + h * VLEN, sizeof u);
+    we[h] = bit_cast<vfloat>(u << 16);
+    wo[h] = bit_cast<vfloat>(u & 0xffff0000u);
+  }
+  for (int m = 0; m < MM; ++m) {
+    const float* xr = x.f32 + (m0 + m) * K + 2 * p;
+    const vfloat xe = splat(xr[0]);
+    for (int h = 0; h < kPairVecs; ++h) acc[m][h] += xe * we[h];
+    if constexpr (!Tail) {
+      const vfloat xo = splat(xr[1]);
+      for (int h = 0; h < kPairVecs; ++h) acc[m][h] += xo * wo[h];
+    }
+  }
+#endif
+}
+
+template <int MM>
+static inline void pair_tile(bf16_t* out, int64_t os, const PairX& x, int64_t m0,
+                             const uint32_t* wp, const bf16_t* bias, int64_t K, int64_t valid) {
+  vfloat acc[MM][kPairVecs];
+  for (int m = 0; m < MM; ++m)
+    for (int h = 0; h < kPairVecs; ++h) acc[m][h] = vfloat{};
+  const int64_t full = K / 2;
+  for (int64_t p = 0; p < full; ++p) pair_step<MM, false>(acc, x, m0, wp + p * kPairPanel, K, p);
+  if (K & 1) pair_step<MM, true>(acc, x, m0, wp + full * kPairPanel, K, full);
+  for (int m = 0; m < MM; ++m) {
+    bf16_t* o = out + (m0 + m) * os;
+    if (valid == kPairPanel) {
+      for (int h = 0; h < kPairVecs; ++h)
+        storeu(o + h * VLEN, bias ? acc[m][h] + loadu(bias + h * VLEN) : acc[m][h]);
+    } else {  // the last, zero-padded panel
+      float tmp[kPairPanel];
+      for (int h = 0; h < kPairVecs; ++h) storeu(tmp + h * VLEN, acc[m][h]);
+      for (int64_t j = 0; j < valid; ++j) store1(o + j, bias ? tmp[j] + to_float(bias[j]) : tmp[j]);
+    }
+  }
+}
+
+template <int MM>
+static inline void pair_tile_n(int mm, bf16_t* out, int64_t os, const PairX& x, int64_t m0,
+                               const uint32_t* wp, const bf16_t* bias, int64_t K,
+                               int64_t valid) {
+  if constexpr (MM > 1) {
+    if (mm < MM) return pair_tile_n<MM - 1>(mm, out, os, x, m0, wp, bias, K, valid);
+  }
+  pair_tile<MM>(out, os, x, m0, wp, bias, K, valid);
+}
+
+static void linear_pairs(bf16_t* out, int64_t out_stride, const bf16_t* x, int64_t xs,
+                         const uint32_t* wp, const bf16_t* bias, int64_t M, int64_t N, int64_t K,
+                         int num_threads) {
+  PairX px{x, xs, nullptr};
+#if !defined(__AVX512BF16__)
+  // x widened once (exactly) for all panels; the calling thread's buffer, kept between calls.
+  static thread_local std::vector<float> widened;
+  if (widened.size() < size_t(M * K)) widened.resize(size_t(M * K));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) widened[m * K + k] = to_float(x[m * xs + k]);
+  px.f32 = widened.data();
+#endif
+  const int64_t panels = (N + kPairPanel - 1) / kPairPanel;
+  const int64_t pairs = (K + 1) / 2;
+  const bool par = num_threads > 1 && panels >= 2 * num_threads;
+  const int64_t chunk = std::max<int64_t>(1, panels / (8 * int64_t(num_threads)));  // as above
+  // M spread evenly over the fewest tiles of up to kPairMT rows.
+  const int64_t tiles = (M + kPairMT - 1) / kPairMT, base = M / tiles, extra = M % tiles;
+#pragma omp parallel for num_threads(num_threads) if (par) schedule(dynamic, chunk)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t n0 = p * kPairPanel;
+    const int64_t valid = std::min<int64_t>(kPairPanel, N - n0);
+    int64_t m0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int mm = int(base + (t < extra ? 1 : 0));
+      pair_tile_n<kPairMT>(mm, out + n0, out_stride, px, m0, wp + p * pairs * kPairPanel,
+                           bias ? bias + n0 : nullptr, K, valid);
+      m0 += mm;
+    }
+  }
+}
+
+static void pack_pairs(uint32_t* dst, const bf16_t* w, int64_t N, int64_t K, int num_threads) {
+  const int64_t panels = (N + kPairPanel - 1) / kPairPanel;
+  const int64_t pairs = (K + 1) / 2;
+  constexpr int64_t kPackPairs = 128;  // blocks along K, as pack_panels
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && panels > 1)
+  for (int64_t p = 0; p < panels; ++p) {
+    uint32_t* panel = dst + p * pairs * kPairPanel;
+    for (int64_t q0 = 0; q0 < pairs; q0 += kPackPairs) {
+      const int64_t q1 = std::min(pairs, q0 + kPackPairs);
+      for (int j = 0; j < kPairPanel; ++j) {
+        const int64_t n = p * kPairPanel + j;
+        for (int64_t q = q0; q < q1; ++q) {
+          uint32_t v = 0;
+          if (n < N) {
+            v = w[n * K + 2 * q];
+            if (2 * q + 1 < K) v |= uint32_t(w[n * K + 2 * q + 1]) << 16;
+          }
+          panel[q * kPairPanel + j] = v;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -361,6 +523,26 @@ int bl_linear_wbf16(float* out, const float* x, const bf16_t* w, const float* bi
                     int64_t N, int64_t K, int64_t x_stride, int64_t out_stride,
                     int32_t num_threads) {
   linear(out, out_stride, x, x_stride, w, bias, M, N, K, num_threads);
+  return 0;
+}
+
+// Outputs per panel of the pair layout (bl_linear_pack_pairs).
+int bl_linear_pair_panel_width() { return kPairPanel; }
+
+// w: [N, K] bf16, contiguous; dst: ceil(N / width) * ceil(K / 2) * width 32-bit lanes (twice
+// as many bf16). Returns 0.
+int bl_linear_pack_pairs(void* dst, const bf16_t* w, int64_t N, int64_t K, int32_t num_threads) {
+  pack_pairs(static_cast<uint32_t*>(dst), w, N, K, num_threads);
+  return 0;
+}
+
+// bf16 x [M, K] (rows x_stride apart), bias [N] bf16 or null, out [M, N] bf16 (rows out_stride
+// apart); wp: the weight packed by bl_linear_pack_pairs. Returns 0.
+int bl_linear_pairs(bf16_t* out, const bf16_t* x, const void* wp, const bf16_t* bias, int64_t M,
+                    int64_t N, int64_t K, int64_t x_stride, int64_t out_stride,
+                    int32_t num_threads) {
+  linear_pairs(out, out_stride, x, x_stride, static_cast<const uint32_t*>(wp), bias, M, N, K,
+               num_threads);
   return 0;
 }
 
