@@ -16,3 +16,32 @@ class RequestFailedError(RuntimeError):
 class ServerShuttingDownError(RuntimeError):
     """The server is stopping and the request did not finish within --shutdown_timeout
     (HTTP 503: the client may retry on another replica)."""
+
+
+class ContextLengthError(ValueError):
+    """The prompt, or the prompt plus ``max_tokens``, does not fit in the model's context (a 400).
+
+    Carries the numbers so the front end can name the field the client sent (``prompt`` or
+    ``messages``; ``max_tokens`` or ``max_completion_tokens``)."""
+
+    def __init__(self, message: str, *, num_prompt_tokens: int, max_tokens: int | None,
+                 max_model_len: int) -> None:
+        super().__init__(message)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+
+    def __reduce__(self):  # picklable (Ray, process boundaries) despite keyword-only fields
+        return _context_length_error, (str(self), self.num_prompt_tokens, self.max_tokens,
+                                       self.max_model_len)
+
+    @property
+    def prompt_overflows(self) -> bool:
+        """True when the prompt alone leaves no room for a single output token."""
+        return self.num_prompt_tokens >= self.max_model_len
+
+
+def _context_length_error(message: str, num_prompt_tokens: int, max_tokens: int | None,
+                          max_model_len: int) -> ContextLengthError:
+    return ContextLengthError(message, num_prompt_tokens=num_prompt_tokens,
+                              max_tokens=max_tokens, max_model_len=max_model_len)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bladellm.engine.errors import ContextLengthError
 from bladellm.engine.messages import EngineCoreRequest
 from bladellm.engine.model_info import ModelInfo
 from bladellm.lora.request import LoRARequest
@@ -84,14 +85,10 @@ class InputProcessor:
                              f"[0, {info.vocab_size})")
         num_output = params.max_tokens or 1
         if num_prompt + num_output > info.max_model_len:
-            if params.max_tokens is None:
-                raise ValueError(
-                    f"prompt is {num_prompt} tokens, which leaves no room for output in the "
-                    f"model's maximum context length of {info.max_model_len} tokens")
-            raise ValueError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{num_prompt + num_output} tokens exceeds the model's maximum context length "
-                f"of {info.max_model_len} tokens; shorten the prompt or lower max_tokens")
+            raise ContextLengthError(
+                context_length_message(num_prompt, params.max_tokens, info.max_model_len),
+                num_prompt_tokens=num_prompt, max_tokens=params.max_tokens,
+                max_model_len=info.max_model_len)
         for t in params.stop_token_ids or ():
             if t >= info.vocab_size:
                 raise ValueError(f"stop_token_ids: token id {t} is out of the vocabulary "
@@ -133,6 +130,18 @@ class InputProcessor:
         except Exception as e:  # jinja2 TemplateError, raise_exception() inside templates
             raise ValueError(f"messages: chat template failed: {e}") from e
         return text
+
+
+def context_length_message(num_prompt: int, max_tokens: int | None, max_model_len: int,
+                           prompt: str = "prompt", max_tokens_name: str = "max_tokens") -> str:
+    """Why a prompt (+ ``max_tokens``) does not fit; ``prompt`` / ``max_tokens_name``: the
+    request fields to name (the chat API says ``messages``, maybe ``max_completion_tokens``)."""
+    if max_tokens is None:
+        return (f"{prompt} is {num_prompt} tokens, which leaves no room for output in the "
+                f"model's maximum context length of {max_model_len} tokens")
+    return (f"{prompt} ({num_prompt} tokens) + {max_tokens_name} ({max_tokens}) = "
+            f"{num_prompt + max_tokens} tokens exceeds the model's maximum context length of "
+            f"{max_model_len} tokens; shorten the {prompt} or lower {max_tokens_name}")
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -7,7 +7,7 @@ from typing import Any
 
 from bladellm.entrypoints.openai.errors import bad_request
 from bladellm.entrypoints.openai.protocol import CompletionLogprobs
-from bladellm.entrypoints.openai.serving_common import ServingContext
+from bladellm.entrypoints.openai.serving_common import ServingContext, legacy_top_logprobs
 from bladellm.outputs import TokenLogprob
 
 MAX_PROMPT_LOGPROBS = 20
@@ -55,7 +55,7 @@ def echo_logprobs(ids: list[int], entries: list[list[TokenLogprob]],
         token, top = entry[0], entry[1:1 + num_top]
         result.tokens.append(token.decoded)
         result.token_logprobs.append(_lp(token.logprob))
-        result.top_logprobs.append({t.decoded: _lp(t.logprob) for t in top} or None)
+        result.top_logprobs.append(legacy_top_logprobs(token, top))
         result.text_offset.append(offset)
         offset += len(token.decoded)
     return result

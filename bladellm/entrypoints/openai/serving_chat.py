@@ -22,7 +22,8 @@ from bladellm.entrypoints.openai.tool_calls import (
     parse_tool_choice)
 from bladellm.entrypoints.openai.serving_common import (
     SSE_DONE, SSE_HEADERS, ServingContext, UsageCounter, build_sampling_params, chat_logprobs,
-    check_output, merge_streams, reject_unsupported, sse, stream_usage_flags, until_disconnect)
+    check_output, merge_streams, naming_context_errors, reject_unsupported, sse,
+    stream_usage_flags, until_disconnect)
 from bladellm.outputs import RequestOutput
 
 _MAX_TOP_LOGPROBS = 20
@@ -46,6 +47,12 @@ def _check(req: ChatCompletionRequest) -> None:
                  "web_search_options"):
         if getattr(req, name) is not None:
             raise unsupported(name)
+    for i, msg in enumerate(req.messages):
+        if msg.role == "function":  # goes with functions / function_call, refused above
+            raise bad_request(f"messages[{i}].role: the deprecated 'function' role (legacy "
+                              f"function calling) is not supported by this server; send tool "
+                              f"results as role 'tool' with a tool_call_id",
+                              f"messages[{i}].role", code="unsupported_parameter")
     if req.modalities not in (None, ["text"]):
         raise unsupported("modalities", "output modalities other than text")
     if not req.messages:
@@ -85,10 +92,14 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         content = msg.content
         if isinstance(content, list):
             texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
+            for j, part in enumerate(content):
+                if part.type != "text":
                     raise unsupported(f"messages[{i}].content",
                                       f"content part of type '{part.type}'")
+                if part.text is None:
+                    raise bad_request(f"messages[{i}].content[{j}]: a part of type 'text' "
+                                      f"must have a 'text' string", f"messages[{i}].content[{j}]",
+                                      code="missing_required_parameter")
                 texts.append(part.text)
             content = "\n".join(texts)
         # OpenAI's "developer" role is the system prompt of newer models; templates know "system".
@@ -129,20 +140,25 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
     tools = parse_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
     template_options(req, ctx.trust_request_chat_template)  # 400s before any CPU work
     prompt = await ctx.offload.run(_prompt_ids, req, ctx, tools)  # bad messages -> 400
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-        else req.max_tokens
+    # OpenAI's newer name wins; errors name the field the client sent.
+    max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None \
+        else "max_tokens"
+    max_tokens = getattr(req, max_tokens_param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, ctx, max_tokens=max_tokens, logprobs=logprobs,
-                                   forced_constraint=forced_constraint(tools))
+                                   forced_constraint=forced_constraint(tools),
+                                   max_tokens_param=max_tokens_param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     merged = merge_streams([ctx.generate(prompt, params, request_id, lora)])
     model = lora.lora_name if lora is not None else ctx.model_name
     choices = [_Choice() for _ in range(req.n)]
     if req.stream:
-        first = await until_disconnect(anext(merged), raw)
+        first = await naming_context_errors(until_disconnect(anext(merged), raw), "messages",
+                                            max_tokens_param)
         body = _stream(req, request_id, model, first, merged, choices, tools)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
-    usage = await until_disconnect(_collect(req, merged, choices), raw)
+    usage = await naming_context_errors(until_disconnect(_collect(req, merged, choices), raw),
+                                        "messages", max_tokens_param)
     response = ChatCompletionResponse(
         id=request_id, model=model, usage=usage,
         choices=[_final_choice(k, c, tools) for k, c in enumerate(choices)])

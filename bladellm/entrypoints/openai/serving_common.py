@@ -11,7 +11,8 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 from fastapi import Request
 
 from bladellm.engine.cpu_offload import CpuOffload
-from bladellm.engine.errors import RequestFailedError
+from bladellm.engine.errors import ContextLengthError, RequestFailedError
+from bladellm.engine.input_processor import context_length_message
 from bladellm.engine.prompt_limits import prompt_char_limit
 from bladellm.entrypoints.openai.errors import APIError, bad_request, unsupported
 from bladellm.entrypoints.openai.structured_output import guided_decoding_from_request
@@ -117,9 +118,10 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
 def build_sampling_params(req: SamplingRequest, ctx: ServingContext, *, max_tokens: int | None,
                           logprobs: int | None,
                           forced_constraint: tuple[str, dict[str, Any]] | None = None,
-                          ) -> SamplingParams:
+                          max_tokens_param: str = "max_tokens") -> SamplingParams:
     """SamplingParams from a request; unset fields take the model's generation_config values.
-    ``forced_constraint``: (field, constraint) the server adds (a forced tool call)."""
+    ``forced_constraint``: (field, constraint) the server adds (a forced tool call).
+    ``max_tokens_param``: the request field ``max_tokens`` came from, for error messages."""
     values: dict[str, Any] = {}
     values["guided_decoding"] = guided_decoding_from_request(req, forced_constraint)
     for name in _DEFAULTABLE:
@@ -127,9 +129,12 @@ def build_sampling_params(req: SamplingRequest, ctx: ServingContext, *, max_toke
         if value is None:
             value = ctx.sampling_defaults.get(name, _FALLBACKS[name])
         values[name] = value
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"{max_tokens_param}: must be >= 1, got {max_tokens}",
+                          max_tokens_param)
     if max_tokens is not None and max_tokens > ctx.max_model_len:
-        raise bad_request(f"max_tokens: {max_tokens} exceeds the model's context length "
-                          f"({ctx.max_model_len} tokens)", "max_tokens")
+        raise bad_request(f"{max_tokens_param}: {max_tokens} exceeds the model's context length "
+                          f"({ctx.max_model_len} tokens)", max_tokens_param)
     logit_bias = None
     if req.logit_bias:
         try:
@@ -232,6 +237,28 @@ async def until_disconnect(awaitable: Awaitable[T], request: Request) -> T:
     raise ClientDisconnected()
 
 
+def context_length_error(exc: ContextLengthError, prompt_param: str,
+                         max_tokens_param: str = "max_tokens") -> APIError:
+    """The engine's "does not fit in the context" as a 400 naming the request's own fields:
+    ``param`` is the prompt's field when the prompt alone leaves no room for output, else the
+    max-tokens field that made it overflow; ``code`` is OpenAI's ``context_length_exceeded``."""
+    message = context_length_message(exc.num_prompt_tokens, exc.max_tokens, exc.max_model_len,
+                                     prompt_param, max_tokens_param)
+    culprit = prompt_param if exc.max_tokens is None or exc.prompt_overflows \
+        else max_tokens_param
+    return bad_request(message, culprit, code="context_length_exceeded")
+
+
+async def naming_context_errors(awaitable: Awaitable[T], prompt_param: str,
+                                max_tokens_param: str = "max_tokens") -> T:
+    """Await ``awaitable``; a ``ContextLengthError`` from the engine becomes
+    ``context_length_error``'s 400."""
+    try:
+        return await awaitable
+    except ContextLengthError as exc:
+        raise context_length_error(exc, prompt_param, max_tokens_param) from None
+
+
 def check_output(out: RequestOutput) -> None:
     """Raise for a request the engine failed."""
     if out.error is not None:
@@ -270,6 +297,16 @@ def _lp(value: float) -> float:
     return max(value, _MIN_LOGPROB) if not math.isnan(value) else _MIN_LOGPROB
 
 
+def legacy_top_logprobs(token: TokenLogprob, top: list[TokenLogprob]) -> dict[str, float]:
+    """A legacy-completions ``top_logprobs`` entry: the ``top`` alternatives plus the chosen
+    ``token`` itself when it is not among them (so up to ``logprobs + 1`` entries, and
+    ``{token: logprob}`` for ``logprobs: 0``), as OpenAI and vLLM do."""
+    result = {t.decoded: _lp(t.logprob) for t in top}
+    if token.decoded not in result:
+        result[token.decoded] = _lp(token.logprob)
+    return result
+
+
 def completion_logprobs(entries: list[list[TokenLogprob]], text_offset: int,
                         into: CompletionLogprobs | None = None) -> CompletionLogprobs:
     """OpenAI legacy-completions logprobs; ``text_offset`` is where the first token starts."""
@@ -279,7 +316,7 @@ def completion_logprobs(entries: list[list[TokenLogprob]], text_offset: int,
         sampled, top = token[0], token[1:]
         into.tokens.append(sampled.decoded)
         into.token_logprobs.append(_lp(sampled.logprob))
-        into.top_logprobs.append({t.decoded: _lp(t.logprob) for t in top} or None)
+        into.top_logprobs.append(legacy_top_logprobs(sampled, top))
         into.text_offset.append(offset)
         offset += len(sampled.decoded)
     return into

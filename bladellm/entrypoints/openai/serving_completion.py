@@ -11,14 +11,16 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from bladellm.engine.errors import ContextLengthError
 from bladellm.entrypoints.openai import prompt_logprobs as prompt_lp
 from bladellm.entrypoints.openai.errors import bad_request, from_exception, unsupported
 from bladellm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse)
 from bladellm.entrypoints.openai.serving_common import (
     SSE_DONE, SSE_HEADERS, ServingContext, UsageCounter, build_sampling_params, check_output,
-    check_token_ids, completion_logprobs, merge_streams, reject_unsupported, sse,
-    stream_usage_flags, until_disconnect)
+    check_token_ids, completion_logprobs, context_length_error, merge_streams,
+    naming_context_errors,
+    reject_unsupported, sse, stream_usage_flags, until_disconnect)
 from bladellm.outputs import RequestOutput
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for legacy completions
@@ -87,10 +89,11 @@ async def create_completion(req: CompletionRequest, raw: Request,
         await _add_prompt_logprobs(req, prompts, ctx, choices)
     model = lora.lora_name if lora is not None else ctx.model_name
     if req.stream:
-        first = await until_disconnect(anext(merged), raw)
+        first = await naming_context_errors(until_disconnect(anext(merged), raw), "prompt")
         body = _stream(req, request_id, model, first, merged, choices)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
-    usage = await until_disconnect(_collect(req, merged, choices), raw)
+    usage = await naming_context_errors(until_disconnect(_collect(req, merged, choices), raw),
+                                        "prompt")
     response = CompletionResponse(
         id=request_id, model=model, usage=usage,
         choices=[CompletionChoice(index=k, text=c.echo + "".join(c.texts), logprobs=c.logprobs,
@@ -212,4 +215,6 @@ async def _stream(req: CompletionRequest, request_id: str, model: str, first, me
 
 
 def _error_json(exc: Exception) -> str:
+    if isinstance(exc, ContextLengthError):  # a later prompt of a batch did not fit
+        return json.dumps(context_length_error(exc, "prompt").body())
     return json.dumps(from_exception(exc).body())

@@ -51,6 +51,8 @@ class EmbeddingResponse(BaseModel):
 def _inputs(req: EmbeddingRequest) -> list[str | list[int]]:
     value = req.input
     if isinstance(value, str):
+        if not value:  # the engine would say "prompt", a field this API does not have
+            raise bad_request("input: must not be empty", "input")
         return [value]
     if not value:
         raise bad_request("input: must not be empty", "input")
@@ -58,6 +60,9 @@ def _inputs(req: EmbeddingRequest) -> list[str | list[int]]:
         return [list(value)]  # type: ignore[arg-type]
     if len(value) > MAX_INPUTS:
         raise bad_request(f"input: at most {MAX_INPUTS} inputs per request", "input")
+    for i, one in enumerate(value):
+        if not one:
+            raise bad_request(f"input[{i}]: must not be empty", "input")
     return list(value)  # type: ignore[arg-type]
 
 
@@ -71,8 +76,13 @@ async def create_embedding(req: EmbeddingRequest, raw: Request,
                            ctx: ServingContext) -> Response:
     ctx.check_model(req.model)
     inputs = _inputs(req)
-    outs = await until_disconnect(
-        ctx.engine.embed(inputs, req.dimensions, req.truncate_prompt_tokens), raw)
+    try:
+        outs = await until_disconnect(
+            ctx.engine.embed(inputs, req.dimensions, req.truncate_prompt_tokens), raw)
+    except ValueError as exc:
+        if str(exc).startswith("input["):  # the engine's per-input checks (too long, bad id)
+            raise bad_request(str(exc), "input") from None
+        raise
     tokens = sum(len(o.prompt_token_ids) for o in outs)
     response = EmbeddingResponse(
         model=ctx.model_name, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),

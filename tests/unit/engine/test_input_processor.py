@@ -1,9 +1,11 @@
 import dataclasses
 import json
+import pickle
 import shutil
 
 import pytest
 
+from bladellm.engine.errors import ContextLengthError
 from bladellm.engine.input_processor import InputProcessor
 from bladellm.engine.model_info import load_model_info
 from bladellm.sampling_params import SamplingParams
@@ -92,11 +94,19 @@ def test_out_of_vocab_prompt_token_is_rejected(proc):
 
 def test_prompt_plus_max_tokens_over_context_is_rejected(proc):
     proc.process("r", [1] * 500, SamplingParams(max_tokens=12), 0.0)  # exactly 512: fine
-    with pytest.raises(ValueError, match=r"500 tokens.*max_tokens \(13\).*513.*512"):
+    with pytest.raises(ContextLengthError,
+                       match=r"500 tokens.*max_tokens \(13\).*513.*512") as e:
         proc.process("r", [1] * 500, SamplingParams(max_tokens=13), 0.0)
+    # The front end names the field from these (max_tokens here: the prompt alone fits).
+    assert (e.value.num_prompt_tokens, e.value.max_tokens, e.value.max_model_len) == \
+        (500, 13, 512)
+    assert isinstance(e.value, ValueError) and not e.value.prompt_overflows
     proc.process("r", [1] * 511, SamplingParams(max_tokens=None), 0.0)
-    with pytest.raises(ValueError, match=r"512 tokens.*512"):
+    with pytest.raises(ContextLengthError, match=r"512 tokens.*512") as e:
         proc.process("r", [1] * 512, SamplingParams(max_tokens=None), 0.0)
+    assert e.value.prompt_overflows
+    again = pickle.loads(pickle.dumps(e.value))  # crosses process boundaries intact
+    assert (str(again), again.num_prompt_tokens, again.max_tokens) == (str(e.value), 512, None)
 
 
 def test_out_of_vocab_stop_token_ids_and_logit_bias_name_the_field(proc):

@@ -10,7 +10,9 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from bladellm.engine.errors import EngineDeadError, ServerShuttingDownError
+from bladellm.engine.embedding import EmbeddingOutput, check_prompt
+from bladellm.engine.errors import ContextLengthError, EngineDeadError, ServerShuttingDownError
+from bladellm.engine.input_processor import context_length_message
 from bladellm.engine.messages import SchedulerStats
 from bladellm.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from bladellm.sampling_params import SamplingParams
@@ -98,6 +100,21 @@ class FakeAsyncLLM:
     def shutdown(self) -> None:
         self.dead_reason = "shut down"
 
+    async def embed(self, prompts: list[str | list[int]], dimensions: int | None = None,
+                    truncate_prompt_tokens: int | None = None) -> list[EmbeddingOutput]:
+        """Like ``AsyncLLM.embed``: tokenize (an empty string is refused as the engine's
+        ``prompt``), check each input, then a vector of (length, first id)."""
+        await self.check_health()
+        info = self.model_info
+        ids = []
+        for p in prompts:
+            if isinstance(p, str) and not p:
+                raise ValueError("prompt: must not be empty")
+            ids.append(info.tokenizer.encode(p) if isinstance(p, str) else list(p))
+        for i, one in enumerate(ids):
+            check_prompt(one, info.max_model_len, info.vocab_size, i)
+        return [EmbeddingOutput([float(len(one)), float(one[0])], one) for one in ids]
+
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        *, delta: bool = True):
         self.calls.append((prompt, params, request_id))
@@ -105,10 +122,12 @@ class FakeAsyncLLM:
         if self.raise_on_generate is not None:
             raise self.raise_on_generate
         ids = self.model_info.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        budget = self.model_info.max_model_len - len(ids)
-        if params.max_tokens is not None and params.max_tokens > budget:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds the model's maximum context length")
+        max_len = self.model_info.max_model_len
+        budget = max_len - len(ids)
+        if budget < (params.max_tokens or 1):  # what InputProcessor._validate raises
+            raise ContextLengthError(
+                context_length_message(len(ids), params.max_tokens, max_len),
+                num_prompt_tokens=len(ids), max_tokens=params.max_tokens, max_model_len=max_len)
         max_tokens = params.max_tokens or budget
         n = params.n
         finished = [False] * n
@@ -137,9 +156,12 @@ class FakeAsyncLLM:
                         reason = "stop"
                     lp = None
                     if params.logprobs is not None:
+                        # Letter k has logprob -1 - k and rank k + 1 at every step; the
+                        # sampled one is in the top-k or not.
                         top = [TokenLogprob(ord(LETTERS[k]), -1.0 - k, k + 1, LETTERS[k])
                                for k in range(params.logprobs)]
-                        lp = [[TokenLogprob(ord(ch), -0.5, 1, ch)] + top]
+                        rank = LETTERS.index(ch)
+                        lp = [[TokenLogprob(ord(ch), -1.0 - rank, rank + 1, ch)] + top]
                     finished[j] = reason is not None
                     outputs.append(CompletionOutput(j, ch, [ord(ch)], lp, reason))
                 self.started.set()

@@ -99,7 +99,7 @@ async def test_logprobs_and_top_logprobs(client):
     r = await client.post("/v1/chat/completions", json={
         "messages": _msgs("hi"), "max_tokens": 2, "logprobs": True, "top_logprobs": 2})
     content = r.json()["choices"][0]["logprobs"]["content"]
-    assert content[0] == {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
+    assert content[0] == {"token": "a", "logprob": -1.0, "bytes": [97], "top_logprobs": [
         {"token": "a", "logprob": -1.0, "bytes": [97]},
         {"token": "b", "logprob": -2.0, "bytes": [98]}]}
     assert len(content) == 2

@@ -2,6 +2,7 @@
 
 import openai
 import pytest
+from fake_engine import FakeTokenizer
 from sse_helpers import sse_events
 
 
@@ -97,9 +98,46 @@ async def test_logprobs_shape(client):
                                                    "logprobs": 2})
     lp = r.json()["choices"][0]["logprobs"]
     assert lp["tokens"] == ["a", "b", "c"]
-    assert lp["token_logprobs"] == [-0.5, -0.5, -0.5]
-    assert lp["top_logprobs"] == [{"a": -1.0, "b": -2.0}] * 3
+    assert lp["token_logprobs"] == [-1.0, -2.0, -3.0]
+    # The sampled token is always there, even outside the top-2 (OpenAI, vLLM: up to
+    # logprobs + 1 entries).
+    assert lp["top_logprobs"] == [{"a": -1.0, "b": -2.0}] * 2 + [{"a": -1.0, "b": -2.0,
+                                                                   "c": -3.0}]
     assert lp["text_offset"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_top_logprobs_always_hold_the_sampled_token(client, stream):
+    r = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4,
+                                                   "logprobs": 2, "stream": stream})
+    if stream:
+        lps = [c["choices"][0]["logprobs"] for c in sse_events(r)[:-1]]
+        tops = [t for lp in lps for t in lp["top_logprobs"]]
+        tokens = [t for lp in lps for t in lp["tokens"]]
+    else:
+        lp = r.json()["choices"][0]["logprobs"]
+        tops, tokens = lp["top_logprobs"], lp["tokens"]
+    assert tokens == ["a", "b", "c", "d"]
+    for token, top in zip(tokens, tops):
+        assert token in top and 2 <= len(top) <= 3
+    r = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2,
+                                                   "logprobs": 0})
+    assert r.json()["choices"][0]["logprobs"]["top_logprobs"] == [{"a": -1.0}, {"b": -2.0}]
+
+
+def test_echo_top_logprobs_hold_the_prompt_token():
+    from bladellm.entrypoints.openai.prompt_logprobs import echo_logprobs
+    from bladellm.outputs import TokenLogprob
+
+    ctx = type("Ctx", (), {"tokenizer": FakeTokenizer()})()
+    # Prompt "xyz": "y" is in the top-1, "z" is not.
+    entries = [[TokenLogprob(ord("y"), -0.1, 1, "y"), TokenLogprob(ord("y"), -0.1, 1, "y")],
+               [TokenLogprob(ord("z"), -4.0, 7, "z"), TokenLogprob(ord("q"), -0.2, 1, "q")]]
+    lp = echo_logprobs([ord("x"), ord("y"), ord("z")], entries, ctx, 1)
+    assert lp.tokens == ["x", "y", "z"] and lp.token_logprobs == [None, -0.1, -4.0]
+    assert lp.top_logprobs == [None, {"y": -0.1}, {"q": -0.2, "z": -4.0}]
+    assert echo_logprobs([ord("x"), ord("z")], entries[1:], ctx, 0).top_logprobs == [
+        None, {"z": -4.0}]
 
 
 async def test_sampling_fields_reach_the_engine(client, engine):

@@ -36,7 +36,7 @@ async def assert_still_serving(client):
     (CMPL, {"prompt": "x", "max_tokens": -1}, "max_tokens", ">= 1"),
     (CMPL, {"prompt": "x", "max_tokens": 0}, "max_tokens", ""),
     (CMPL, {"prompt": "x", "max_tokens": 10**30}, "max_tokens", "context length"),
-    (CMPL, {"prompt": "x" * 120, "max_tokens": 20}, None, "context length"),
+    (CMPL, {"prompt": "x" * 120, "max_tokens": 20}, "max_tokens", "context length"),
     (CMPL, {"prompt": "x", "max_tokens": "many"}, "max_tokens", "integer"),
     (CMPL, {"prompt": "x", "temperature": "hot"}, "temperature", ""),
     (CMPL, {"prompt": "x", "temperature": -1}, "temperature", ""),
@@ -64,6 +64,49 @@ async def assert_still_serving(client):
 async def test_invalid_values_are_400(client, path, body, param, words):
     err = assert_error(await client.post(path, json=body), 400, param, words)
     assert err["type"] == "invalid_request_error"
+    await assert_still_serving(client)
+
+
+EMB = "/v1/embeddings"
+
+
+@pytest.mark.parametrize("path,body,param,words,code", [
+    # The fake's context is 128 tokens; a completions prompt gets a BOS, a chat one
+    # "<user>...<assistant>" (17 tokens) around the content.
+    (CMPL, {"prompt": "x" * 120, "max_tokens": 20}, "max_tokens", "prompt (121 tokens) + "
+     "max_tokens (20)", "context_length_exceeded"),
+    (CMPL, {"prompt": "x" * 127, "max_tokens": 1}, "prompt", "context length",
+     "context_length_exceeded"),
+    (CMPL, {"prompt": ["ok", "x" * 127], "max_tokens": 1}, "prompt", "context length",
+     "context_length_exceeded"),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 100}], "max_tokens": 20},
+     "max_tokens", "messages (117 tokens) + max_tokens (20)", "context_length_exceeded"),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 100}], "max_completion_tokens": 20,
+            "stream": True}, "max_completion_tokens",
+     "messages (117 tokens) + max_completion_tokens (20)", "context_length_exceeded"),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 120}]}, "messages",
+     "leaves no room", "context_length_exceeded"),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 120}], "max_tokens": 5}, "messages",
+     "context length", "context_length_exceeded"),
+    (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens",
+     "max_completion_tokens: must be >= 1, got 0", None),
+    (CHAT, {"messages": MSGS, "max_completion_tokens": 10**6}, "max_completion_tokens",
+     "max_completion_tokens: 1000000 exceeds", None),
+    (CHAT, {"messages": MSGS, "max_tokens": 0}, "max_tokens", "max_tokens: must be >= 1", None),
+    (CHAT, {"messages": [{"role": "function", "name": "f", "content": "42"}]},
+     "messages[0].role", "'function' role", "unsupported_parameter"),
+    (CHAT, {"messages": [MSGS[0], {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                 {"type": "text"}]}]},
+     "messages[1].content[1]", "must have a 'text' string", "missing_required_parameter"),
+    (EMB, {"input": ""}, "input", "input: must not be empty", None),
+    (EMB, {"input": []}, "input", "input: must not be empty", None),
+    (EMB, {"input": ["a", ""]}, "input", "input[1]: must not be empty", None),
+    (EMB, {"input": [[5], []]}, "input", "input[1]: must not be empty", None),
+    (EMB, {"input": [[5] * 200]}, "input", "input[0]: 200 tokens exceed", None),
+])
+async def test_errors_name_the_field_the_client_sent(client, path, body, param, words, code):
+    err = assert_error(await client.post(path, json=body), 400, param, words)
+    assert err["code"] == code
     await assert_still_serving(client)
 
 
