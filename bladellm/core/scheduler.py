@@ -32,8 +32,9 @@ from bladellm.core.block_pool import _require
 from bladellm.core.interface import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                      SampleLogprobs, SchedulerOutput)
 from bladellm.core.kv_cache_manager import KVCacheManager, cdiv
-from bladellm.core.outputs import (QUEUE_TIMEOUT_ERROR, EngineCoreOutput, Logprobs,
-                                      SchedulerStats)
+from bladellm.core.outputs import (GRAMMAR_ERROR_PREFIX, QUEUE_TIMEOUT_ERROR, EngineCoreOutput,
+                                   Logprobs, SchedulerStats)
+from bladellm.guided.grammar import unsatisfiable_error
 from bladellm.request import Request, RequestStatus
 
 
@@ -443,8 +444,7 @@ class Scheduler:
                     error = "the model runner returned no token for a finished prefill"
                 if (req.grammar is not None and not req.is_finished
                         and len(new_tokens) < len(tokens)):
-                    error = (f"grammar: token {tokens[len(new_tokens)]} rejected "
-                             f"({req.grammar.error or 'not allowed by the grammar'})")
+                    error = self._grammar_rejection(req, tokens[len(new_tokens)])
             done = error is not None or req.is_finished
             if done:
                 self._finish(req, req.status if error is None else RequestStatus.FINISHED_ERROR)
@@ -489,6 +489,23 @@ class Scheduler:
                 break
         self.num_generation_tokens += len(appended)
         return appended
+
+    @staticmethod
+    def _grammar_rejection(req: Request, token_id: int) -> str:
+        """The error of a request whose grammar rejected ``token_id``.
+
+        When llguidance itself failed (the matcher is in its error state: ``try_consume_tokens``
+        of a merely banned token leaves no error) before the request produced any output, the
+        grammar fails on its own, whatever the model samples — e.g. ``start: start`` (no
+        sentence) or an endless forced text. That is the client's constraint: the grammar-error
+        prefix makes it a 400 naming the request field. Otherwise (a banned token got past the
+        mask, or llguidance failed mid-output) it stays an engine failure.
+        """
+        reason = req.grammar.error  # type: ignore[union-attr]
+        guided = req.sampling_params.guided_decoding
+        if reason is not None and req.num_output_tokens == 0 and guided is not None:
+            return GRAMMAR_ERROR_PREFIX + unsatisfiable_error(guided.kind, reason)
+        return f"grammar: token {token_id} rejected ({reason or 'not allowed by the grammar'})"
 
     @staticmethod
     def _grammar_stop(req: Request) -> bool:

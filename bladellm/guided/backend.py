@@ -1,7 +1,9 @@
 """The llguidance backend: tokenizer bridge, validation and compilation under size limits.
 
-``validate`` checks a constraint without a tokenizer (sub-millisecond; the API process runs it so
-that a bad schema is a 400 before the request reaches the engine). ``compile`` builds an
+``validate`` checks a constraint without the model's tokenizer (a few ms, cached per constraint;
+the API process runs it so that a bad schema is a 400 before the request reaches the engine),
+including a dry run of the first token with a byte-level tokenizer, which catches grammars that
+compile but fail at once (``start: start``). ``compile`` builds an
 ``LLMatcher`` for the model's tokenizer (the engine core runs it in a worker thread; llguidance
 drops the GIL while it builds). Both apply the same ``LLParserLimits``, so a pathological
 schema (deep nesting, a huge grammar) fails with llguidance's reason instead of running away.
@@ -9,11 +11,12 @@ schema (deep nesting, a huge grammar) fails with llguidance's reason instead of 
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-from bladellm.guided.grammar import FIELD_OF_KIND, to_grammar
+from bladellm.guided.grammar import FIELD_OF_KIND, to_grammar, unsatisfiable_error
 from bladellm.sampling_params import GuidedDecodingParams
 
 SUPPORTED_BACKENDS = ("llguidance",)
@@ -58,6 +61,55 @@ def validate(params: GuidedDecodingParams, limits: GrammarLimits = GrammarLimits
     if is_error:
         raise GrammarError(f"{FIELD_OF_KIND[params.kind]}: invalid {params.kind} constraint: "
                            f"{messages[0].strip()}")
+    reason = first_step_error(grammar, limits)
+    if reason is not None:
+        raise GrammarError(unsatisfiable_error(params.kind, reason))
+
+
+class _ByteTokenizer:
+    """One token per byte, then EOS (token 256): ``llguidance.TokenizerWrapper``'s interface."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([b]) for b in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
+
+
+@functools.cache
+def _byte_tokenizer() -> Any:
+    import llguidance
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()), slices=[])
+
+
+def first_step_error(grammar: str, limits: GrammarLimits = GrammarLimits()) -> str | None:
+    """llguidance's error if ``grammar`` fails at the first token of any output, else ``None``.
+
+    ``validate_grammar`` checks syntax and limits but not whether a sentence can be generated:
+    ``start: start`` (no sentence at all) or ``root ::= "a" root`` (an endless forced "aaa...")
+    compile, then fail in the engine at the first token. Run that first step here, with a byte
+    tokenizer instead of the model's (a few ms): the first mask, and the first byte if the
+    grammar forces one (consuming a token makes llguidance compute the text forced after it).
+    Only forced bytes are consumed: every output starts with them, so an error there is certain,
+    whereas a chosen byte could lead into one failing branch of a grammar that has good ones.
+    """
+    import llguidance
+
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0,
+                                   limits=limits.to_llguidance())
+    if matcher.is_error():
+        # Only with this tokenizer (the grammar names the model's special tokens, e.g.
+        # <|im_end|>): the engine compiles it with the model's tokenizer and judges it then.
+        return None
+    matcher.compute_bitmask()
+    if not matcher.is_error():
+        forced = matcher.compute_ff_tokens()
+        if forced:
+            matcher.try_consume_tokens(forced[:1])
+    return matcher.get_error() if matcher.is_error() else None
 
 
 class LLGuidanceBackend:

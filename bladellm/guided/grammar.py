@@ -85,6 +85,20 @@ def json_options(params: GuidedDecodingParams) -> dict[str, Any]:
     return dict(COMPACT_JSON_OPTIONS)
 
 
+def choice_lark(choices: list[str]) -> str:
+    """A Lark grammar whose sentences are exactly ``choices``.
+
+    The choices form one lexer-level terminal (an uppercase rule: llguidance compiles it into a
+    single regex), not parser-level alternatives: llguidance's Earley parser allows at most
+    ``max_items_in_row`` (2000) items in a row, so ``start: "a" | "b" | ...`` failed at the first
+    token with 2000 choices or more. A terminal's size is bounded only by the grammar and lexer
+    limits, and it compiles faster. The choices are JSON string literals, which Lark reads
+    verbatim (quotes, backslashes, newlines and non-ASCII text included; regex metacharacters
+    have no meaning inside a literal).
+    """
+    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices)
+
+
 def to_grammar(params: GuidedDecodingParams) -> str:
     """llguidance grammar text for ``params`` (raises ``ValueError`` for malformed input)."""
     import llguidance
@@ -99,8 +113,7 @@ def to_grammar(params: GuidedDecodingParams) -> str:
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(ascii_regex(params.regex))  # type: ignore
     if kind == "choice":
-        lark = "start: " + " | ".join(json.dumps(c) for c in params.choice)  # type: ignore
-        return llguidance.LLMatcher.grammar_from_lark(lark)
+        return llguidance.LLMatcher.grammar_from_lark(choice_lark(params.choice))  # type: ignore
     # Lark (llguidance's own dialect) or GBNF; grammar_from converts GBNF to Lark.
     try:
         return llguidance.grammar_from("grammar", params.grammar)  # type: ignore[arg-type]
@@ -117,3 +130,14 @@ def cache_key(params: GuidedDecodingParams) -> str:
 # The request field each constraint kind came from, for error messages.
 FIELD_OF_KIND = {"json": "guided_json", "json_object": "response_format", "regex": "guided_regex",
                  "choice": "guided_choice", "grammar": "guided_grammar"}
+
+
+def llguidance_reason(error: str) -> str:
+    """llguidance's error text without the marker it adds when ``verbose_errors`` is off."""
+    return error.replace("<non-verbose/>", "").strip()
+
+
+def unsatisfiable_error(kind: str, reason: str) -> str:
+    """The message of a constraint that fails at its first token (the client's fault: a 400)."""
+    return (f"{FIELD_OF_KIND[kind]}: no output can satisfy the {kind} constraint (it fails at "
+            f"the first token: {llguidance_reason(reason)})")

@@ -128,6 +128,7 @@ def test_second_request_with_the_same_schema_compiles_nothing(llm):
     (dict(grammar="start: undefined_rule"), "guided_grammar"),
     (dict(json={"type": "object"}, regex="a"), "exactly one"),
     (dict(regex="a+", whitespace_pattern=" "), "guided_whitespace_pattern"),
+    (dict(grammar="start: start"), "guided_grammar: no output can satisfy"),
 ])
 def test_invalid_constraints_raise_before_the_engine(llm, guided, words):
     with pytest.raises(ValueError, match=re.escape(words)):
@@ -182,6 +183,43 @@ def test_grammar_failing_in_the_engine_fails_only_its_request(llm):
     assert isinstance(AsyncLLM._request_error(outputs["bad"].error), ValueError)
     assert outputs["ok"].finish_reason == "length"
     core.scheduler.check_invariants()
+
+
+@pytest.mark.parametrize("grammar,reason", [
+    ("start: start", "NoExtensionBias"), ('root ::= "a" root', "Too many items")])
+def test_grammar_failing_at_the_first_token_in_the_engine_is_the_clients_error(
+        llm, grammar, reason):
+    # Bypass the front end's validation (which now rejects these): the matcher fails at the
+    # first token whatever the model samples, and the request ends with a grammar error (a 400
+    # in the server), not a rejected-token engine failure (a 500).
+    from bladellm.engine.async_llm import AsyncLLM
+    from bladellm.engine.messages import GRAMMAR_ERROR_PREFIX, EngineCoreRequest
+
+    core = llm.engine.core
+    params = SamplingParams(max_tokens=5, guided_decoding=GuidedDecodingParams(grammar=grammar))
+    core.add_request(EngineCoreRequest(request_id="dead", prompt_token_ids=[5, 6, 7],
+                                       sampling_params=params, eos_token_ids=[2]))
+    outputs = {}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            if out.finish_reason is not None:
+                outputs[out.request_id] = out
+    dead = outputs["dead"]
+    assert dead.finish_reason == "error" and not dead.new_token_ids
+    assert dead.error.startswith(GRAMMAR_ERROR_PREFIX + "guided_grammar: no output can satisfy")
+    assert reason in dead.error
+    error = AsyncLLM._request_error(dead.error)
+    assert isinstance(error, ValueError) and str(error).startswith("guided_grammar: ")
+    core.scheduler.check_invariants()
+
+
+def test_thousands_of_choices(llm):
+    # 2000 or more choices overflowed llguidance's Earley row at the first token.
+    choices = [f"option {i}" for i in range(2500)]
+    outs = _generate(llm, [_params(GuidedDecodingParams(choice=choices), 1.0, seed=s)
+                           for s in range(3)])
+    for out in outs:
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in choices
 
 
 # Speculation with constraints: a KV pool small enough to preempt (recompute) mid-generation,

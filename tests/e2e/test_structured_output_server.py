@@ -211,6 +211,9 @@ async def test_tools_reach_the_chat_template_and_tool_turns_are_accepted(client)
     ({"guided_grammar": "start: missing_rule"}, "missing_rule"),
     ({"guided_choice": []}, "non-empty"),
     ({"guided_json": {"type": "object"}, "guided_choice": ["a"]}, "only one"),
+    # Grammars that compile but no output can satisfy (they failed at the first token: a 500).
+    ({"guided_grammar": "start: start"}, "no output can satisfy"),
+    ({"guided_grammar": 'root ::= "a" root'}, "no output can satisfy"),
 ])
 async def test_bad_constraints_are_400_with_the_reason(client, extra, words):
     with pytest.raises(openai.BadRequestError, match=re.escape(words)):
@@ -220,6 +223,26 @@ async def test_bad_constraints_are_400_with_the_reason(client, extra, words):
     resp = await client.completions.create(model="tiny", prompt="x", max_tokens=2,
                                            extra_body={"ignore_eos": True})
     assert resp.choices[0].finish_reason == "length"
+
+
+async def test_unsatisfiable_grammar_is_an_invalid_request_naming_the_field(server):
+    async with httpx.AsyncClient(timeout=120) as http:
+        resp = await http.post(server.url + "/v1/completions", json={
+            "model": "tiny", "prompt": "x", "max_tokens": 5, "guided_grammar": "start: start"})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "guided_grammar"
+    assert error["message"].startswith("guided_grammar: no output can satisfy the grammar")
+
+
+@pytest.mark.parametrize("num_choices", [2000, 5000])
+async def test_thousands_of_choices(client, num_choices):
+    # Each choice was a parser-level alternative: 2000 or more failed with a 500 at the first
+    # token (llguidance's Earley row limit).
+    choices = [f"option {i}" for i in range(num_choices)]
+    resp = await client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=10, extra_body={"guided_choice": choices})
+    assert resp.choices[0].message.content in choices
 
 
 async def test_openai_client_parse_with_a_pydantic_model(client):

@@ -97,6 +97,45 @@ def test_rejected_token_fails_only_that_request():
     sched.check_invariants()
 
 
+@dataclass
+class BrokenGrammar(FakeGrammar):
+    """A matcher llguidance put in its error state (e.g. no token can start the grammar)."""
+
+    broken: bool = True
+
+    @property
+    def error(self) -> str | None:
+        return "NoExtensionBias\n<non-verbose/>" if self.broken else None
+
+
+def test_grammar_failing_before_any_output_is_the_clients_error():
+    from bladellm.core.outputs import GRAMMAR_ERROR_PREFIX
+    from bladellm.sampling_params import GuidedDecodingParams
+
+    sched = make_scheduler()
+    runner = FakeRunner(sched, default_token=9)
+    params = GuidedDecodingParams(grammar="start: start")
+    # Salted apart: with one prompt, the others would wait a step for the first's prefix.
+    sched.add_request(_with_grammar("first", BrokenGrammar(allowed=set()),
+                                    guided_decoding=params, salt="1"))
+    # Only banned by the grammar (no llguidance error): an engine failure, even at first.
+    sched.add_request(_with_grammar("banned", FakeGrammar(allowed={1}), guided_decoding=params,
+                                    salt="2"))
+    later = BrokenGrammar(broken=False)
+    sched.add_request(_with_grammar("later", later, guided_decoding=params, salt="3"))
+    _, outs = step(sched, runner)
+    errors = {o.request_id: o.error for o in outs}
+    assert errors["first"] == (GRAMMAR_ERROR_PREFIX + "guided_grammar: no output can satisfy the "
+                               "grammar constraint (it fails at the first token: NoExtensionBias)")
+    assert errors["banned"] == "grammar: token 9 rejected (not allowed by the grammar)"
+    assert errors["later"] is None and later.accepted == [9]
+    # llguidance fails after output was produced: an engine failure, as before.
+    later.allowed, later.broken = set(), True
+    _, outs = step(sched, runner)
+    assert outs[0].error.startswith("grammar: token 9 rejected (NoExtensionBias")
+    sched.check_invariants()
+
+
 def _spec_scheduler():
     from bladellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
     from bladellm.core.scheduler import Scheduler

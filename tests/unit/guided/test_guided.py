@@ -14,7 +14,7 @@ import torch
 from bladellm.guided.backend import GrammarError, LLGuidanceBackend, validate
 from bladellm.guided.bitmask import apply_token_bitmask, unpack_bitmask
 from bladellm.guided.cache import CompiledGrammarCache
-from bladellm.guided.grammar import ascii_regex, cache_key
+from bladellm.guided.grammar import ascii_regex, cache_key, to_grammar
 from bladellm.guided.manager import GuidedDecodingManager
 from bladellm.sampling_params import GuidedDecodingParams as G
 from bladellm.sampling_params import SamplingParams
@@ -64,6 +64,78 @@ def test_validate_names_the_field(params, words):
 
 def _encode(tokenizer, text):
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _byte_matcher(params):
+    """A matcher for ``params`` over one token per byte: exact languages are easy to check."""
+    import llguidance
+
+    from bladellm.guided.backend import _byte_tokenizer
+
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), to_grammar(params), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return matcher
+
+
+def _matches(params, text: str) -> bool:
+    matcher = _byte_matcher(params)
+    data = list(text.encode())
+    return (matcher.try_consume_tokens(data) == len(data) and matcher.is_accepting()
+            and not matcher.is_error())
+
+
+# Regex metacharacters, quotes, backslashes, newlines, non-ASCII (astral too), a '/' (Lark's
+# regex delimiter) and an option that is a prefix of others.
+CHOICES = ["a", "ab", "a.b", "(x|y)", "[z]", r"\d+", 'say "hi"', "it's", "new\nline", "tab\t",
+           "ünï😀", "a/b", "^$", "{1,2}", " sp ", "#c", "a-b", "~&*?"]
+NOT_CHOICES = ["", "abc", "axb", "x", "y", "z", "5", "55", r"\d", "say", "new", "newline",
+               "ünï", "😀", " sp", "b", "ab ", "aa", "\\", r"a\.b", "sp"]
+
+
+def test_choice_matches_exactly_its_options():
+    params = G(choice=CHOICES)
+    assert [c for c in CHOICES if not _matches(params, c)] == []
+    assert [t for t in NOT_CHOICES if _matches(params, t)] == []
+
+
+@pytest.mark.parametrize("num_choices", [1999, 2000, 10_000])
+def test_thousands_of_choices_work_with_a_real_tokenizer(backend, tokenizer, num_choices):
+    # Each choice used to be a parser-level alternative: 2000 or more overflowed llguidance's
+    # Earley row (max_items_in_row) at the first token.
+    choices = [f"option {i}" for i in range(num_choices)]
+    validate(G(choice=choices))
+    for text in (choices[-1], choices[num_choices // 2], "option 4"):
+        matcher = backend.compile(G(choice=choices))
+        matcher.compute_bitmask()
+        tokens = _encode(tokenizer, text)
+        assert matcher.try_consume_tokens(tokens) == len(tokens), matcher.get_error()
+        assert matcher.is_accepting() and not matcher.is_error()
+    assert not _matches(G(choice=choices), f"option {num_choices}")
+
+
+@pytest.mark.parametrize("grammar,reason", [
+    ("start: start", "NoExtensionBias"),  # no sentence at all
+    ('root ::= "a" root', "Too many items"),  # GBNF: an endless forced "aaa..."
+    ('start: "ab" start', "Too many items"),
+    # A user grammar with parser-level alternatives past llguidance's Earley row limit.
+    pytest.param("start: " + " | ".join(f'"o{i}"' for i in range(2000)), "max is 2000",
+                 id="2000-alternatives"),
+])
+def test_grammar_failing_at_the_first_token_is_invalid(grammar, reason):
+    with pytest.raises(GrammarError, match=r"^guided_grammar: no output can satisfy the grammar "
+                                           rf"constraint \(it fails at the first token: .*{reason}"):
+        validate(G(grammar=grammar))
+
+
+@pytest.mark.parametrize("grammar", [
+    'start: "a"+', 'root ::= "a" | "b" root', 'start: ""',
+    # Only forced text is tried: the good branch "x" keeps this one valid.
+    'start: "x" | "a" loop\nloop: "b" loop',
+    # Special tokens need the model's tokenizer: judged when the engine compiles it.
+    "start: <|im_end|>",
+])
+def test_first_step_check_keeps_grammars_that_can_start(grammar):
+    validate(G(grammar=grammar))
 
 
 def test_matcher_accepts_several_tokens_rolls_back_and_terminates(backend, tokenizer):
@@ -149,10 +221,14 @@ def test_compile_failure_and_timeout_become_errors(backend, tokenizer):
 def test_grammar_size_limit_is_a_clear_error():
     from bladellm.guided.backend import GrammarLimits
 
-    many = G(choice=[f"item{i}" for i in range(3000)])
+    many = G(grammar="start: " + " | ".join(f'"item{i}" "!"' for i in range(1000)))
     validate(many)
-    with pytest.raises(GrammarError, match="guided_choice.*too big"):
+    with pytest.raises(GrammarError, match="guided_grammar.*too big"):
         validate(many, GrammarLimits(max_grammar_size=1000))
+    # Choices are one lexeme, bounded by the lexer's budget rather than the symbol count.
+    with pytest.raises(GrammarError, match="guided_choice.*too big"):
+        validate(G(choice=[f"item{i}" for i in range(3000)]),
+                 GrammarLimits(initial_lexer_fuel=10_000))
 
 
 def _reference_rows(matcher, width, tokens):
