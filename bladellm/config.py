@@ -56,8 +56,8 @@ class ModelConfig:
         metadata={"help": "Weight and activation dtype: auto, float32, bfloat16 or float16. "
                           "auto keeps a float32 checkpoint in float32; a bfloat16/float16 "
                           "checkpoint runs in bfloat16 on CPUs with native bf16 (AVX512_BF16 "
-                          "or AMX) and in float32 on others, where bf16 is emulated and "
-                          "several times slower. An explicit value always wins."})
+                          "or AMX) and in float32 on others, where bf16 is emulated "
+                          "(docs/cpu.md). An explicit value always wins."})
     max_model_len: int | None = field(
         default=None,
         metadata={"help": "Longest prompt + output in tokens; defaults to the model's "

@@ -38,8 +38,8 @@ class CpuInfo:
 
     @property
     def has_native_bf16(self) -> bool:
-        """bf16 GEMMs run at or above fp32 speed (AVX-512-BF16 or AMX); without it oneDNN
-        emulates bf16 and a GEMM is several times slower than fp32."""
+        """bf16 GEMMs run at or above fp32 speed (AVX-512-BF16 or AMX); without it bf16 is
+        emulated (oneDNN's GEMMs several times slower than fp32)."""
         return self.has_avx512_bf16 or self.has_amx
 
     @property

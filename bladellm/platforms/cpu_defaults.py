@@ -27,16 +27,19 @@ class DtypeChoice:
 
 def choose_cpu_dtype(requested: str, checkpoint_dtype: str | None, cpu: CpuInfo) -> DtypeChoice:
     """``--dtype`` on a CPU. ``auto`` keeps a 16-bit checkpoint in bfloat16 only where the CPU
-    computes bf16 natively (AVX512_BF16 or AMX); elsewhere oneDNN emulates bf16 and a GEMM is
-    several times slower than float32, so it loads in float32. A float32 (or unstated) checkpoint
+    computes bf16 natively (AVX512_BF16 or AMX); elsewhere bf16 is widened to float32 (oneDNN's
+    emulated GEMMs are several times slower than float32; the compiled AVX2 kernels about even
+    with it), so it loads in float32, which also gives transformers' float32 results. A float32 (or unstated) checkpoint
     stays float32. An explicit ``--dtype`` always wins, with a warning where it is slow."""
     native = ("amx_bf16" if cpu.has_amx else "avx512_bf16") if cpu.has_native_bf16 else None
     if requested != "auto":
         warning = None
         if requested == "bfloat16" and native is None:
             warning = ("--dtype bfloat16 on a CPU without native bf16 (no AVX512_BF16 or AMX): "
-                       "bf16 GEMMs are emulated and several times slower than float32; "
-                       "--dtype auto picks float32 here")
+                       "every bf16 product is widened to float32. The compiled AVX2 kernels "
+                       "run that at float32 speed or better, but oneDNN's and torch's emulated "
+                       "bf16 GEMMs (other ISAs, or BLADELLM_KERNELS=ref) are several times "
+                       "slower than float32; --dtype auto picks float32 here (docs/cpu.md)")
         elif requested == "float16":
             warning = ("float16 on CPU is slow and overflow-prone; --dtype bfloat16 is "
                        "recommended")
