@@ -159,6 +159,22 @@ def test_panel_rows_do_not_depend_on_the_batch(compiled, layout, dtype):
             compiled.linear_pairs(too_many, packed.pairs, 200, b)
 
 
+def test_pair_panels_over_many_rows(compiled, monkeypatch):
+    """A step of more rows than the widened-x buffer holds at once (without AVX512-BF16, x is
+    widened a block of ~2^20 / K rows at a time): every block's rows are right and equal to
+    the same rows alone."""
+    monkeypatch.setattr(compiled, "linear_max_rows_pairs", LINEAR_MAX_ROWS_PANEL)
+    N, K = 40, 4099  # 255 rows per block
+    w = randn(N, K, dtype=torch.bfloat16, seed=1)
+    b = randn(N, dtype=torch.bfloat16, seed=2)
+    pairs = compiled.pack_pairs(w)
+    x = randn(600, K, dtype=torch.bfloat16, seed=3)
+    full = compiled.linear_pairs(x, pairs, N, b)
+    check_close(full, x, w, b)
+    for lo, hi in ((0, 1), (250, 260), (599, 600)):
+        assert torch.equal(compiled.linear_pairs(x[lo:hi], pairs, N, b), full[lo:hi])
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_exact_bf16_copy_is_bit_identical(compiled, layout, shape, bias):

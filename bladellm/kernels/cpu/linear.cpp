@@ -409,18 +409,10 @@ static inline void pair_tile_n(int mm, bf16_t* out, int64_t os, const PairX& x, 
   pair_tile<MM>(out, os, x, m0, wp, bias, K, valid);
 }
 
-static void linear_pairs(bf16_t* out, int64_t out_stride, const bf16_t* x, int64_t xs,
-                         const uint32_t* wp, const bf16_t* bias, int64_t M, int64_t N, int64_t K,
-                         int num_threads) {
-  PairX px{x, xs, nullptr};
-#if !defined(__AVX512BF16__)
-  // x widened once (exactly) for all panels; the calling thread's buffer, kept between calls.
-  static thread_local std::vector<float> widened;
-  if (widened.size() < size_t(M * K)) widened.resize(size_t(M * K));
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) widened[m * K + k] = to_float(x[m * xs + k]);
-  px.f32 = widened.data();
-#endif
+// Rows of x [m0, m0 + M) against every panel.
+static void pairs_rows(bf16_t* out, int64_t out_stride, const PairX& px, int64_t m0, int64_t M,
+                       const uint32_t* wp, const bf16_t* bias, int64_t N, int64_t K,
+                       int num_threads) {
   const int64_t panels = (N + kPairPanel - 1) / kPairPanel;
   const int64_t pairs = (K + 1) / 2;
   const bool par = num_threads > 1 && panels >= 2 * num_threads;
@@ -431,14 +423,39 @@ static void linear_pairs(bf16_t* out, int64_t out_stride, const bf16_t* x, int64
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t n0 = p * kPairPanel;
     const int64_t valid = std::min<int64_t>(kPairPanel, N - n0);
-    int64_t m0 = 0;
+    int64_t m = m0;
     for (int64_t t = 0; t < tiles; ++t) {
       const int mm = int(base + (t < extra ? 1 : 0));
-      pair_tile_n<kPairMT>(mm, out + n0, out_stride, px, m0, wp + p * pairs * kPairPanel,
+      pair_tile_n<kPairMT>(mm, out + n0, out_stride, px, m, wp + p * pairs * kPairPanel,
                            bias ? bias + n0 : nullptr, K, valid);
-      m0 += mm;
+      m += mm;
     }
   }
+}
+
+static void linear_pairs(bf16_t* out, int64_t out_stride, const bf16_t* x, int64_t xs,
+                         const uint32_t* wp, const bf16_t* bias, int64_t M, int64_t N, int64_t K,
+                         int num_threads) {
+#if defined(__AVX512BF16__)
+  pairs_rows(out, out_stride, PairX{x, xs, nullptr}, 0, M, wp, bias, N, K, num_threads);
+#else
+  // x widened (exactly) once for all panels, a block of rows at a time so the buffer stays
+  // at most ~4 MB whatever the step (a prefill of thousands of rows); the calling thread's
+  // buffer, kept between calls. Each further block streams the weight again: at hundreds of
+  // rows per block the tiles are compute-bound, so that costs little.
+  const int64_t budget_rows = std::max<int64_t>(kPairMT, (int64_t(1) << 20) / K);
+  const int64_t block = std::min<int64_t>(M, budget_rows / kPairMT * kPairMT);
+  static thread_local std::vector<float> widened;
+  if (widened.size() < size_t(block * K)) widened.resize(size_t(block * K));
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t rows = std::min(block, M - m0);
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t k = 0; k < K; ++k) widened[m * K + k] = to_float(x[(m0 + m) * xs + k]);
+    // Tiles index x from the block's first row: the buffer's row 0 is row m0 of x.
+    pairs_rows(out + m0 * out_stride, out_stride, PairX{nullptr, 0, widened.data()}, 0, rows,
+               wp, bias, N, K, num_threads);
+  }
+#endif
 }
 
 static void pack_pairs(uint32_t* dst, const bf16_t* w, int64_t N, int64_t K, int num_threads) {
