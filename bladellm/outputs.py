@@ -11,6 +11,9 @@ class TokenLogprob:
     logprob: float
     rank: int | None
     decoded: str
+    # The token's raw bytes (part of a multi-byte character when ``decoded`` is U+FFFD); None:
+    # not known, use the UTF-8 of ``decoded``.
+    token_bytes: bytes | None = None
 
 
 @dataclass

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from bladellm.engine.detokenizer import IncrementalDetokenizer
 from bladellm.engine.messages import EngineCoreOutput, Logprobs
 from bladellm.engine.metrics import FinishedRequestStats, IterationStats
+from bladellm.engine.token_bytes import TokenBytes, token_bytes_for
 from bladellm.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from bladellm.sampling_params import SamplingParams
 
@@ -85,6 +86,7 @@ class OutputProcessor:
         self._parents: dict[str, _ParentState] = {}
         self._children: dict[str, _ChildState] = {}
         self._token_text_cache: dict[int, str] = {}
+        self._token_bytes: TokenBytes | None = None  # token id -> raw bytes, for chat logprobs
         self._aborted: list[_ParentState] = []  # stats reported with the next batch
 
     # --- request lifecycle -------------------------------------------------------------------
@@ -265,11 +267,17 @@ class OutputProcessor:
         """Per token: the sampled token (its rank from the core), then top-k ranked 1..k."""
         converted = []
         for ids, values, rank in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks):
-            entry = [TokenLogprob(ids[0], values[0], rank, self._token_text(ids[0]))]
-            entry.extend(TokenLogprob(t, v, r, self._token_text(t))
+            entry = [self._token_logprob(ids[0], values[0], rank)]
+            entry.extend(self._token_logprob(t, v, r)
                          for r, (t, v) in enumerate(zip(ids[1:], values[1:]), start=1))
             converted.append(entry)
         return converted
+
+    def _token_logprob(self, token_id: int, value: float, rank: int | None) -> TokenLogprob:
+        text = self._token_text(token_id)
+        if self._token_bytes is None:  # built on first use: most requests want no logprobs
+            self._token_bytes = token_bytes_for(self.tokenizer)
+        return TokenLogprob(token_id, value, rank, text, self._token_bytes(token_id, text))
 
     def _token_text(self, token_id: int) -> str:
         """One token decoded alone (a lone byte of a multi-byte character decodes to U+FFFD)."""

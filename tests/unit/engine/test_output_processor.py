@@ -164,9 +164,9 @@ def test_logprobs_are_converted_with_decoded_tokens(proc, tok):
     lp = Logprobs(token_ids=[[hello, world, hello]], logprobs=[[-0.5, -0.1, -0.5]], ranks=[2])
     res = proc.process_outputs([out("r", [hello], new_logprobs=lp)], 101.0)
     assert res.request_outputs["r"].outputs[0].logprobs == [[
-        TokenLogprob(hello, -0.5, 2, tok.decode([hello])),
-        TokenLogprob(world, -0.1, 1, tok.decode([world])),
-        TokenLogprob(hello, -0.5, 2, tok.decode([hello])),
+        TokenLogprob(hello, -0.5, 2, tok.decode([hello]), tok.decode([hello]).encode()),
+        TokenLogprob(world, -0.1, 1, tok.decode([world]), tok.decode([world]).encode()),
+        TokenLogprob(hello, -0.5, 2, tok.decode([hello]), tok.decode([hello]).encode()),
     ]]
     assert tok.decode([world]).startswith(" ")
     lp2 = Logprobs(token_ids=[[world, hello, world]], logprobs=[[-0.1, -0.5, -0.1]], ranks=[1])
@@ -226,3 +226,16 @@ def test_malformed_output_fails_only_its_request(proc, tok):
     assert res.reqs_to_abort == ["bad"]  # still running in the core
     assert not res.request_outputs["good"].finished
     assert proc.num_unfinished() == 1
+
+
+def test_logprobs_carry_raw_token_bytes_for_split_characters(proc, tok):
+    text = "hi 😀🎉 你好"
+    ids = tok.encode(text)
+    add(proc, tok, logprobs=1, max_tokens=len(ids))
+    lp = Logprobs(token_ids=[[t, t] for t in ids], logprobs=[[-0.1, -0.1]] * len(ids),
+                  ranks=[1] * len(ids))
+    res = proc.process_outputs([out("r", ids, new_logprobs=lp)], 101.0)
+    entries = res.request_outputs["r"].outputs[0].logprobs
+    assert any(e[0].decoded == "\ufffd" for e in entries)  # some tokens are partial characters
+    assert b"".join(e[0].token_bytes for e in entries) == text.encode("utf-8")
+    assert all(e[1].token_bytes == e[0].token_bytes for e in entries)

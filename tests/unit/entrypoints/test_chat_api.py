@@ -1,7 +1,12 @@
 """/v1/chat/completions against the fake engine."""
 
 import openai
+from fake_engine import FakeAsyncLLM
 from sse_helpers import sse_events
+from tiny_models import train_tokenizer
+
+from bladellm.engine.messages import EngineCoreOutput, Logprobs
+from bladellm.engine.output_processor import OutputProcessor
 
 
 def _msgs(*texts):
@@ -108,6 +113,56 @@ async def test_logprobs_and_top_logprobs(client):
     chunks = [c for c in sse_events(r)[:-1] if c["choices"][0]["logprobs"]]
     assert [c["choices"][0]["logprobs"]["content"][0]["token"] for c in chunks] == ["a", "b"]
     assert chunks[0]["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == []
+
+
+
+class SplitCharacterEngine(FakeAsyncLLM):
+    """Generates TEXT's tokens with a real byte-level BPE tokenizer and OutputProcessor: the
+    emoji and CJK characters come out as several tokens that decode alone to U+FFFD."""
+
+    TEXT = "😀🎉🔥 你好"
+
+    def __init__(self):
+        super().__init__()
+        self.tok = train_tokenizer()
+        self.ids = self.tok(self.TEXT, add_special_tokens=False).input_ids
+
+    async def generate(self, prompt, params, request_id, *, delta=True):
+        proc = OutputProcessor(self.tok)
+        proc.add_request(request_id, None, [0], params, [request_id], arrival_time=0.0,
+                         delta=delta)
+        for step, tid in enumerate(self.ids):
+            other = self.ids[(step + 1) % len(self.ids)]
+            lp = Logprobs(token_ids=[[tid, tid, other]], logprobs=[[-0.5, -0.5, -1.5]],
+                          ranks=[1])
+            last = step == len(self.ids) - 1
+            res = proc.process_outputs([EngineCoreOutput(
+                request_id=request_id, new_token_ids=[tid], new_logprobs=lp,
+                finish_reason="length" if last else None)], 1.0 + step)
+            if request_id in res.request_outputs:
+                yield res.request_outputs[request_id]
+
+
+async def test_logprob_bytes_are_the_tokens_raw_bytes(make_client):
+    engine = SplitCharacterEngine()
+    text = SplitCharacterEngine.TEXT
+    body = {"messages": _msgs("hi"), "logprobs": True, "top_logprobs": 2, "max_tokens": 20}
+    async with make_client(engine) as client:
+        r = await client.post("/v1/chat/completions", json=body)
+        choice = r.json()["choices"][0]
+        assert choice["message"]["content"] == text
+        content = choice["logprobs"]["content"]
+        assert len(content) == len(engine.ids) > len(text)
+        assert any(c["token"] == "\ufffd" for c in content)  # the token string stays decoded
+        assert bytes(b for c in content for b in c["bytes"]) == text.encode("utf-8")
+        for c in content:
+            assert c["top_logprobs"][0]["bytes"] == c["bytes"]
+        assert [c["bytes"] for c in content[1:]] == [c["top_logprobs"][1]["bytes"]
+                                                     for c in content[:-1]]
+        r = await client.post("/v1/chat/completions", json={**body, "stream": True})
+        streamed = [e for c in sse_events(r)[:-1] if c["choices"][0]["logprobs"]
+                    for e in c["choices"][0]["logprobs"]["content"]]
+        assert bytes(b for e in streamed for b in e["bytes"]) == text.encode("utf-8")
 
 
 async def test_official_client(engine, make_client):
