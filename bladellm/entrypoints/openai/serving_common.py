@@ -323,8 +323,10 @@ def completion_logprobs(entries: list[list[TokenLogprob]], text_offset: int,
 
 
 def _top(t: TokenLogprob) -> TopLogprob:
-    return TopLogprob(token=t.decoded, logprob=_lp(t.logprob),
-                      bytes=list(t.decoded.encode("utf-8")))
+    # ``bytes``: the token's raw bytes (a piece of a multi-byte character for a token whose
+    # ``token`` string is U+FFFD), so consecutive tokens' bytes concatenate to the text's UTF-8.
+    raw = t.token_bytes if t.token_bytes is not None else t.decoded.encode("utf-8")
+    return TopLogprob(token=t.decoded, logprob=_lp(t.logprob), bytes=list(raw))
 
 
 def chat_logprobs(entries: list[list[TokenLogprob]]) -> ChatLogprobs:
