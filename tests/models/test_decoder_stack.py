@@ -152,9 +152,11 @@ def test_layouts_it_does_not_take(tiny_model_factory):
     assert CompiledDecoderStack.build(llama.model, Kernels()) is None  # reference kernels
 
 
-def test_engine_uses_it_unless_enforce_eager(tiny_model_factory):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_uses_it_unless_enforce_eager(tiny_model_factory, dtype):
     """End to end: the engine attaches the stack (and --enforce_eager keeps the modules), and
-    greedy tokens are the same either way, with decodes batched and a prefill chunked."""
+    greedy tokens are the same either way, with decodes batched and a prefill chunked (bf16:
+    on pair panels where the machine packs them)."""
     from bladellm import LLM, SamplingParams
 
     model_dir = tiny_model_factory("llama")
@@ -162,7 +164,7 @@ def test_engine_uses_it_unless_enforce_eager(tiny_model_factory):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens, stacks = [], []
     for eager in (False, True):
-        llm = LLM(model=model_dir, dtype="float32", enforce_eager=eager, max_num_seqs=4,
+        llm = LLM(model=model_dir, dtype=dtype, enforce_eager=eager, max_num_seqs=4,
                   max_num_batched_tokens=16, block_size=4)
         runner = llm.engine.core.executor.worker.model_runner
         stacks.append(runner.model.model.compiled_stack)
