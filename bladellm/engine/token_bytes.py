@@ -25,6 +25,8 @@ import re
 import weakref
 from typing import Any
 
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 BYTE_LEVEL = "byte_level"
 SENTENCEPIECE = "sentencepiece"
 TEXT = "text"
@@ -33,20 +35,7 @@ _SP_SPACE = "\u2581"  # ▁
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (as transformers' ``bytes_to_unicode``)."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
+# GPT-2's byte -> printable character table, inverted.
 _UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
 
