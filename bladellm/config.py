@@ -8,6 +8,7 @@ generated from these dataclasses, so a new flag is a new documented field here. 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +31,37 @@ def _check(cond: bool, name: str, msg: str) -> None:
 
 
 def parse_size(value: int | str) -> int:
-    """Parse a byte size such as ``4GiB``, ``512MB``, ``1073741824``."""
+    """Parse a byte size such as ``4GiB``, ``512MB``, ``1073741824``.
+
+    ValueError for anything that is not a finite number of bytes (``inf``, ``nan``, ``1e999``
+    included: ``int(float("inf"))`` would be an OverflowError)."""
     if isinstance(value, int):
         return value
     text = str(value).strip().lower().replace("ib", "").replace("b", "")
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    scale = 1
     if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(float(text))
+        text, scale = text[:-1], units[text[-1]]
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"not a finite size: {value!r}")
+    return int(number * scale)
+
+
+def _non_default(obj: Any, names: tuple[str, ...] | None = None) -> list[str]:
+    """The fields of dataclass ``obj`` (or those of ``names``) whose value is not the default."""
+    out = []
+    for f in dataclasses.fields(obj):
+        if names is not None and f.name not in names:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
+            else f.default
+        value = getattr(obj, f.name)
+        if default is None and isinstance(value, (list, tuple)) and not value:
+            continue  # an empty list of a None-default list flag gives nothing either
+        if value != default:
+            out.append(f.name)
+    return out
 
 
 ATTN_BACKENDS = ("auto", "paged", "torch", "triton")
@@ -66,7 +90,11 @@ class ModelConfig:
         default=False, metadata={"help": "Allow model code from the model directory."})
     served_model_name: str | None = field(
         default=None, metadata={"help": "Model name in the API; defaults to the directory name."})
-    seed: int = field(default=0, metadata={"help": "Seed for unseeded sampling."})
+    seed: int = field(
+        default=0,
+        metadata={"help": "The engine's random seed: sampling of requests that carry no seed "
+                          "of their own is reproducible for a given --seed (and it seeds "
+                          "--load_format dummy weights)."})
     enforce_eager: bool = field(
         default=False,
         metadata={"help": "Run every decoder layer through its PyTorch module on every step. "
@@ -105,6 +133,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model", "must not be empty")
+        # '' would serve under the default name while /metrics labels it ''.
+        _check(self.served_model_name is None or bool(self.served_model_name.strip()),
+               "served_model_name", f"must not be empty, got {self.served_model_name!r}")
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len",
                f"must be positive, got {self.max_model_len}")
@@ -160,8 +191,13 @@ class CacheConfig:
             try:
                 size = parse_size(self.kv_cache_memory)
             except ValueError:
-                raise ValueError(f"--kv_cache_memory: cannot parse {self.kv_cache_memory!r}")
+                raise ValueError(
+                    f"--kv_cache_memory: cannot parse {self.kv_cache_memory!r}") from None
             _check(size > 0, "kv_cache_memory", "must be positive")
+            # --num_kv_blocks wins (platforms/cpu_defaults.py): the size would be ignored.
+            _check(self.num_kv_blocks is None, "kv_cache_memory",
+                   "cannot be combined with --num_kv_blocks (which sets the KV cache size "
+                   "itself); give one of them")
         _check(self.kv_cache_quant in KV_CACHE_QUANTS, "kv_cache_quant",
                f"must be one of {', '.join(KV_CACHE_QUANTS)}, got {self.kv_cache_quant!r}")
 
@@ -337,6 +373,12 @@ class DraftConfig:
                f"must be one of {_DTYPES}, got {self.dtype!r}")
 
 
+# SpeculativeConfig fields that only one --decode_algo reads (spec_decode/draft_model.py,
+# spec_decode/lookahead.py, core/scheduler.py).
+_SPEC_ALGO_FIELDS = {"gamma": "sps", "look_ahead_window_size": "look_ahead",
+                     "look_ahead_gram_size": "look_ahead", "guess_set_size": "look_ahead"}
+
+
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding (draft model) and lookahead decoding; see docs/speculative.md."""
@@ -398,6 +440,11 @@ class SpeculativeConfig:
         if not self.enabled:
             _check(self.spec_policy == "cost", "spec_policy",
                    "only used with --decode_algo sps / look_ahead")
+        # Each algorithm's own knobs: given with another one they would be silently ignored.
+        for name in _non_default(self, _SPEC_ALGO_FIELDS):
+            algo = _SPEC_ALGO_FIELDS[name]
+            _check(self.decode_algo == algo, name,
+                   f"only used with --decode_algo {algo} (got --decode_algo {self.decode_algo})")
 
     @property
     def enabled(self) -> bool:
@@ -487,6 +534,10 @@ class LoRAConfig:
                           "resolved before the check."})
 
     def __post_init__(self) -> None:
+        if not self.enable_lora:
+            # Every LoRA knob is read only by the LoRA path: without it it would be ignored.
+            for name in _non_default(self):
+                _check(False, name, "only used with --enable_lora")
         _check(self.max_lora_rank >= 1, "max_lora_rank",
                f"must be >= 1, got {self.max_lora_rank}")
         _check(self.max_loras >= 1, "max_loras", f"must be >= 1, got {self.max_loras}")
@@ -500,9 +551,6 @@ class LoRAConfig:
             name, sep, path = item.partition("=")
             _check(bool(sep and name.strip() and path.strip()), "lora_modules",
                    f"expected name=path, got {item!r}")
-        if not self.enable_lora:
-            _check(not self.lora_modules and not self.lora_root, "enable_lora",
-                   "--lora_modules / --lora_root need --enable_lora")
 
     @property
     def named_modules(self) -> dict[str, str]:
@@ -541,8 +589,9 @@ class EngineConfig:
                    "--decode_algo sps needs a draft model directory")
         else:
             # A draft flag that nothing would use must not be silently ignored.
-            _check(self.draft.model is None, "draft.model",
-                   f"only used with --decode_algo sps (got --decode_algo {spec.decode_algo})")
+            for name in _non_default(self.draft):
+                _check(False, DraftConfig.cli_prefix + name,
+                       f"only used with --decode_algo sps (got --decode_algo {spec.decode_algo})")
         if self.parallel.world_size > 1:
             # Not built on the tensor-parallel path yet (docs/parallel.md): refused, not ignored.
             _check(not spec.enabled, "decode_algo",

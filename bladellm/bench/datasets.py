@@ -8,6 +8,7 @@ one, prompts are random words and a word stands in for a token.
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
@@ -61,6 +62,36 @@ def parse_range(text: str, flag: str) -> tuple[int, int]:
     if len(values) != 2 or values[0] < 1 or values[1] < values[0]:
         raise ValueError(f"{flag}: expected 'A,B' with 1 <= A <= B, got {text!r}")
     return values[0], values[1]
+
+
+DATASETS = ("random", "shared_prefix", "sharegpt:FILE", "jsonl:FILE")
+
+
+def check_dataset_args(spec: str, num_groups: int = DatasetConfig.num_groups,
+                       prefix_len: int = DatasetConfig.prefix_len) -> None:
+    """Validate ``--dataset`` and its knobs before anything is sent: an unknown dataset, a
+    missing file, or a ``shared_prefix`` knob given with another dataset (where it would be
+    ignored) is a ValueError naming the flag."""
+    kind, _, arg = str(spec).partition(":")
+    if kind in ("sharegpt", "jsonl"):
+        if not arg:
+            raise ValueError(f"--dataset: {kind} needs a file, as {kind}:FILE")
+        if not os.path.isfile(arg):
+            raise ValueError(f"--dataset: no such file {arg!r}")
+    elif kind not in ("random", "shared_prefix") or arg:
+        raise ValueError(f"--dataset: unknown dataset {spec!r} ({', '.join(DATASETS)})")
+    if kind == "shared_prefix":
+        if num_groups < 1:
+            raise ValueError(f"--num_groups: must be >= 1, got {num_groups}")
+        if prefix_len < 1:
+            raise ValueError(f"--prefix_len: must be >= 1, got {prefix_len}")
+        return
+    if num_groups != DatasetConfig.num_groups:
+        raise ValueError(f"--num_groups: only used with --dataset shared_prefix "
+                         f"(got --dataset {spec})")
+    if prefix_len != DatasetConfig.prefix_len:
+        raise ValueError(f"--prefix_len: only used with --dataset shared_prefix "
+                         f"(got --dataset {spec})")
 
 
 class PromptMaker:

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 POLICIES = ("round_robin", "least_tokens", "prefix_affinity")
+# The knobs of the prefix_affinity policy only.
+_AFFINITY_FIELDS = ("affinity_block_chars", "affinity_max_blocks", "affinity_cache_blocks",
+                    "overload_margin", "affinity_balance_factor")
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -93,6 +96,13 @@ class RouterConfig:
                "affinity_balance_factor",
                f"must be 0 (off) or >= 1, got {self.affinity_balance_factor}")
         _check(self.max_retries >= 0, "max_retries", "must be >= 0")
+        if self.policy != "prefix_affinity":
+            # Read only by the prefix_affinity policy (router/policy.py, the prompt's block
+            # hashes in router/prompt.py): with another policy they would be ignored.
+            for name in _AFFINITY_FIELDS:
+                default = RouterConfig.__dataclass_fields__[name].default
+                _check(getattr(self, name) == default, name,
+                       f"only used with --policy prefix_affinity (got --policy {self.policy})")
         for name in ("health_check_interval", "health_check_timeout", "connect_timeout",
                      "request_timeout"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")

@@ -69,11 +69,13 @@ def test_llm_refuses_before_anything_loads(kwargs, flag):
 
 
 def test_limits_are_inclusive():
-    for kwargs in ({"gamma": 1}, {"gamma": 16}, {"look_ahead_window_size": 1},
+    for kwargs in ({"gamma": 1}, {"gamma": 16}):
+        SpeculativeConfig(decode_algo="sps", **kwargs)
+    for kwargs in ({"look_ahead_window_size": 1},
                    {"look_ahead_window_size": 16}, {"look_ahead_gram_size": 2},
                    {"look_ahead_gram_size": 8}, {"guess_set_size": 1},
                    {"guess_set_size": 16}):
-        SpeculativeConfig(**kwargs)
+        SpeculativeConfig(decode_algo="look_ahead", **kwargs)
     assert SpeculativeConfig(decode_algo="look_ahead", look_ahead_gram_size=8).max_spec_tokens == 7
     assert SpeculativeConfig(decode_algo="sps", gamma=16).max_spec_tokens == 16
 
@@ -120,3 +122,64 @@ def test_cost_rule_flags_accepted_where_used():
     engine, _ = parse_args(["--model", "m", "--decode_algo", "look_ahead",
                             "--spec_step_overhead", "40"])
     assert engine.speculative.spec_step_overhead == 40.0
+
+
+# Each algorithm's knobs are read by that algorithm only (gamma: spec_decode/draft_model.py and
+# the scheduler's sps lookahead slots; the look_ahead sizes: spec_decode/lookahead.py and the
+# scheduler's tree shapes): given with another --decode_algo they are refused, not ignored.
+@pytest.mark.parametrize("algo", ["normal", "look_ahead"])
+def test_gamma_only_with_sps(algo):
+    with pytest.raises(ValueError, match=_match("--gamma") + " only used with --decode_algo sps"):
+        SpeculativeConfig(decode_algo=algo, gamma=3)
+    SpeculativeConfig(decode_algo=algo, gamma=4)  # the default is not "given"
+
+
+@pytest.mark.parametrize("algo", ["normal", "sps"])
+@pytest.mark.parametrize("name,value", [("look_ahead_window_size", 3),
+                                        ("look_ahead_gram_size", 5), ("guess_set_size", 2)])
+def test_look_ahead_sizes_only_with_look_ahead(algo, name, value):
+    with pytest.raises(ValueError,
+                       match=_match("--" + name) + " only used with --decode_algo look_ahead"):
+        SpeculativeConfig(decode_algo=algo, **{name: value})
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--gamma", "3"], "--gamma"),
+    (["--decode_algo", "look_ahead", "--gamma", "3"], "--gamma"),
+    (["--decode_algo", "sps", "--draft.model", "d", "--guess_set_size", "2"], "--guess_set_size"),
+    (["--look_ahead_window_size", "2"], "--look_ahead_window_size"),
+    (["--look_ahead_gram_size", "3"], "--look_ahead_gram_size"),
+])
+def test_other_algorithms_knobs_are_usage_errors(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model", "m", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag}: only used with" in err
+
+
+@pytest.mark.parametrize("kwargs,flag", [
+    ({"draft_model": "/d"}, "--draft.model"),
+    ({"draft_attn_cls": "torch"}, "--draft.attn_cls"),
+    ({"draft_dtype": "float32"}, "--draft.dtype"),
+    ({"decode_algo": "look_ahead", "draft_dtype": "bfloat16"}, "--draft.dtype"),
+    ({"decode_algo": "look_ahead", "draft_attn_cls": "paged"}, "--draft.attn_cls"),
+])
+def test_draft_flags_only_with_sps(kwargs, flag):
+    with pytest.raises(ValueError, match=_match(flag) + " only used with --decode_algo sps"):
+        EngineConfig.from_kwargs(model="m", **kwargs)
+
+
+def test_draft_flags_accepted_with_sps():
+    cfg = EngineConfig.from_kwargs(model="m", decode_algo="sps", draft_model="/d",
+                                   draft_attn_cls="torch", draft_dtype="float32", gamma=2)
+    assert (cfg.draft.attn_cls, cfg.draft.dtype, cfg.speculative.gamma) == ("torch", "float32", 2)
+    engine, _ = parse_args(["--model", "m", "--decode_algo", "look_ahead",
+                            "--look_ahead_window_size", "2", "--guess_set_size", "3"])
+    assert engine.speculative.look_ahead_window_size == 2
+
+
+def test_draft_flags_on_the_command_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--model", "m", "--draft.dtype", "float32"])
+    assert exc.value.code == 2 and "error: --draft.dtype" in capsys.readouterr().err

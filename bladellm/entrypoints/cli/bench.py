@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import platform
 import random
@@ -18,7 +19,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from bladellm.bench.client import RequestOptions, fetch_model_name
-from bladellm.bench.datasets import DatasetConfig, build_dataset, load_tokenizer, parse_range
+from bladellm.bench.datasets import (DatasetConfig, build_dataset, check_dataset_args,
+                                     load_tokenizer, parse_range)
 from bladellm.bench.metrics import SLO, max_qps_meeting_slo, parse_slo
 from bladellm.bench.plots import plot_runs
 from bladellm.bench.report import (format_markdown_comparison, format_table, load_json,
@@ -67,8 +69,10 @@ def build_run_parser() -> argparse.ArgumentParser:
               "else random words, one word ~ one token)")
     _add(p, "--input_len_range", default="128,128", help="prompt tokens A,B (uniform)")
     _add(p, "--output_len_range", default="128,128", help="max output tokens A,B (uniform)")
-    _add(p, "--num_groups", type=int, default=4, help="shared_prefix: number of system prompts")
-    _add(p, "--prefix_len", type=int, default=512, help="shared_prefix: system prompt tokens")
+    _add(p, "--num_groups", type=int, default=DatasetConfig.num_groups,
+         help="shared_prefix: number of system prompts")
+    _add(p, "--prefix_len", type=int, default=DatasetConfig.prefix_len,
+         help="shared_prefix: system prompt tokens")
     _add(p, "--num_prompts", type=int, default=100, help="requests per rate")
     _add(p, "--request_rate", default="inf",
          help="comma list of req/s to sweep, 'inf' sends all at once (e.g. 1,2,4,8,inf)")
@@ -82,12 +86,14 @@ def build_run_parser() -> argparse.ArgumentParser:
     _add(p, "--seed", type=int, default=0, help="seeds prompts and arrival times")
     _add(p, "--slo", default=None, help="goodput targets in ms, e.g. ttft:500,tpot:50[,e2e:MS]")
     _add(p, "--slo_target", type=float, default=0.9,
-         help="a rate meets the SLO when this fraction of its requests does (for plots)")
+         help="a rate meets the SLO when this fraction of its requests does (for plots); "
+              "in (0, 1]")
     _add(p, "--num_warmup", type=int, default=0, help="requests sent first and not measured")
     _add(p, "--output_dir", default="bench_results",
          help="where the result JSON, CSV and plots are written")
     _add(p, "--label", default=None, help="name of this run/server (file names, plot legend)")
-    _add(p, "--request_timeout", type=float, default=3600.0, help="seconds per request")
+    _add(p, "--request_timeout", type=float, default=3600.0,
+         help="seconds per request (> 0, finite)")
     _add(p, "--no_usage", action="store_true",
          help="don't send stream_options.include_usage (count chunks as tokens)")
     _add(p, "--plot_stat", choices=("mean", "p50", "p90", "p99"), default="mean",
@@ -105,7 +111,7 @@ def build_plot_parser() -> argparse.ArgumentParser:
     _add(p, "--output_dir", default=".", help="where the plots and comparison.md go")
     _add(p, "--slo", default=None, help="re-judge goodput under this SLO (default: the files')")
     _add(p, "--slo_target", type=float, default=0.9,
-         help="a rate meets the SLO when this fraction of its requests does")
+         help="a rate meets the SLO when this fraction of its requests does; in (0, 1]")
     _add(p, "--stat", choices=("mean", "p50", "p90", "p99"), default="mean",
          help="statistic drawn on the latency axes")
     _add(p, "--labels", default=None, help="comma list of legend names, one per file "
@@ -120,8 +126,19 @@ def _dataset_config(args: argparse.Namespace, seed: str) -> DatasetConfig:
                          num_groups=args.num_groups, prefix_len=args.prefix_len, seed=seed)
 
 
+def _check_slo_target(value: float) -> None:
+    if not 0 < value <= 1:  # also refuses nan
+        raise ValueError(f"--slo_target: must be a fraction in (0, 1], got {value}")
+
+
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every run option is checked here, before any server is contacted."""
     try:
+        check_dataset_args(args.dataset, args.num_groups, args.prefix_len)
+        _check_slo_target(args.slo_target)
+        if not (args.request_timeout > 0 and math.isfinite(args.request_timeout)):
+            raise ValueError(f"--request_timeout: must be a positive number of seconds, "
+                             f"got {args.request_timeout}")
         args.input_len_range = parse_range(args.input_len_range, "--input_len_range")
         args.output_len_range = parse_range(args.output_len_range, "--output_len_range")
         args.rates = parse_rates(args.request_rate)
@@ -132,7 +149,7 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             raise ValueError("--num_prompts must be >= 1")
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError("--max_concurrency must be >= 1")
-        if args.burstiness <= 0:
+        if not (args.burstiness > 0 and math.isfinite(args.burstiness)):
             raise ValueError("--burstiness must be > 0")
         if args.num_warmup < 0:
             raise ValueError("--num_warmup must be >= 0")
@@ -222,6 +239,7 @@ def plot_main(argv: list[str]) -> int:
     parser = build_plot_parser()
     args = parser.parse_args(argv)
     try:
+        _check_slo_target(args.slo_target)
         slo = parse_slo(args.slo) if args.slo else None
         runs = [load_json(f) for f in args.files]
     except (ValueError, OSError) as exc:

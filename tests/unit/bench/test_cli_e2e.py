@@ -127,3 +127,45 @@ def test_help_documents_every_option_and_the_plot_subcommand(capsys):
     with pytest.raises(SystemExit):
         main(["plot", "--help"])
     assert "(default: mean)" in capsys.readouterr().out
+
+
+# Every option is checked before any server is contacted: the URL below refuses connections, so
+# a check that came later would end in "cannot list models" (exit message), not in a usage error.
+@pytest.mark.parametrize("extra,flag", [
+    (["--num_groups", "8"], "--num_groups"),  # shared_prefix knob with --dataset random
+    (["--prefix_len", "64"], "--prefix_len"),
+    (["--dataset", "jsonl:" + __file__, "--num_groups", "2"], "--num_groups"),  # file exists
+    (["--dataset", "shared_prefix", "--num_groups", "0"], "--num_groups"),
+    (["--dataset", "shared_prefix", "--prefix_len", "0"], "--prefix_len"),
+    (["--dataset", "nope"], "--dataset"),
+    (["--dataset", "random:extra"], "--dataset"),
+    (["--dataset", "jsonl"], "--dataset"),
+    (["--dataset", "sharegpt:/nonexistent/sharegpt.json"], "--dataset"),
+    (["--slo_target", "0"], "--slo_target"),
+    (["--slo_target", "1.5"], "--slo_target"),
+    (["--slo_target", "nan"], "--slo_target"),
+    (["--request_timeout", "0"], "--request_timeout"),
+    (["--request_timeout", "-1"], "--request_timeout"),
+    (["--request_timeout", "inf"], "--request_timeout"),
+    (["--burstiness", "nan"], "--burstiness"),
+])
+def test_bad_options_fail_before_contacting_the_server(tmp_path, capsys, extra, flag):
+    with pytest.raises(SystemExit) as exc:
+        main(["--base_url", "http://127.0.0.1:9", "--output_dir", str(tmp_path / "out"),
+              "--disable_tqdm", *extra])
+    assert exc.value.code == 2  # argparse usage error, not the connection failure
+    err = capsys.readouterr().err
+    assert f"error: {flag}" in err  # the usage line lists every flag: match the error
+    assert not (tmp_path / "out").exists()
+
+
+def test_shared_prefix_knobs_accepted_with_shared_prefix(tmp_path, server):
+    _, run = _run(tmp_path, server, "--dataset", "shared_prefix", "--num_groups", "2",
+                  "--prefix_len", "8", "--slo_target", "1", "--request_timeout", "30")
+    assert run["dataset"] == "shared_prefix" and run["args"]["num_groups"] == 2
+
+
+def test_plot_slo_target_is_checked(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plot", str(tmp_path / "x.json"), "--slo_target", "2"])
+    assert exc.value.code == 2 and "error: --slo_target" in capsys.readouterr().err

@@ -70,3 +70,18 @@ def test_bad_specs():
     for bad in ("7,3", "0,2", "a,b", "1,2,3"):
         with pytest.raises(ValueError, match="--input_len_range"):
             parse_range(bad, "--input_len_range")
+
+
+def test_check_dataset_args():
+    from bladellm.bench.datasets import check_dataset_args
+
+    check_dataset_args("random")
+    check_dataset_args("shared_prefix", 2, 16)
+    for spec, kw, flag in [("random", {"num_groups": 2}, "--num_groups"),
+                           ("random", {"prefix_len": 8}, "--prefix_len"),
+                           ("shared_prefix", {"num_groups": 0}, "--num_groups"),
+                           ("shared_prefix", {"prefix_len": -1}, "--prefix_len"),
+                           ("bogus", {}, "--dataset"), ("sharegpt", {}, "--dataset"),
+                           ("jsonl:/nonexistent/x.jsonl", {}, "--dataset")]:
+        with pytest.raises(ValueError, match="^" + flag):
+            check_dataset_args(spec, **kw)

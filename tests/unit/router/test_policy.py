@@ -209,3 +209,27 @@ def test_router_config_balance_factor_reaches_the_policy():
     assert on.policy.balance_factor == 1.25
     with pytest.raises(ValueError, match="--affinity_balance_factor"):
         RouterConfig(instances=["http://a"], affinity_balance_factor=0.9)
+
+
+# The prefix_affinity knobs are read by that policy only (policy.py PrefixAffinity, the prompt's
+# block hashes): with another --policy they are refused, not silently ignored.
+@pytest.mark.parametrize("policy", ["round_robin", "least_tokens"])
+@pytest.mark.parametrize("name,value", [
+    ("affinity_block_chars", 64), ("affinity_max_blocks", 16), ("affinity_cache_blocks", 1024),
+    ("overload_margin", 0), ("affinity_balance_factor", 1.25)])
+def test_affinity_knobs_only_with_prefix_affinity(policy, name, value):
+    with pytest.raises(ValueError,
+                       match=f"^--{name}: only used with --policy prefix_affinity"):
+        RouterConfig(instances=["http://a"], policy=policy, **{name: value})
+    RouterConfig(instances=["http://a"], policy="prefix_affinity", **{name: value})
+    RouterConfig(instances=["http://a"], policy=policy)  # defaults are not "given"
+
+
+def test_affinity_knob_with_other_policy_is_a_usage_error(capsys):
+    from bladellm.entrypoints.cli.router import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--instances", "http://a", "--policy", "round_robin",
+                    "--overload_margin", "8"])
+    assert exc.value.code == 2 and "error: --overload_margin" in capsys.readouterr().err
+    assert parse_args(["--instances", "http://a", "--overload_margin", "8"]).overload_margin == 8
