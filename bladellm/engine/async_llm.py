@@ -27,7 +27,8 @@ from bladellm.engine.metrics import StatLogger
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
 from bladellm.lora.request import LoRARequest
-from bladellm.model.checkpoint import ResolvedModel, locate_model
+from bladellm.model.checkpoint import HUB_FLAGS, ResolvedModel, locate_model
+from bladellm.model.hub import download_model, is_model_id
 from bladellm.model.pooling_config import pooling_config
 from bladellm.engine.prompt_logprobs import to_token_logprobs
 from bladellm.outputs import RequestOutput, TokenLogprob
@@ -43,7 +44,15 @@ def _local_model_config(config: EngineConfig, resolved: ResolvedModel) -> Engine
     path = resolved.source or resolved.path
     if config.model.model in ("demo", path):
         return config
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, model=path))
+    draft = config.draft
+    if draft.model is not None and draft.model != "demo" and is_model_id(draft.model):
+        # The sps draft comes from the same hub (--model_hub, --download_dir): fetched here
+        # too, as the flags do not reach the core.
+        draft = dataclasses.replace(draft, model=download_model(
+            draft.model, None, config.model.download_dir, config.model.model_hub))
+    # The hub flags were spent on the fetch: on a local path they would be refused.
+    return dataclasses.replace(config, draft=draft, model=dataclasses.replace(
+        config.model, model=path, **HUB_FLAGS))
 
 
 class AsyncLLM:

@@ -141,10 +141,12 @@ def _default_served_name(model_dir: str) -> str:
 
 
 def model_info_for(resolved: ResolvedModel) -> ModelInfo:
-    """The API process's view of a resolved model (tokenizer from the GGUF file when served from
-    one)."""
+    """The API process's view of a resolved model: the tokenizer is ``--tokenizer`` when given,
+    else the model's own (the GGUF file's when served from one)."""
     cfg = resolved.model_config
     name = cfg.served_model_name or default_served_name(cfg.model, resolved.source or resolved.path)
-    tokenizer = resolved.gguf.load_tokenizer() if resolved.gguf is not None else None
+    tokenizer = None
+    if cfg.tokenizer is None and resolved.gguf is not None:
+        tokenizer = resolved.gguf.load_tokenizer()
     return load_model_info(resolved.path, cfg.tokenizer, cfg.trust_remote_code,
                            resolved.max_model_len, resolved.hf_config, name, tokenizer=tokenizer)

@@ -42,10 +42,18 @@ class ResolvedModel:
         if self.dtype is None:
             raise RuntimeError("load_model: the model was only located; resolve_model it")
         if self.gguf is None:
-            return load_model(self.model_config, self.hf_config, self.dtype, device,
+            model_config = self.model_config
+            if model_config.load_format == "gguf":  # the GGUF file's dense copy
+                model_config = dataclasses.replace(model_config, load_format="auto")
+            return load_model(model_config, self.hf_config, self.dtype, device,
                               attn_backend, model_dir=self.path)
         model = build_model(self.hf_config, self.dtype, device, attn_backend, self.max_model_len)
-        check_all_loaded(model, model.load_weights(self.gguf.iter_hf_weights(self.dtype)))
+        if self.model_config.load_format == "dummy":
+            from bladellm.model.loader import init_dummy_weights
+
+            init_dummy_weights(model, self.model_config.seed or 0)
+        else:
+            check_all_loaded(model, model.load_weights(self.gguf.iter_hf_weights(self.dtype)))
         return model.eval()
 
 
@@ -70,11 +78,16 @@ def locate_model(model_config: ModelConfig, snapshot_config: bool = False) -> Re
     from bladellm.model.hf_config import load_hf_config
     from bladellm.model.hub import download_model, is_model_id
 
-    source = path = resolve_model_path(model_config.model)
     if model_config.model != "demo" and is_model_id(model_config.model):
         source = path = download_model(model_config.model, model_config.revision,
                                        model_config.download_dir, model_config.model_hub)
+    else:
+        check_hub_flags(model_config)
+        source = path = resolve_model_path(model_config.model)
     is_gguf = model_config.load_format == "gguf" or path.endswith(".gguf")
+    if is_gguf and model_config.load_format in ("safetensors", "pt"):
+        raise ValueError(f"--load_format {model_config.load_format}: {path} is a GGUF file; "
+                         f"serve it with --load_format auto, gguf or dummy")
     gguf = None
     if is_gguf:
         path, gguf = _open_gguf(path)
@@ -82,6 +95,22 @@ def locate_model(model_config: ModelConfig, snapshot_config: bool = False) -> Re
         path, model_config.trust_remote_code, snapshot=snapshot_config)
     max_len = resolve_max_model_len(hf_config, model_config.max_model_len)
     return ResolvedModel(model_config, path, hf_config, None, max_len, gguf, source)
+
+
+# The flags that only say where a hub model id comes from, with their defaults.
+HUB_FLAGS = {"revision": None, "download_dir": None, "model_hub": "huggingface"}
+
+
+def check_hub_flags(model_config: ModelConfig) -> None:
+    """``--model`` is a local path or 'demo': a hub flag set to anything but its default would
+    be ignored, so it is an error naming the flag."""
+    for name, default in HUB_FLAGS.items():
+        value = getattr(model_config, name)
+        if value != default:
+            what = ("the built-in demo model" if model_config.model == "demo"
+                    else "a local path")
+            raise ValueError(f"--{name} {value}: only applies when --model is a hub model id "
+                             f"(org/name); --model {model_config.model} is {what}")
 
 
 def resolve_model(model_config: ModelConfig, snapshot_config: bool = False) -> ResolvedModel:

@@ -83,7 +83,7 @@ def load_model(model_config: ModelConfig, hf_config: Any, dtype: torch.dtype,
     model = build_model(hf_config, dtype, device, attn_backend, model_config.max_model_len,
                         quant_config)
     if model_config.load_format == "dummy":
-        init_dummy_weights(model, model_config.seed)
+        init_dummy_weights(model, model_config.seed or 0)  # --seed None: still repeatable
     elif manifest is not None:
         load_split_shard(model, model_dir)
     else:

@@ -35,10 +35,19 @@ _DRAFT_SALT = 0x2545F4914F6CDD1D  # seeded requests: the draft's draws use their
 
 
 def draft_model_config(config: EngineConfig, max_model_len: int) -> ModelConfig:
+    """The draft's ``ModelConfig``. A draft that is a hub model id comes from the target's
+    ``--model_hub`` and ``--download_dir`` (as in vLLM, where the load config is shared); its
+    revision is the hub's default branch: ``--revision`` names a revision of ``--model``'s
+    repository, not the draft's."""
+    from bladellm.model.hub import is_model_id
+
     d = config.draft
+    hub = {}
+    if d.model != "demo" and is_model_id(d.model):
+        hub = {"download_dir": config.model.download_dir, "model_hub": config.model.model_hub}
     return ModelConfig(model=d.model, dtype=d.dtype, attn_cls=d.attn_cls,
                        max_model_len=max_model_len,
-                       trust_remote_code=config.model.trust_remote_code)
+                       trust_remote_code=config.model.trust_remote_code, **hub)
 
 
 def check_draft_vocab(target_hf_config, draft_hf_config, draft_path: str) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 
+import numpy as np
 import torch
 
 from bladellm.config import EngineConfig, parse_size
@@ -21,6 +23,18 @@ from bladellm.worker.pooling import embed_prompts, prompt_logprobs, time_token_f
 logger = logging.getLogger(__name__)
 
 
+def seed_process_rngs(seed: int | None) -> None:
+    """``--seed``: seed this process's global generators (torch's, on every device, Python's and
+    NumPy's), from which a request without its own ``seed`` draws (``sample/draw.py``), so that
+    its samples repeat from one engine start to the next. None leaves them unseeded. Every rank
+    is seeded alike; only the driver samples."""
+    if seed is None:
+        return
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed & ((1 << 64) - 1))
+
+
 class Worker:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, rank: int = 0,
                  num_threads: int | None = None, local_world_size: int = 1) -> None:
@@ -30,6 +44,7 @@ class Worker:
         self.rank = rank
         self.local_world_size = local_world_size
         self.device = torch.device(config.device)
+        seed_process_rngs(config.model.seed)  # before anything draws from them
         configure_engine_threads(num_threads or config.parallel.num_threads)  # logs the choice
         logger.info("worker %d on %s (%s)", rank, self.device, detect_cpu().describe())
         # The driver samples and answers; the other ranks run their part of the forward.

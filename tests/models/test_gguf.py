@@ -676,3 +676,56 @@ def test_gguf_cache_off_and_bad_values(tiny_llama, tmp_path, gguf_cache_dir, mon
     monkeypatch.setenv("BLADELLM_GGUF_CACHE", "maybe")
     with pytest.raises(ValueError, match="BLADELLM_GGUF_CACHE"):
         _resolve(path)
+
+
+# -- flags on a .gguf --model -------------------------------------------------------------------
+
+@pytest.mark.parametrize("load_format", ["safetensors", "pt"])
+def test_gguf_refuses_other_load_formats(tiny_gguf, load_format):
+    with pytest.raises(ValueError, match=rf"^--load_format {load_format}: .*m?\.gguf is a GGUF "
+                                         rf"file; serve it with --load_format auto, gguf or dummy"):
+        _resolve(tiny_gguf(), load_format=load_format)
+
+
+@pytest.mark.parametrize("cache", ["0", "1"])
+def test_gguf_load_formats_honoured(tiny_llama, tmp_path, gguf_cache_dir, monkeypatch, cache):
+    """dummy: random weights (seeded by --seed), whether the file is read itself or through its
+    dense copy; gguf: the file's weights, as auto."""
+    from bladellm.model.loader import build_model, init_dummy_weights
+
+    monkeypatch.setenv("BLADELLM_GGUF_CACHE", cache)
+    path = write_gguf(tiny_llama, tmp_path / "m.gguf")
+    cpu = torch.device("cpu")
+    real = _resolve(path, dtype="float32").load_model(cpu, None).state_dict()
+    as_gguf = _resolve(path, dtype="float32", load_format="gguf")
+    assert (as_gguf.gguf is None) == (cache == "1")
+    for name, tensor in as_gguf.load_model(cpu, None).state_dict().items():
+        torch.testing.assert_close(tensor, real[name], rtol=0, atol=0, msg=name)
+    dummy = _resolve(path, dtype="float32", load_format="dummy", seed=3)
+    assert (dummy.gguf is None) == (cache == "1")
+    expected = build_model(dummy.hf_config, torch.float32, cpu, None)
+    init_dummy_weights(expected, 3)
+    expected = expected.state_dict()
+    state = dummy.load_model(cpu, None).state_dict()
+    assert not torch.equal(state["model.embed_tokens.weight"], real["model.embed_tokens.weight"])
+    for name, tensor in state.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("cache", ["0", "1"])
+def test_gguf_tokenizer_flag_wins(tiny_llama, tmp_path, gguf_cache_dir, monkeypatch, cache):
+    """--tokenizer replaces the GGUF file's own tokenizer whether the file is served itself or
+    through its dense copy."""
+    import shutil
+
+    from bladellm.engine.model_info import model_info_for
+
+    monkeypatch.setenv("BLADELLM_GGUF_CACHE", cache)
+    path = write_gguf(tiny_llama, tmp_path / "m.gguf")
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(tiny_llama, tok_dir)
+    (tok_dir / "chat_template.jinja").write_text("custom {{ messages }}")
+    resolved = _resolve(path, tokenizer=str(tok_dir))
+    assert (resolved.gguf is None) == (cache == "1")
+    assert model_info_for(resolved).tokenizer.chat_template == "custom {{ messages }}"
+    assert model_info_for(_resolve(path)).tokenizer.chat_template != "custom {{ messages }}"

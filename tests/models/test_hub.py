@@ -91,3 +91,68 @@ def test_modelscope_is_used_when_selected(tiny_llama, tmp_path, monkeypatch):
 def test_bad_hub_name():
     with pytest.raises(ValueError, match="--model_hub"):
         ModelConfig(model_hub="github")
+
+
+@pytest.mark.parametrize("flag,value", [("revision", "v2"), ("download_dir", "/tmp/hub"),
+                                        ("model_hub", "modelscope")])
+@pytest.mark.parametrize("local", ["dir", "gguf", "demo"])
+def test_hub_flags_refused_for_a_local_model(tiny_llama, tmp_path, flag, value, local):
+    """They only say where a model id comes from: with a local --model they would be ignored."""
+    model = {"dir": tiny_llama, "gguf": str(tmp_path / "m.gguf"), "demo": "demo"}[local]
+    with pytest.raises(ValueError, match=rf"^--{flag} {value}: only applies when --model is a "
+                                         rf"hub model id"):
+        resolve_model(ModelConfig(model=model, **{flag: value}))
+
+
+def _fake_modelscope(monkeypatch, paths: dict[str, str]) -> list:
+    calls = []
+
+    def snapshot_download(model_id, **kwargs):
+        calls.append((model_id, kwargs))
+        return paths[model_id]
+
+    monkeypatch.setitem(sys.modules, "modelscope", type(sys)("modelscope"))
+    sys.modules["modelscope"].snapshot_download = snapshot_download
+    return calls
+
+
+def test_draft_id_comes_from_the_same_hub(tiny_llama, tmp_path, monkeypatch):
+    """--model_hub and --download_dir apply to a --draft.model id too; --revision is --model's."""
+    from bladellm.config import EngineConfig
+    from bladellm.spec_decode.draft_model import draft_model_config
+
+    calls = _fake_modelscope(monkeypatch, {"acme/draft": tiny_llama})
+    cfg = EngineConfig.from_kwargs(model="acme/target", model_hub="modelscope", revision="v1",
+                                   download_dir=str(tmp_path), decode_algo="sps",
+                                   draft_model="acme/draft")
+    draft = draft_model_config(cfg, 128)
+    assert (draft.model_hub, draft.download_dir, draft.revision) == (
+        "modelscope", str(tmp_path), None)
+    assert resolve_model(draft).path == tiny_llama
+    assert calls == [("acme/draft", {"cache_dir": str(tmp_path)})]
+    # A local draft keeps the defaults (they would be refused on a local path).
+    local = EngineConfig.from_kwargs(model="acme/target", model_hub="modelscope",
+                                     decode_algo="sps", draft_model=tiny_llama)
+    assert resolve_model(draft_model_config(local, 128)).path == tiny_llama
+
+
+def test_api_process_hands_the_core_local_paths(tiny_llama, tmp_path, monkeypatch):
+    """The core gets the fetched directories of --model and --draft.model, without the hub flags
+    (spent on the fetch, refused on a local path)."""
+    from bladellm.config import EngineConfig
+    from bladellm.engine.async_llm import _local_model_config
+    from bladellm.model.checkpoint import locate_model
+
+    draft_dir = str(tmp_path / "draft")
+    shutil.copytree(tiny_llama, draft_dir)
+    calls = _fake_modelscope(monkeypatch, {"acme/target": tiny_llama, "acme/draft": draft_dir})
+    cfg = EngineConfig.from_kwargs(model="acme/target", model_hub="modelscope", revision="v1",
+                                   download_dir=str(tmp_path), decode_algo="sps",
+                                   draft_model="acme/draft")
+    core = _local_model_config(cfg, locate_model(cfg.model))
+    assert (core.model.model, core.draft.model) == (tiny_llama, draft_dir)
+    assert (core.model.revision, core.model.download_dir, core.model.model_hub) == (
+        None, None, "huggingface")
+    assert calls == [("acme/target", {"cache_dir": str(tmp_path), "revision": "v1"}),
+                     ("acme/draft", {"cache_dir": str(tmp_path)})]
+    resolve_model(core.model)  # the core's config resolves as it is

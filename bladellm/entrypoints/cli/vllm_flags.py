@@ -62,11 +62,12 @@ FIXED: dict[str, str] = {
     "--disable-log-requests": "request contents are never logged",
     "--enable-auto-tool-choice": "tool calls are parsed whenever a request sends tools with "
                                  "tool_choice auto (Hermes / Llama 3 formats, auto-detected)",
-    "--no-disable-log-requests": "request contents are never logged",
 }
 OPPOSITE_OF_FIXED: dict[str, str] = {
     "--no-enable-chunked-prefill": "chunked prefill cannot be turned off",
     "--enable-log-requests": "logging request contents is not supported",
+    # vLLM: "not disabled" = request logging on.
+    "--no-disable-log-requests": "logging request contents is not supported",
 }
 
 # ---- --tool-call-parser NAME -------------------------------------------------------------------

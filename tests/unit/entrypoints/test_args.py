@@ -132,6 +132,9 @@ def test_quantization_flag_is_ours_now():
      "--reasoning-parser: this vLLM flag is not supported yet"),
     (["-q", "awq"], "-q: this vLLM flag is not supported yet"),
     (["--no-enable-chunked-prefill"], "chunked prefill cannot be turned off"),
+    # vLLM's --no-disable-log-requests turns request logging on, as --enable-log-requests does
+    (["--no-disable-log-requests"], "logging request contents is not supported"),
+    (["--enable-log-requests"], "logging request contents is not supported"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype: invalid value 'fp8': only auto is "
                                   "supported (fp8 KV caches are not); for a quantized KV cache "
                                   "use --kv_cache_quant int8"),
