@@ -8,8 +8,8 @@ import re
 from bladellm.attention.kv_cache import kv_bytes_per_block
 from bladellm.check.result import FAILED, PASS, WARNING, CheckResult
 from bladellm.config import EngineConfig, parse_size
-from bladellm.platforms.cpu_defaults import (GiB, cgroup_memory_limit, kv_cache_num_blocks,
-                                             total_memory_bytes)
+from bladellm.platforms.cpu_defaults import (GiB, KVCacheSizeError, cgroup_memory_limit,
+                                             kv_cache_num_blocks, total_memory_bytes)
 
 TIGHT_FRACTION = 0.9  # needing more than this share of what is available is a warning
 
@@ -62,6 +62,8 @@ def model_memory(config: EngineConfig) -> tuple[int, int, str]:
 def check_memory(config: EngineConfig, available: int | None = None) -> CheckResult:
     try:
         weights, kv, desc = model_memory(config)
+    except KVCacheSizeError as exc:
+        return CheckResult("memory", FAILED, str(exc))
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         return CheckResult("memory", FAILED, f"cannot read --model {config.model.model!r}: "
                                              f"{type(exc).__name__}: {exc}")

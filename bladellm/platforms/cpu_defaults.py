@@ -101,6 +101,10 @@ def model_weight_bytes(model: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+class KVCacheSizeError(ValueError):
+    """An explicit ``--num_kv_blocks`` / ``--kv_cache_memory`` that this machine cannot hold."""
+
+
 def kv_cache_num_blocks(num_kv_blocks: int | None, kv_cache_bytes: int | None,
                         bytes_per_block: int,
                         max_num_seqs: int, max_model_len: int, block_size: int,
@@ -109,10 +113,18 @@ def kv_cache_num_blocks(num_kv_blocks: int | None, kv_cache_bytes: int | None,
     (``kv_cache_bytes``), or auto (``kv_cache_bytes`` None: ``auto_kv_cache_bytes``, never more
     than ``--max_num_seqs`` full-length requests can use, +1 for the null block). The worker and
     ``blade_llm_check`` both size the pool with it."""
-    if num_kv_blocks is not None:
-        return num_kv_blocks
-    if kv_cache_bytes is not None:
-        return max(2, kv_cache_bytes // bytes_per_block)
+    if num_kv_blocks is not None or kv_cache_bytes is not None:
+        flag = "--num_kv_blocks" if num_kv_blocks is not None else "--kv_cache_memory"
+        blocks = (num_kv_blocks if num_kv_blocks is not None
+                  else max(2, kv_cache_bytes // bytes_per_block))
+        # An explicit size past the machine would fail at allocation with torch's bare
+        # RuntimeError (or, overcommitted, swap the machine to a halt once the pool fills).
+        if blocks * bytes_per_block + weight_bytes > total_memory:
+            raise KVCacheSizeError(
+                f"{flag}: {blocks} KV blocks take {blocks * bytes_per_block / GiB:.2f} GiB, "
+                f"which with the weights' {weight_bytes / GiB:.2f} GiB exceeds this rank's "
+                f"{total_memory / GiB:.2f} GiB of memory")
+        return blocks
     usable = max_num_seqs * -(-max_model_len // block_size)
     budget = auto_kv_cache_bytes(total_memory, weight_bytes)
     return max(2, min(budget // bytes_per_block, usable + 1))

@@ -61,7 +61,8 @@ def test_too_little_memory_and_a_taken_port_fail_with_exit_1(tiny_llama, capsys)
     report = json.loads(capsys.readouterr().out)
     by_name = {c["name"]: c for c in report["checks"]}
     assert by_name["memory"]["status"] == FAILED
-    assert "KV cache 100000.00 GiB" in by_name["memory"]["detail"]
+    assert "--kv_cache_memory: " in by_name["memory"]["detail"]
+    assert "take 100000.00 GiB" in by_name["memory"]["detail"]
     assert by_name[f"port_{port}"]["status"] == FAILED
     assert report["summary"][FAILED] == 2 and report["ok"] is False and rc == 1
 
@@ -86,6 +87,8 @@ def test_memory_check_fails_when_available_memory_is_short(tiny_llama):
     assert check_memory(cfg, available=1000).status == FAILED
     bad = check_memory(EngineConfig.from_kwargs(model="/nonexistent/model"))
     assert bad.status == FAILED and "cannot read --model" in bad.detail
+    huge = check_memory(EngineConfig.from_kwargs(model=tiny_llama, kv_cache_memory="99999TiB"))
+    assert huge.status == FAILED and huge.detail.startswith("--kv_cache_memory: ")
 
 
 def test_memory_check_counts_int8_kv_blocks_with_their_scales(tiny_llama):

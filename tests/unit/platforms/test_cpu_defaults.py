@@ -178,6 +178,22 @@ def test_auto_kv_cache_is_a_quarter_of_what_the_weights_leave_capped():
     assert auto_kv_cache_bytes(8 * GiB, 10 * GiB) == 0  # no room: the scheduler names the flag
 
 
+def test_explicit_kv_cache_larger_than_the_machine_names_the_flag():
+    """--num_kv_blocks / --kv_cache_memory past what the machine holds is a ValueError naming
+    the flag, not torch's allocation failure (or a swapping machine) later."""
+    from bladellm.platforms.cpu_defaults import KVCacheSizeError, kv_cache_num_blocks
+
+    per_block, weights, total = 1 << 20, 2 * GiB, 8 * GiB
+    args = dict(bytes_per_block=per_block, max_num_seqs=4, max_model_len=64, block_size=16,
+                weight_bytes=weights, total_memory=total)
+    assert kv_cache_num_blocks(1024, None, **args) == 1024
+    assert kv_cache_num_blocks(None, 6 * GiB, **args) == 6 * 1024  # exactly fits
+    with pytest.raises(KVCacheSizeError, match="--num_kv_blocks: 7000 KV blocks"):
+        kv_cache_num_blocks(7000, None, **args)
+    with pytest.raises(ValueError, match="--kv_cache_memory: .* exceeds this rank's 8.00 GiB"):
+        kv_cache_num_blocks(None, 99999 * GiB, **args)
+
+
 def test_total_memory_ignores_memory_in_use():
     """The old default took a share of *free* memory, so the pool changed from run to run."""
     before = total_memory_bytes()
