@@ -498,6 +498,8 @@ class GuidedDecodingConfig:
                f"must be >= 1000, got {self.guided_max_grammar_size}")
         _check(not self.json_warmup_schemas or self.enable_json_warmup, "json_warmup_schemas",
                "needs --enable_json_warmup")
+        _check(not self.enable_json_warmup or self.guided_cache_size > 0, "enable_json_warmup",
+               "needs --guided_cache_size > 0 (the warm-up fills that cache)")
 
 
 _LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")

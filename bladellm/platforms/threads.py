@@ -55,6 +55,12 @@ def configure_engine_threads(num_threads: int | None) -> int:
 
     cpu = detect_cpu()
     n = engine_threads(num_threads, cpu.num_cpus)
+    if n > cpu.num_cpus:
+        # Allowed (a user may know better, e.g. SMT siblings the affinity mask hides), but
+        # threads past the usable CPUs wait on each other at every parallel region's barrier.
+        logger.warning("%d engine threads (--num_threads or OMP_NUM_THREADS) for %d usable "
+                       "CPUs: the threads oversubscribe them and each step waits on the ones "
+                       "set aside (docs/cpu.md)", n, cpu.num_cpus)
     torch.set_num_threads(n)
     waits = [f"{k}={v}" for k, v in envs.omp_wait_settings().items()]
     logger.info("engine threads: %d (%d usable CPUs; OpenMP %s)", n, cpu.num_cpus,

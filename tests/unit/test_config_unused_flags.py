@@ -103,3 +103,14 @@ def test_seed_help_says_what_it_seeds():
     help_text = ModelConfig.__dataclass_fields__["seed"].metadata["help"]
     assert "reproducible" in help_text and "dummy" in help_text
     assert ModelConfig().seed == 0
+
+
+# ---- JSON warm-up without the grammar cache it fills --------------------------------------------
+
+def test_json_warmup_needs_the_grammar_cache():
+    from bladellm.config import GuidedDecodingConfig
+
+    with pytest.raises(ValueError, match=_match("--enable_json_warmup") + " needs --guided_cache"):
+        GuidedDecodingConfig(enable_json_warmup=True, guided_cache_size=0)
+    GuidedDecodingConfig(enable_json_warmup=True)
+    GuidedDecodingConfig(guided_cache_size=0)

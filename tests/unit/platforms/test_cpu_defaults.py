@@ -130,6 +130,21 @@ def _cgroup(tmp_path, files: dict[str, str], self_cgroup: str) -> tuple[str, str
     return str(tmp_path), self_cgroup
 
 
+def test_more_threads_than_usable_cpus_warns(monkeypatch, caplog):
+    import bladellm.platforms.threads as threads
+
+    monkeypatch.setattr(threads, "detect_cpu", lambda: CpuInfo("x", frozenset({"avx2"}), 2))
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.WARNING, logger="bladellm.platforms.threads"):
+            assert threads.configure_engine_threads(2) == 2
+            assert not caplog.records
+            assert threads.configure_engine_threads(5) == 5
+        assert "5 engine threads" in caplog.text and "2 usable CPUs" in caplog.text
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_cpu_quota_cuts_usable_cpus(tmp_path):
     # cgroup v2: 1.5 CPUs of quota on a 16-CPU affinity set -> 1 thread
     root, me = _cgroup(tmp_path, {"job/cpu.max": "150000 100000"}, "0::/job")
