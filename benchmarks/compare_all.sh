@@ -22,6 +22,13 @@ DATASETS=${DATASETS:-random shared}
 PYTHON=${PYTHON:-python}
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# Every published number states the machine: CPU model and ISA flags, versions, commit.
+{
+    lscpu | grep -E '^(Model name|CPU\(s\)|Flags)'
+    echo "bladellm $(git -C "$ROOT" rev-parse --short HEAD)"
+    "$PYTHON" -c "import torch, transformers; print('torch', torch.__version__, '/ transformers', transformers.__version__)"
+    "$PYTHON" -c "from bladellm.platforms.cpu import detect_cpu; print('kernels ISA:', detect_cpu().isa)"
+} > "$OUT/machine.txt" 2>&1 || true
 
 # Model directories (made once, cached in the temp dir) and llama.cpp's GGUF for each.
 LLAMA88M=$("$PYTHON" -c "
