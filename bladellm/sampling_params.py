@@ -7,11 +7,32 @@ Invalid values raise ``ValueError`` naming the field.
 from __future__ import annotations
 
 import json
+import numbers
 from typing import Any
 
 import msgspec
 
 _MAX_LOGPROBS = 20
+
+
+class SamplingParamsTypeError(TypeError, ValueError):
+    """A sampling parameter of the wrong type (a ValueError too, so callers that turn invalid
+    parameters into a 400 keep doing so)."""
+
+
+_INT_FIELDS = ("n", "top_k", "min_tokens")
+_OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+_BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 class GuidedDecodingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -103,9 +124,68 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_types()
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+
+    def _check_types(self) -> None:
+        """Wrong types name the parameter (a Struct does not check them on construction), and
+        numbers are normalised (an integral numpy value to int; bool is not a number here)."""
+        def bad(name: str, expected: str, value: Any) -> SamplingParamsTypeError:
+            return SamplingParamsTypeError(f"{name}: must be {expected}, got "
+                                           f"{type(value).__name__} {value!r}")
+
+        for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_INT_FIELDS:
+                continue
+            if not _is_int(value):
+                raise bad(name, "an int" + (" or None" if name in _OPTIONAL_INT_FIELDS else ""),
+                          value)
+            if type(value) is not int:
+                setattr(self, name, int(value))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not _is_real(value):
+                raise bad(name, "a number", value)
+            if type(value) is not float:
+                setattr(self, name, float(value))
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise bad(name, "a bool", value)
+        if self.stop is not None:
+            if not isinstance(self.stop, (list, tuple)) or not all(
+                    isinstance(x, str) for x in self.stop):
+                raise bad("stop", "a string or a list of strings", self.stop)
+            self.stop = list(self.stop)
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                    _is_int(t) for t in self.stop_token_ids):
+                raise bad("stop_token_ids", "a list of ints", self.stop_token_ids)
+            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "a dict of token id to bias", self.logit_bias)
+            for tok, bias in self.logit_bias.items():
+                if not (_is_int(tok) or (isinstance(tok, str) and tok.strip().lstrip("-")
+                                         .isdigit())):
+                    raise bad("logit_bias", "keyed by int token ids", tok)
+                if not _is_real(bias):
+                    raise bad("logit_bias", f"a number for token {tok}", bias)
+        if isinstance(self.guided_decoding, dict):
+            # vLLM's GuidedDecodingParams(**dict)
+            try:
+                self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
+            except TypeError as exc:
+                raise SamplingParamsTypeError(
+                    f"guided_decoding: {exc} (keys: json, regex, choice, grammar, json_object, "
+                    f"whitespace_pattern)") from None
+        elif self.guided_decoding is not None and not isinstance(self.guided_decoding,
+                                                                 GuidedDecodingParams):
+            raise bad("guided_decoding", "a GuidedDecodingParams or a dict of its fields",
+                      self.guided_decoding)
 
     def _validate(self) -> None:
         def bad(name: str, msg: str) -> ValueError:

@@ -52,8 +52,10 @@ class LLMEngine:
                     arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None) -> None:
         arrival_time = time.time() if arrival_time is None else arrival_time
-        if lora_request is not None and self.lora_registry is None:
-            raise ValueError("lora_request: LoRA is not enabled (enable_lora=True)")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params: must be a SamplingParams, "
+                            f"got {type(params).__name__}")
+        lora_request = self.check_lora(lora_request)
         core_reqs = self.input_processor.process(request_id, prompt, params, arrival_time,
                                                  lora_request=lora_request)
         self.output_processor.add_request(
@@ -62,6 +64,19 @@ class LLMEngine:
             arrival_time, delta=False)
         for req in core_reqs:
             self.core.add_request(req)
+
+    def check_lora(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """The adapter a request runs with, checked like ``LLM.lora_request``'s (a hand-built
+        ``LoRARequest(name, id, path)`` included: its config and weight header are read, and
+        its id may not stand for another adapter); raises before anything is queued."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request: must be a LoRARequest or None, "
+                            f"got {type(lora_request).__name__}")
+        if self.lora_registry is None:
+            raise ValueError("lora_request: LoRA is not enabled (enable_lora=True)")
+        return self.lora_registry.adopt(lora_request)
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.output_processor.abort_request(request_id))
@@ -83,9 +98,15 @@ class LLM:
     def __init__(self, model: str = "demo", **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._ids = itertools.count()
+        self._shut_down = False
+
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down (LLM.shutdown()); create a new LLM")
 
     def lora_request(self, name: str, path: str) -> LoRARequest:
         """Register (once) and return the adapter in PEFT directory ``path`` under ``name``."""
+        self._check_open()
         registry = self.engine.lora_registry
         if registry is None:
             raise ValueError("LoRA is not enabled (enable_lora=True)")
@@ -97,7 +118,10 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes now (tensor parallelism); they also end with
-        this process."""
+        this process. Later calls raise RuntimeError."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         self.engine.core.shutdown()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -107,7 +131,9 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs in the order of the prompts.
         ``lora_request``: one adapter for all prompts or one (or None) per prompt; build them
-        with ``LLM.lora_request(name, path)``."""
+        with ``LLM.lora_request(name, path)`` or as ``LoRARequest(name, id, path)`` (id > 0,
+        one id per adapter)."""
+        self._check_open()
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = [_prompt_of(p) for p in prompts]  # type: ignore[union-attr]
@@ -115,15 +141,22 @@ class LLM:
             sampling_params = self.engine.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)) and all(
+                isinstance(p, SamplingParams) for p in sampling_params):
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(f"sampling_params: got {len(params_list)} for "
-                                 f"{len(prompts)} prompts")
+                raise ValueError(f"sampling_params: got a list of {len(params_list)} for "
+                                 f"{len(prompts)} prompts; pass one SamplingParams, or one "
+                                 f"per prompt")
+        else:
+            raise TypeError(f"sampling_params: must be a SamplingParams or a list of them "
+                            f"(one per prompt), got {_type_name(sampling_params)}")
         loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
                  else [lora_request] * len(prompts))
         if len(loras) != len(prompts):
             raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
+        # Adapters are checked (and their files read) before any request is queued.
+        loras = [self.engine.check_lora(lora) for lora in loras]
         ids = [str(next(self._ids)) for _ in prompts]
         added: list[str] = []
         try:
@@ -147,6 +180,7 @@ class LLM:
         generate. ``tools`` are rendered by the template (tool calls in the output are not
         parsed); ``chat_template_kwargs`` (or extra keyword arguments) are template variables.
         The rendered text already holds the special tokens, so none are added again."""
+        self._check_open()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
         if chat_template is not None:
@@ -170,6 +204,7 @@ class LLM:
         """Embeddings of the prompts: the final hidden states pooled as the model's config says
         (last token by default, mean for sentence-transformers mean pooling), L2-normalized.
         ``truncate_prompt_tokens``: keep the last k tokens of each prompt (-1: max_model_len)."""
+        self._check_open()
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         texts = [_prompt_of(p) for p in prompts]  # type: ignore[union-attr]
@@ -205,6 +240,13 @@ class LLM:
         finally:
             bar.close()
         return [finished[i] for i in ids]
+
+
+def _type_name(value: object) -> str:
+    if isinstance(value, (list, tuple)):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a {type(value).__name__} of {', '.join(kinds) or 'nothing'}"
+    return type(value).__name__
 
 
 def _prompt_of(prompt: PromptType | dict) -> PromptType:

@@ -31,6 +31,7 @@ class LoRARegistry:
                 raise ValueError(f"--lora_root: {given!r} is not a directory")
         self.base = BaseShapes.from_hf_config(hf_config)
         self._by_name: dict[str, LoRARequest] = {}
+        self._by_id: dict[int, LoRARequest] = {}  # ids are never reused, even after remove()
         self._ids = itertools.count(1)
         for name, path in config.named_modules.items():
             try:
@@ -55,9 +56,36 @@ class LoRARegistry:
             validate_dir(real, self.max_rank, self.base)
         except FileNotFoundError:
             raise LoRANotFoundError(f"no LoRA adapter at '{path}'") from None
-        req = LoRARequest(name, next(self._ids), real)
+        lora_id = next(self._ids)
+        while lora_id in self._by_id:  # taken by an adopted (user-numbered) adapter
+            lora_id = next(self._ids)
+        req = LoRARequest(name, lora_id, real)
         self._by_name[name] = req
+        self._by_id[lora_id] = req
         return req
+
+    def adopt(self, req: LoRARequest) -> LoRARequest:
+        """A ``LoRARequest`` the offline user built (vLLM style, with their own id): its path is
+        the user's own, so it is read as given, and checked like ``add``'s. The id must not
+        already stand for another adapter (KV blocks cached for one would serve the other).
+        Returns the request with its resolved path (the known one when seen before)."""
+        known = self._by_id.get(req.lora_int_id)
+        real = os.path.realpath(req.lora_path)
+        if known is not None:
+            if known.lora_path != real:
+                raise ValueError(f"lora_int_id: {req.lora_int_id} already names adapter "
+                                 f"'{known.lora_name}' at '{known.lora_path}', not "
+                                 f"'{req.lora_path}'")
+            return known
+        try:
+            validate_dir(real, self.max_rank, self.base)
+        except FileNotFoundError:
+            raise LoRANotFoundError(f"no LoRA adapter at '{req.lora_path}'") from None
+        except (LoRAError, OSError) as exc:
+            raise LoRAError(f"LoRA adapter at '{req.lora_path}': {exc}") from None
+        adopted = LoRARequest(req.lora_name, req.lora_int_id, real)
+        self._by_id[req.lora_int_id] = adopted
+        return adopted
 
     def remove(self, name: str) -> LoRARequest:
         req = self._by_name.pop(name, None)
