@@ -3,7 +3,10 @@
 A request is committed to an instance only once something can be sent to the client: a whole
 non-streamed response, or the first bytes of a stream. Until then a failure (connection refused
 or dropped, or a 502/503 from the instance) sends it to another healthy instance, at most
-``--max_retries`` times. After that, a broken stream ends with an in-band OpenAI error event
+``--max_retries`` times. ``--request_timeout`` running out once connected is no instance
+failure: a 504 (or an in-band error in a started stream), never re-sent, as the request may be
+running there. A client leaving before any byte came back closes the upstream request too.
+After that, a broken stream ends with an in-band OpenAI error event
 (``data: {"error": ...}``, then ``data: [DONE]``), as the server itself does. Streamed bytes pass
 through exactly as they arrive, chunk by chunk, never buffered.
 """
@@ -29,7 +32,7 @@ from bladellm.router.config import RouterConfig
 from bladellm.router.metrics import render_instance_metrics
 from bladellm.router.policy import PrefixAffinity, make_policy
 from bladellm.router.pool import Instance, InstancePool, Ticket
-from bladellm.router.prompt import RequestInfo, request_info
+from bladellm.router.prompt import request_info
 
 logger = logging.getLogger("bladellm.router")
 
@@ -41,11 +44,56 @@ _RETRY_STATUSES = (502, 503)  # the instance is down or overloaded: another may 
 _CONNECTION_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
+def _is_request_timeout(exc: BaseException) -> bool:
+    """A timeout after the request may have reached the instance (``--request_timeout`` ran
+    out): the instance is not known to be broken, and the request may be running there, so it
+    is neither taken out nor the request re-sent. A connect timeout (the instance could not be
+    reached at all) is a connection failure like a refused connection."""
+    return (isinstance(exc, asyncio.TimeoutError)
+            and not isinstance(exc, aiohttp.ConnectionTimeoutError))
+
+
+class _ClientGone(Exception):
+    """The client disconnected before anything was sent back to it."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _until_disconnect(awaitable: Any, request: Request) -> Any:
+    """Await ``awaitable`` unless the client disconnects first; then cancel it (which closes the
+    upstream connection, so the instance aborts the request) and raise ``_ClientGone``."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled
+        work.cancel()
+        watcher.cancel()
+        await asyncio.gather(work, watcher, return_exceptions=True)
+        raise
+    gone = watcher.done()
+    watcher.cancel()
+    await asyncio.gather(watcher, return_exceptions=True)
+    if not gone:
+        return work.result()
+    work.cancel()
+    result = (await asyncio.gather(work, return_exceptions=True))[0]
+    if isinstance(result, _RelayResponse):  # ready just as the client left: never sent
+        await result.close_upstream()
+    raise _ClientGone()
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("bladellm_router_requests", "Requests answered, by instance "
-                                "and outcome (ok, error_status, broken_stream).",
+                                "and outcome (ok, error_status, broken_stream, timeout, "
+                                "client_gone).",
                                 ["instance", "outcome"], registry=r)
         self.retries = Counter("bladellm_router_retries", "Requests sent to another instance "
                                "after one failed before anything reached the client.",
@@ -73,8 +121,8 @@ def _response_headers(resp: aiohttp.ClientResponse, instance: Instance) -> dict[
     return headers
 
 
-def _sse_error(message: str) -> bytes:
-    body = APIError(502, message, "server_error", code="upstream_error").body()
+def _sse_error(message: str, type_: str = "server_error", code: str = "upstream_error") -> bytes:
+    body = APIError(502, message, type_, code=code).body()
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
@@ -85,6 +133,9 @@ class _RelayResponse(StreamingResponse):
     def __init__(self, content: AsyncIterator[bytes], on_close: Any, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._on_close = on_close
+
+    async def close_upstream(self) -> None:
+        await self._on_close()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -120,7 +171,9 @@ class Router:
 
     # ---- forwarding ---------------------------------------------------------------------
 
-    async def forward(self, request: Request, path: str) -> Response:
+    async def forward(self, request: Request, path: str, use_policy: bool = True) -> Response:
+        """Send the request to an instance (by the policy, or with ``use_policy=False`` the least
+        busy one), retrying elsewhere while nothing has reached the client."""
         body = await request.body()
         try:
             parsed: Any = json.loads(body) if body else None
@@ -131,18 +184,33 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASS_REQUEST_HEADERS}
         tried: set[str] = set()
         last: Response | None = None
+        failed: Instance | None = None  # the instance the previous attempt failed on
         for _ in range(self.config.max_retries + 1):
             candidates = self.pool.healthy(tried)
             if not candidates:
                 break
-            instance = self.policy.choose(info, candidates)
+            if failed is not None:  # counted only when another attempt really follows
+                self.metrics.retries.labels(instance=failed.url).inc()
+            if use_policy:
+                instance = self.policy.choose(info, candidates)
+            else:  # no prompt cache involved: the least busy, the first listed on ties
+                instance = min(candidates, key=lambda i: i.load_requests)
             tried.add(instance.url)
-            result = await self._try(instance, request.method, path, body, headers, info)
+            ticket = self.pool.admit(instance, info)
+            try:
+                result = await _until_disconnect(
+                    self._try(instance, request.method, path, body, headers, ticket), request)
+            except _ClientGone:
+                ticket.release()
+                self.metrics.requests.labels(instance=instance.url, outcome="client_gone").inc()
+                logger.info("client left before %s answered; upstream request closed",
+                            instance.url)
+                return Response(status_code=499)
             if isinstance(result, Response) and not (
                     result.status_code in _RETRY_STATUSES and self.pool.healthy(tried)):
                 return result
             last = result if isinstance(result, Response) else last
-            self.metrics.retries.labels(instance=instance.url).inc()
+            failed = instance
         if last is not None:
             return last
         self.metrics.no_instance.inc()
@@ -150,11 +218,17 @@ class Router:
                         "server_error", code="no_healthy_instance",
                         headers={"Retry-After": "1"}).response()
 
+    def _timeout_error(self) -> APIError:
+        return APIError(504, f"The instance did not answer within --request_timeout "
+                             f"({self.config.request_timeout:g} s). The request was not sent "
+                             f"to another instance, as it may have run on this one.",
+                        "timeout", code="upstream_timeout")
+
     async def _try(self, instance: Instance, method: str, path: str, body: bytes,
-                   headers: dict[str, str], info: RequestInfo) -> Response | None:
-        """Send to one instance; None when it failed before anything could reach the client."""
+                   headers: dict[str, str], ticket: Ticket) -> Response | None:
+        """Send to one instance; None when it failed before anything could reach the client.
+        Cancelled (the client left), it closes the upstream connection and re-raises."""
         assert self.session is not None
-        ticket = self.pool.admit(instance, info)
         resp = None
         try:
             resp = await self.session.request(method, instance.url + path, data=body or None,
@@ -172,6 +246,11 @@ class Router:
             ticket.release()
             if resp is not None:
                 resp.close()
+            if _is_request_timeout(exc):  # the instance is slow, not gone: no failover
+                self.metrics.requests.labels(instance=instance.url, outcome="timeout").inc()
+                logger.info("request to %s timed out (--request_timeout %g s); answered 504",
+                            instance.url, self.config.request_timeout)
+                return self._timeout_error().response()
             self.pool.mark_down(instance, f"{type(exc).__name__}: {exc}")
             logger.info("request to %s failed before anything was sent back (%s); retrying "
                         "elsewhere", instance.url, type(exc).__name__)
@@ -206,6 +285,11 @@ class Router:
             completed = True
             self.metrics.requests.labels(instance=instance.url, outcome="ok").inc()
         except _CONNECTION_ERRORS as exc:
+            if _is_request_timeout(exc):  # slow, not broken: the instance stays in service
+                self.metrics.requests.labels(instance=instance.url, outcome="timeout").inc()
+                err = self._timeout_error()
+                yield _sse_error(err.message, err.type, err.code or "upstream_timeout")
+                return
             self.pool.mark_down(instance, f"stream broken: {type(exc).__name__}")
             self.metrics.requests.labels(instance=instance.url, outcome="broken_stream").inc()
             yield _sse_error(f"The instance serving this request failed mid-stream "
@@ -216,6 +300,56 @@ class Router:
                 resp.release()
             else:
                 resp.close()
+
+    async def broadcast(self, request: Request, path: str) -> Response:
+        """Send the request to every instance (LoRA adapters must be loaded on all of them).
+        All succeed: the first instance's answer. All fail alike with a client error (e.g.
+        adapter not found): that answer, as one server would give it. Otherwise a 502 naming
+        each instance's result, so the client can repair the ones that failed."""
+        assert self.session is not None
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASS_REQUEST_HEADERS}
+
+        async def one(instance: Instance) -> tuple[Instance, int, bytes, dict[str, str]]:
+            try:
+                async with self.session.request(request.method, instance.url + path,
+                                                data=body or None, headers=headers,
+                                                timeout=self.timeout) as resp:
+                    return (instance, resp.status, await resp.read(),
+                            _response_headers(resp, instance))
+            except _CONNECTION_ERRORS as exc:
+                return instance, 0, f"{type(exc).__name__}: {exc}".encode(), {}
+
+        try:
+            results = await _until_disconnect(
+                asyncio.gather(*(one(i) for i in self.pool.instances)), request)
+        except _ClientGone:
+            return Response(status_code=499)
+        ok = [r for r in results if 200 <= r[1] < 300]
+        if len(ok) == len(results):
+            _, status, content, resp_headers = ok[0]
+            resp_headers[INSTANCE_HEADER] = ",".join(r[0].url for r in results)
+            return Response(content, status, resp_headers)
+        statuses = {r[1] for r in results}
+        if not ok and len(statuses) == 1 and 400 <= results[0][1] < 500:
+            _, status, content, resp_headers = results[0]
+            resp_headers[INSTANCE_HEADER] = ",".join(r[0].url for r in results)
+            return Response(content, status, resp_headers)
+
+        def detail(content: bytes) -> str:
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                return str(json.loads(content)["error"]["message"])
+            return content.decode("utf-8", "replace")[:500]
+
+        failed = [r for r in results if not 200 <= r[1] < 300]
+        message = (f"{path} failed on {len(failed)} of {len(results)} instances: "
+                   + "; ".join(f"{r[0].url}: {r[1] or 'unreachable'} {detail(r[2])}"
+                               for r in failed)
+                   + (f" (succeeded on {', '.join(r[0].url for r in ok)})" if ok else ""))
+        err = APIError(502, message, "server_error", code="instance_failures")
+        per_instance = [{"url": r[0].url, "status": r[1] or None, "ok": 200 <= r[1] < 300,
+                         "detail": detail(r[2])} for r in results]
+        return JSONResponse({**err.body(), "instances": per_instance}, status_code=502)
 
     # ---- aggregated endpoints -----------------------------------------------------------
 
@@ -279,6 +413,28 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     @v1.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         return await router.forward(request, f"/v1/models/{model_id}")
+
+    # Served by any one instance (no prompt cache to aim at): the least busy.
+    @v1.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await router.forward(request, "/v1/embeddings", use_policy=False)
+
+    @v1.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await router.forward(request, "/tokenize", use_policy=False)
+
+    @v1.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await router.forward(request, "/detokenize", use_policy=False)
+
+    # Adapters must be on every instance: sent to all of them.
+    @v1.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        return await router.broadcast(request, "/v1/load_lora_adapter")
+
+    @v1.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await router.broadcast(request, "/v1/unload_lora_adapter")
 
     app.include_router(v1)
 

@@ -55,7 +55,37 @@ class FakeInstance:
         self.release = threading.Event()
         self.bodies: list[bytes] = []
         self.streams_closed = 0  # streams whose generator ended (finished or cancelled)
+        self.disconnects = 0  # held requests whose client (the router) went away
+        self.lora_status = 200  # what /v1/load_lora_adapter answers
+        self.lora_calls: list[tuple[str, bytes]] = []
         app = FastAPI()
+
+        async def hold(request: Request, seconds: float) -> bool:
+            """Wait ``seconds``; True if the client disconnected first."""
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                if await request.is_disconnected():
+                    self.disconnects += 1
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+
+        for path in ("/v1/embeddings", "/tokenize", "/detokenize"):
+            async def simple(request: Request, path: str = path):
+                self.bodies.append(await request.body())
+                return JSONResponse({"served_by": self.name, "path": path})
+            app.post(path)(simple)
+
+        for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            async def lora(request: Request, path: str = path):
+                self.lora_calls.append((path, await request.body()))
+                if self.lora_status != 200:
+                    return JSONResponse({"error": {"message": f"no adapter on {self.name}",
+                                                   "type": "invalid_request_error",
+                                                   "param": None, "code": None}},
+                                        status_code=self.lora_status)
+                return PlainTextResponse("Success: LoRA adapter 'x' added successfully.")
+            app.post(path)(lora)
 
         @app.get("/health")
         async def health():
@@ -75,7 +105,11 @@ class FakeInstance:
         async def completions(request: Request):
             body = await request.body()
             self.bodies.append(body)
-            if not json.loads(body).get("stream"):
+            parsed = json.loads(body)
+            if parsed.get("hold"):  # answer (headers included) only after this many seconds
+                if await hold(request, parsed["hold"]):
+                    return JSONResponse({}, status_code=499)
+            if not parsed.get("stream"):
                 return JSONResponse({"served_by": self.name})
 
             async def gen():
@@ -263,4 +297,176 @@ def test_client_leaving_mid_stream_closes_the_upstream_request(fakes):
                 time.sleep(0.02)
     finally:
         a.release.set()
+        router.stop()
+
+
+def _counter(metrics: str, line_start: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_request_timeout_is_a_504_not_a_dead_instance_nor_a_retry(fakes):
+    a, b = fakes
+    router = start_router([a.url, b.url], policy="round_robin", request_timeout=0.5,
+                          health_check_interval=60, health_check_failures=100)
+    try:
+        with httpx.Client(timeout=30) as c:
+            bodies_before = len(a.bodies) + len(b.bodies)
+            r = c.post(router.url + "/v1/completions",
+                       json={"model": "m", "prompt": "x", "hold": 3})
+            assert r.status_code == 504, r.text
+            err = r.json()["error"]
+            assert err["type"] == "timeout" and err["code"] == "upstream_timeout"
+            assert len(a.bodies) + len(b.bodies) == bodies_before + 1  # not re-sent
+            health = c.get(router.url + "/health").json()
+            assert [i["healthy"] for i in health["instances"]] == [True, True]
+            assert [i["in_flight"] for i in health["instances"]] == [0, 0]
+            metrics = c.get(router.url + "/metrics").text
+            assert "bladellm_router_retries_total{" not in metrics
+            # a stream still waiting for its first byte: also a 504
+            r = c.post(router.url + "/v1/completions",
+                       json={"model": "m", "prompt": "x", "hold": 3, "stream": True})
+            assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+            # a stream that started: an in-band timeout event, then [DONE]
+            a.release.clear()
+            b.release.clear()
+            r = c.post(router.url + "/v1/completions",
+                       json={"model": "m", "prompt": "x", "stream": True})
+            assert r.status_code == 200 and r.content.startswith(CHUNKS[0])
+            events = [e for e in r.content[len(CHUNKS[0]):].decode().split("\n\n") if e]
+            assert events[-1] == "data: [DONE]"
+            err = json.loads(events[0].removeprefix("data: "))["error"]
+            assert err["type"] == "timeout" and err["code"] == "upstream_timeout"
+            health = c.get(router.url + "/health").json()
+            assert [i["healthy"] for i in health["instances"]] == [True, True]
+            assert len(a.bodies) + len(b.bodies) == bodies_before + 3
+    finally:
+        a.release.set()
+        b.release.set()
+        router.stop()
+
+
+def test_only_a_timeout_after_connecting_is_a_request_timeout():
+    """A connect timeout (instance unreachable) stays a connection failure: taken out, the
+    request goes elsewhere. Only a timeout once connected (total or read) is a 504."""
+    import aiohttp
+
+    from bladellm.router import proxy
+
+    assert not proxy._is_request_timeout(aiohttp.ConnectionTimeoutError("connect"))
+    assert proxy._is_request_timeout(asyncio.TimeoutError())
+    assert proxy._is_request_timeout(aiohttp.SocketTimeoutError("read"))
+    assert not proxy._is_request_timeout(aiohttp.ServerDisconnectedError())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_leaving_before_any_byte_closes_the_upstream_request(fakes, stream):
+    a = fakes[0]
+    before = a.disconnects
+    router = start_router([a.url])
+    try:
+        async def leave_early() -> None:
+            async with httpx.AsyncClient(timeout=30) as c:
+                with pytest.raises(httpx.ReadTimeout):
+                    await c.post(router.url + "/v1/completions",
+                                 json={"model": "m", "prompt": "x", "hold": 30,
+                                       "stream": stream}, timeout=0.5)
+
+        asyncio.run(leave_early())
+        with httpx.Client(timeout=30) as c:
+            deadline = time.monotonic() + 5
+            while (a.disconnects == before
+                   or c.get(router.url + "/health").json()["instances"][0]["in_flight"]):
+                assert time.monotonic() < deadline, "upstream request not closed"
+                time.sleep(0.02)
+            metrics = c.get(router.url + "/metrics").text
+            assert _counter(metrics, f'bladellm_router_requests_total{{instance="{a.url}",'
+                                     f'outcome="client_gone"}}') >= 1
+    finally:
+        router.stop()
+
+
+def test_retries_counted_only_when_a_retry_follows():
+    refused = socket.socket()
+    refused.bind(("127.0.0.1", 0))
+    dead_url = f"http://127.0.0.1:{refused.getsockname()[1]}"
+    router = start_router([dead_url], health_check_failures=100, health_check_interval=60)
+    try:
+        with httpx.Client(timeout=30) as c:
+            r = c.post(router.url + "/v1/completions", json={"model": "m", "prompt": "x"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_instance"
+            metrics = c.get(router.url + "/metrics").text
+            assert _counter(metrics, f'bladellm_router_retries_total{{instance="{dead_url}"}}') \
+                == 0
+            assert _counter(metrics, "bladellm_router_no_instance_total") == 1
+    finally:
+        router.stop()
+        refused.close()
+
+
+def test_retries_not_counted_past_the_last_attempt():
+    """Every attempt answers 503 and --max_retries stops before the healthy instances run out:
+    two retries, not three."""
+    busy = [RawServer(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n")
+            for _ in range(3)]
+    router = start_router([s.url for s in busy], policy="round_robin", max_retries=1,
+                          health_check_failures=100, health_check_interval=60)
+    try:
+        with httpx.Client(timeout=30) as c:
+            r = c.post(router.url + "/v1/completions", json={"model": "m", "prompt": "x"})
+            assert r.status_code == 503
+            metrics = c.get(router.url + "/metrics").text
+            total = sum(_counter(metrics, f'bladellm_router_retries_total{{instance="{s.url}"}}')
+                        for s in busy)
+            assert total == 1
+    finally:
+        router.stop()
+        for s in busy:
+            s.shutdown()
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/tokenize", "/detokenize"])
+def test_single_instance_endpoints_are_forwarded(fakes, path):
+    router = start_router([f.url for f in fakes], api_key="k")
+    try:
+        with httpx.Client(timeout=30) as c:
+            body = {"model": "m", "input": "hi", "prompt": "hi", "tokens": [1, 2]}
+            assert c.post(router.url + path, json=body).status_code == 401
+            r = c.post(router.url + path, json=body, headers={"Authorization": "Bearer k"})
+            assert r.status_code == 200 and r.json()["path"] == path
+            assert r.headers[INSTANCE_HEADER] in {f.url for f in fakes}
+    finally:
+        router.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"])
+def test_lora_adapter_calls_go_to_every_instance(fakes, path):
+    a, b = fakes
+    router = start_router([a.url, b.url])
+    body = {"lora_name": "x", "lora_path": "/p"}
+    try:
+        with httpx.Client(timeout=30) as c:
+            calls = len(a.lora_calls), len(b.lora_calls)
+            r = c.post(router.url + path, json=body)
+            assert r.status_code == 200 and r.text.startswith("Success"), r.text
+            assert (len(a.lora_calls), len(b.lora_calls)) == (calls[0] + 1, calls[1] + 1)
+            assert a.lora_calls[-1] == (path, json.dumps(body).encode()) or \
+                json.loads(a.lora_calls[-1][1]) == body
+            # the same client error everywhere: passed through as one server would answer
+            a.lora_status = b.lora_status = 404
+            r = c.post(router.url + path, json=body)
+            assert r.status_code == 404 and "no adapter on" in r.json()["error"]["message"]
+            # one instance failed: 502 naming it, with each instance's result
+            b.lora_status = 200
+            r = c.post(router.url + path, json=body)
+            assert r.status_code == 502, r.text
+            out = r.json()
+            assert out["error"]["code"] == "instance_failures"
+            assert a.url in out["error"]["message"] and "1 of 2" in out["error"]["message"]
+            assert [(i["url"], i["ok"], i["status"]) for i in out["instances"]] == [
+                (a.url, False, 404), (b.url, True, 200)]
+    finally:
+        a.lora_status = b.lora_status = 200
         router.stop()
