@@ -549,10 +549,14 @@ class LoRAConfig:
                f"must be >= --max_loras ({self.max_loras}), got {self.max_cpu_loras}")
         _check(self.lora_dtype in _LORA_DTYPES, "lora_dtype",
                f"must be one of {_LORA_DTYPES}, got {self.lora_dtype!r}")
+        seen: set[str] = set()
         for item in self.lora_modules or []:
             name, sep, path = item.partition("=")
             _check(bool(sep and name.strip() and path.strip()), "lora_modules",
                    f"expected name=path, got {item!r}")
+            # Last-wins would silently drop an adapter the operator asked for.
+            _check(name not in seen, "lora_modules", f"the name {name!r} is given twice")
+            seen.add(name)
 
     @property
     def named_modules(self) -> dict[str, str]:
@@ -605,6 +609,11 @@ class EngineConfig:
         # The verification step and the sps draft have no LoRA path yet (docs/lora.md).
         _check(not (self.lora.enable_lora and spec.enabled), "enable_lora",
                f"cannot be combined with --decode_algo {spec.decode_algo} yet")
+        # A `model` equal to the served name picks the base model: such an adapter is unreachable.
+        _check(self.model.served_model_name is None
+               or self.model.served_model_name not in self.lora.named_modules, "lora_modules",
+               f"{self.model.served_model_name!r} is the base model's served name "
+               "(--served_model_name); an adapter under it could never be selected")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

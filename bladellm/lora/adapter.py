@@ -186,30 +186,52 @@ def header_shapes(file: str) -> dict[str, list[int]] | None:
 
 
 def validate_dir(path: str, max_rank: int, base: BaseShapes) -> AdapterConfig:
-    """Cheap up-front check (config + safetensors header) for the API process."""
+    """Up-front check for the API process: config, tensor names and shapes, and finite values
+    (the weights are read once for that, then dropped; the engine reads them again)."""
     config = read_config(path, max_rank)
-    shapes = header_shapes(weight_file(path))
+    file = weight_file(path)
+    shapes = header_shapes(file)
     if shapes is not None:
-        check_shapes(shapes, config, base)
+        check_shapes(shapes, config, base)  # before reading any weight
+    tensors = _read_tensors(file)
+    if shapes is None:
+        check_shapes({k: list(t.shape) for k, t in tensors.items()}, config, base)
+    check_finite(tensors)
     return config
 
 
-def load_adapter(path: str, max_rank: int, base: BaseShapes, dtype: torch.dtype) -> LoRAWeights:
-    """Read and check an adapter from disk (the host tier's loader thread calls this)."""
+def check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """NaN / Inf in A or B (a broken fine-tune, garbage bytes) would turn every adapted
+    request's logits into NaN: refused by name instead."""
     import torch
 
-    config = read_config(path, max_rank)
-    file = weight_file(path)
+    for key, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise LoRAError(f"{key}: the adapter's weights hold NaN or Inf values")
+
+
+def _read_tensors(file: str) -> dict[str, torch.Tensor]:
+    import torch
+
     try:
         if file.endswith(".safetensors"):
             from safetensors.torch import load_file
 
-            tensors = load_file(file)
-        else:
-            tensors = torch.load(file, map_location="cpu", weights_only=True)
+            return load_file(file)
+        tensors = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001
         raise LoRAError(f"cannot read {os.path.basename(file)}: {exc}") from None
+    if not isinstance(tensors, dict):
+        raise LoRAError(f"{os.path.basename(file)} does not hold a dict of tensors")
+    return tensors
+
+
+def load_adapter(path: str, max_rank: int, base: BaseShapes, dtype: torch.dtype) -> LoRAWeights:
+    """Read and check an adapter from disk (the host tier's loader thread calls this)."""
+    config = read_config(path, max_rank)
+    tensors = _read_tensors(weight_file(path))
     check_shapes({k: list(t.shape) for k, t in tensors.items()}, config, base)
+    check_finite(tensors)
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key)

@@ -23,7 +23,8 @@ class LoRANotFoundError(LookupError):
 
 
 class LoRARegistry:
-    def __init__(self, config: Any, hf_config: Any) -> None:
+    def __init__(self, config: Any, hf_config: Any, base_name: str | None = None) -> None:
+        self.base_name = base_name  # the base model's served name, when the caller knows it
         self.max_rank = config.max_lora_rank
         self.roots = [os.path.realpath(r) for r in config.lora_root or []]
         for root, given in zip(self.roots, config.lora_root or []):
@@ -35,7 +36,7 @@ class LoRARegistry:
         self._ids = itertools.count(1)
         for name, path in config.named_modules.items():
             try:
-                self.add(name, path, trusted=True)
+                self.add(name, path, trusted=True, named=True)
             except (LoRAError, LoRANotFoundError) as exc:
                 raise ValueError(f"--lora_modules {name}={path}: {exc}") from None
 
@@ -45,13 +46,47 @@ class LoRARegistry:
     def get(self, name: str) -> LoRARequest | None:
         return self._by_name.get(name)
 
-    def add(self, name: str, path: str, *, trusted: bool = False) -> LoRARequest:
-        """Register an adapter. ``trusted`` (operator flags) skips the ``--lora_root`` check."""
+    def set_base_name(self, name: str) -> None:
+        """The base model's served name (the API side knows it): a ``model`` equal to it picks
+        the base model, so an adapter registered under it could never be reached."""
+        self.base_name = name
+        if name in self._by_name:
+            raise ValueError(f"--lora_modules {name}={self._by_name[name].lora_path}: "
+                             f"'{name}' is the base model's served name")
+
+    def check_name(self, name: str, real: str | None = None) -> None:
+        """A name given by the user (``--lora_modules``, ``/v1/load_lora_adapter``): a plain
+        identifier, as vLLM's, so it can never shadow the base model or a path a request could
+        name. ``real``: the adapter's resolved directory (a name equal to the adapter's own
+        directory under a ``--lora_root`` is fine: both select the same adapter)."""
         if not name:
-            raise LoRAError("lora_name must not be empty")
+            raise LoRAError("lora_name: must not be empty")
+        if name != name.strip() or any(c in name for c in "/\\\x00") or name in (".", ".."):
+            raise LoRAError(f"lora_name: {name!r} must be a plain name (no '/', '\\', "
+                            "surrounding spaces, '.' or '..'): names that look like paths would "
+                            "shadow adapters addressed by path")
+        if self.base_name is not None and name == self.base_name:
+            raise LoRAError(f"lora_name: '{name}' is the base model's served name; an adapter "
+                            "registered under it could never be selected")
+        if name in self._by_name:
+            raise LoRAError(f"The lora adapter '{name}' has already been loaded.")
+        for root in self.roots:
+            under = os.path.realpath(os.path.join(root, name))
+            if os.path.exists(under) and under != real:
+                raise LoRAError(f"lora_name: '{name}' is also a path under a --lora_root "
+                                "naming another adapter; pick another name")
+
+    def add(self, name: str, path: str, *, trusted: bool = False,
+            named: bool = False) -> LoRARequest:
+        """Register an adapter. ``trusted`` (operator flags) skips the ``--lora_root`` check;
+        ``named``: ``name`` was chosen by the user (checked by ``check_name``)."""
+        if not name:
+            raise LoRAError("lora_name: must not be empty")
         if name in self._by_name:
             raise LoRAError(f"The lora adapter '{name}' has already been loaded.")
         real = os.path.realpath(path) if trusted else self.resolve_path(path)
+        if named:
+            self.check_name(name, real)
         try:
             validate_dir(real, self.max_rank, self.base)
         except FileNotFoundError:

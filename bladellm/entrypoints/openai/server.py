@@ -293,7 +293,17 @@ def _metrics_for(engine_config: EngineConfig, server_config: ServerConfig) -> Pr
     if name is None:
         name = default_served_name(engine_config.model.model,
                                    resolve_model_path(engine_config.model.model))
+    check_lora_module_names(engine_config, name)
     return PrometheusStatLogger(model_name=name, names=server_config.metrics_names)
+
+
+def check_lora_module_names(engine_config: EngineConfig, served_name: str) -> None:
+    """Before the engine starts: a ``--lora_modules`` name equal to the base model's served name
+    could never be selected (``model`` = that name is the base model)."""
+    path = engine_config.lora.named_modules.get(served_name)
+    if path is not None:
+        raise ValueError(f"--lora_modules {served_name}={path}: '{served_name}' is the base "
+                         "model's served name; an adapter under it could never be selected")
 
 
 async def _serve(engine_config: EngineConfig, server_config: ServerConfig,

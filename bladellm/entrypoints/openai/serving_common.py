@@ -71,6 +71,9 @@ class ServingContext:
         (``--enable_lora``); 404 for anything else, 400 for an adapter that cannot be served."""
         if name is None or name == self.model_name:
             return None
+        if not name:
+            raise APIError(400, "model: must not be empty", "invalid_request_error",
+                           param="model")
         registry = getattr(self.engine, "lora_registry", None)
         if registry is not None:
             from bladellm.lora.registry import LoRANotFoundError

@@ -74,7 +74,11 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
 
 async def create_embedding(req: EmbeddingRequest, raw: Request,
                            ctx: ServingContext) -> Response:
-    ctx.check_model(req.model)
+    if ctx.check_model(req.model) is not None:
+        # The embedding path has no adapter delta: the base model's vectors would be returned
+        # under the adapter's name.
+        raise bad_request("model: embeddings with a LoRA adapter are not supported; use the "
+                          f"base model `{ctx.model_name}`", "model", code="unsupported_parameter")
     inputs = _inputs(req)
     try:
         outs = await until_disconnect(

@@ -46,13 +46,19 @@ def add_lora_routes(router: APIRouter, engine: Any) -> None:
         if reg is None:
             raise APIError(400, "LoRA is not enabled on this server (--enable_lora).",
                            "invalid_request_error", code="lora_not_enabled")
+        # A `model` equal to the served name picks the base model: no adapter may take it.
+        reg.base_name = engine.model_info.served_model_name
         return reg
+
+    reg = getattr(engine, "lora_registry", None)
+    if reg is not None and hasattr(reg, "set_base_name"):
+        reg.set_base_name(engine.model_info.served_model_name)  # --lora_modules checked too
 
     @router.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
         try:
             body = LoadLoRAAdapterRequest.model_validate_json(await request.body())
-            registry().add(body.lora_name, body.lora_path)
+            registry().add(body.lora_name, body.lora_path, named=True)
         except LoRANotFoundError as exc:
             return not_found(exc, "lora_path").response()
         except Exception as exc:  # noqa: BLE001 - bad adapters are 400s, never 500s
