@@ -86,6 +86,9 @@ class AsyncLLM:
         self.pooling = pooling_config(resolved.path, resolved.hf_config)
         # Tokenization runs here, not on the event loop (the server shares this thread).
         self.cpu_offload = CpuOffload()
+        # Constraint validation (seconds for a huge guided_choice) in its own two threads:
+        # in the tokenizer's single queue it held up every request behind it.
+        self.grammar_offload = CpuOffload("bladellm-grammar-check", max_workers=2)
         self.stat_loggers = list(stat_loggers or [])
         self._queues: dict[str, asyncio.Queue] = {}
         self._not_started: set[str] = set()  # requests without a first output yet
@@ -152,7 +155,11 @@ class AsyncLLM:
         try:
             core_reqs = await self.cpu_offload.run(
                 self.input_processor.process, request_id, prompt, sampling_params, arrival,
-                lora_request=lora_request)
+                lora_request=lora_request, validate_grammar=False)
+            if sampling_params.guided_decoding is not None:
+                # Not in the tokenizer's queue; a client gone before its turn never starts it.
+                await self.grammar_offload.run(self.input_processor.validate_grammar,
+                                               sampling_params)
         except BaseException:
             self._not_started.discard(request_id)
             raise
@@ -313,3 +320,4 @@ class AsyncLLM:
             queue.put_nowait(EngineDeadError("engine is shutting down"))
         self.client.close()
         self.cpu_offload.shutdown()
+        self.grammar_offload.shutdown()

@@ -13,6 +13,7 @@ with another request's child ids (e.g. uuids).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from bladellm.engine.errors import ContextLengthError
@@ -36,19 +37,26 @@ class InputProcessor:
         self.tokenizer = model_info.tokenizer
         self._max_grammar_size = max_grammar_size
         self._grammar_validator = None  # built on the first constrained request
+        self._grammar_validator_lock = threading.Lock()
         # Refuse hopeless prompts by length before paying for tokenization.
         self.max_prompt_chars = prompt_char_limit(self.tokenizer, model_info.max_model_len)
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float, *, add_special_tokens: bool = True,
-                lora_request: LoRARequest | None = None) -> list[EngineCoreRequest]:
+                lora_request: LoRARequest | None = None,
+                validate_grammar: bool = True) -> list[EngineCoreRequest]:
         """Tokenize and validate one request; returns one EngineCoreRequest per sample.
 
         ``add_special_tokens=False`` is for text that already carries them (a chat template's
-        output usually starts with BOS).
+        output usually starts with BOS). ``validate_grammar=False`` leaves the constraint's
+        check (up to seconds for a huge ``guided_choice``) to the caller, which runs
+        ``validate_grammar`` elsewhere (``AsyncLLM``: in its own thread pool, not in the
+        tokenizer's queue).
         """
         prompt_token_ids = self.tokenize(prompt, add_special_tokens)
         self._validate(prompt_token_ids, params)
+        if validate_grammar and params.guided_decoding is not None:
+            self.validate_grammar(params)
         eos = list(self.model_info.eos_token_ids)
         if params.n == 1:
             return [EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
@@ -97,19 +105,22 @@ class InputProcessor:
             if int(t) >= info.vocab_size:
                 raise ValueError(f"logit_bias: token id {t} is out of the vocabulary "
                                  f"[0, {info.vocab_size})")
-        if params.guided_decoding is not None:
-            self._validate_grammar(params)
 
-    def _validate_grammar(self, params: SamplingParams) -> None:
+    def validate_grammar(self, params: SamplingParams) -> None:
         """A constraint llguidance rejects is a ValueError (HTTP 400) naming the field, before
-        the request reaches the engine; constraints already seen valid are not checked again."""
-        if self._grammar_validator is None:
-            from bladellm.guided.backend import GrammarLimits, GrammarValidator
+        the request reaches the engine; constraints already seen valid are not checked again.
+        Thread-safe: several validations may run at once (llguidance drops the GIL)."""
+        if params.guided_decoding is None:
+            return
+        with self._grammar_validator_lock:
+            if self._grammar_validator is None:
+                from bladellm.guided.backend import GrammarLimits, GrammarValidator
 
-            limits = (GrammarLimits() if self._max_grammar_size is None
-                      else GrammarLimits(max_grammar_size=self._max_grammar_size))
-            self._grammar_validator = GrammarValidator(limits=limits)
-        self._grammar_validator.validate(params.guided_decoding)
+                limits = (GrammarLimits() if self._max_grammar_size is None
+                          else GrammarLimits(max_grammar_size=self._max_grammar_size))
+                self._grammar_validator = GrammarValidator(limits=limits)
+            validator = self._grammar_validator
+        validator.validate(params.guided_decoding)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:

@@ -171,7 +171,7 @@ class GrammarValidator:
             if key in self._valid:
                 self._valid.move_to_end(key)
                 return
-        self.num_validations += 1
+            self.num_validations += 1
         validate(params, self.limits)
         with self._lock:
             self._valid[key] = None

@@ -28,7 +28,7 @@ class CompiledGrammarCache:
         """The future of ``key``'s compiled grammar; ``submit()`` starts a compilation on a miss."""
         with self._lock:
             fut = self._entries.get(key)
-            if fut is not None and not (fut.done() and fut.exception() is not None):
+            if fut is not None and not _failed(fut):
                 self._entries.move_to_end(key)
                 self.hits += 1
                 return fut
@@ -42,7 +42,7 @@ class CompiledGrammarCache:
         return fut
 
     def _drop_failed(self, key: str, fut: Future) -> None:
-        if fut.exception() is not None:
+        if _failed(fut):
             with self._lock:
                 if self._entries.get(key) is fut:
                     del self._entries[key]
@@ -53,3 +53,8 @@ class CompiledGrammarCache:
     def stats(self) -> dict[str, Any]:
         return {"size": len(self._entries), "capacity": self.capacity, "hits": self.hits,
                 "num_compiles": self.num_compiles}
+
+
+def _failed(fut: Future) -> bool:
+    """Done with an error, or cancelled (a shut-down pool): not worth keeping."""
+    return fut.done() and (fut.cancelled() or fut.exception() is not None)
