@@ -436,6 +436,7 @@ static void pairs_rows(bf16_t* out, int64_t out_stride, const PairX& px, int64_t
 static void linear_pairs(bf16_t* out, int64_t out_stride, const bf16_t* x, int64_t xs,
                          const uint32_t* wp, const bf16_t* bias, int64_t M, int64_t N, int64_t K,
                          int num_threads) {
+  if (M <= 0 || N <= 0) return;  // (the tiling below divides by the number of tiles)
 #if defined(__AVX512BF16__)
   pairs_rows(out, out_stride, PairX{x, xs, nullptr}, 0, M, wp, bias, N, K, num_threads);
 #else
