@@ -444,7 +444,8 @@ static void linear_pairs(bf16_t* out, int64_t out_stride, const bf16_t* x, int64
   // at most ~4 MB whatever the step (a prefill of thousands of rows); the calling thread's
   // buffer, kept between calls. Each further block streams the weight again: at hundreds of
   // rows per block the tiles are compute-bound, so that costs little.
-  const int64_t budget_rows = std::max<int64_t>(kPairMT, (int64_t(1) << 20) / K);
+  const int64_t budget_rows =
+      std::max<int64_t>(kPairMT, (int64_t(1) << 20) / std::max<int64_t>(K, 1));
   const int64_t block = std::min<int64_t>(M, budget_rows / kPairMT * kPairMT);
   static thread_local std::vector<float> widened;
   if (widened.size() < size_t(block * K)) widened.resize(size_t(block * K));
