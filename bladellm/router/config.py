@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+from bladellm.config import parse_size
+
 POLICIES = ("round_robin", "least_tokens", "prefix_affinity")
 # The knobs of the prefix_affinity policy only.
 _AFFINITY_FIELDS = ("affinity_block_chars", "affinity_max_blocks", "affinity_cache_blocks",
@@ -73,6 +75,11 @@ class RouterConfig:
         default=2,
         metadata={"help": "Other instances tried when one fails before anything was sent to "
                           "the client."})
+    max_request_body_bytes: str = field(
+        default="32MiB",
+        metadata={"help": "Largest request body the router accepts (e.g. 32MiB, 1048576), as "
+                          "the server's flag of that name; larger ones get HTTP 413 before "
+                          "the router buffers them."})
     log_level: str = field(default="info", metadata={"help": "Log level."})
 
     def __post_init__(self) -> None:
@@ -96,6 +103,12 @@ class RouterConfig:
                "affinity_balance_factor",
                f"must be 0 (off) or >= 1, got {self.affinity_balance_factor}")
         _check(self.max_retries >= 0, "max_retries", "must be >= 0")
+        try:
+            size = parse_size(self.max_request_body_bytes)
+        except ValueError:
+            raise ValueError(f"--max_request_body_bytes: cannot parse "
+                             f"{self.max_request_body_bytes!r}") from None
+        _check(size > 0, "max_request_body_bytes", "must be positive")
         if self.policy != "prefix_affinity":
             # Read only by the prefix_affinity policy (router/policy.py, the prompt's block
             # hashes in router/prompt.py): with another policy they would be ignored.

@@ -25,8 +25,12 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
+from bladellm.config import parse_size
 from bladellm.entrypoints.openai.auth import api_key_check
+from bladellm.entrypoints.openai.body_limit import (BodyLimitMiddleware, RequestTooLarge,
+                                                    too_large)
 from bladellm.entrypoints.openai.errors import APIError, install_handlers
 from bladellm.router.config import RouterConfig
 from bladellm.router.metrics import render_instance_metrics
@@ -171,10 +175,23 @@ class Router:
 
     # ---- forwarding ---------------------------------------------------------------------
 
+    async def _body(self, request: Request) -> bytes | Response:
+        """The request body, or the answer when there is none to forward: a 413 for a chunked
+        upload over --max_request_body_bytes (BodyLimitMiddleware counts it as it arrives), a
+        499 for a client gone while uploading."""
+        try:
+            return await request.body()
+        except RequestTooLarge:
+            return too_large(parse_size(self.config.max_request_body_bytes)).response()
+        except ClientDisconnect:
+            return Response(status_code=499)
+
     async def forward(self, request: Request, path: str, use_policy: bool = True) -> Response:
         """Send the request to an instance (by the policy, or with ``use_policy=False`` the least
         busy one), retrying elsewhere while nothing has reached the client."""
-        body = await request.body()
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
         try:
             parsed: Any = json.loads(body) if body else None
         except ValueError:
@@ -307,7 +324,9 @@ class Router:
         adapter not found): that answer, as one server would give it. Otherwise a 502 naming
         each instance's result, so the client can repair the ones that failed."""
         assert self.session is not None
-        body = await request.body()
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASS_REQUEST_HEADERS}
 
         async def one(instance: Instance) -> tuple[Instance, int, bytes, dict[str, str]]:
@@ -396,6 +415,9 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="BladeLLM router", lifespan=lifespan)
     app.state.router = router
     install_handlers(app)
+    # Bodies are read whole before forwarding (a request goes to another instance when one
+    # fails): without a limit one huge upload would take the router's memory.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=parse_size(config.max_request_body_bytes))
     v1 = APIRouter(dependencies=[Depends(api_key_check(config.api_key))])
 
     @v1.post("/v1/completions")

@@ -24,6 +24,8 @@ from starlette.requests import ClientDisconnect
 from bladellm.config import EngineConfig
 from bladellm.engine.errors import EngineDeadError
 from bladellm.entrypoints.openai.auth import api_key_check as _api_key_check
+from bladellm.entrypoints.openai.body_limit import (BodyLimitMiddleware, RequestTooLarge,
+                                                    too_large)
 from bladellm.entrypoints.openai.config import ServerConfig
 from bladellm.entrypoints.openai.errors import APIError, from_exception, install_handlers
 from bladellm.entrypoints.openai.lifecycle import Lifecycle, LifecycleMiddleware, watch_engine
@@ -53,55 +55,6 @@ def server_version() -> str:
         return dist_version("bladellm")
     except Exception:  # noqa: BLE001 - not installed: running from a checkout
         return "0+unknown"
-
-
-# ------------------------------------------------------------------------------ middleware
-
-
-class RequestTooLarge(Exception):
-    pass
-
-
-def too_large(max_bytes: int) -> APIError:
-    return APIError(413, f"Request body is larger than the {max_bytes}-byte limit.",
-                    "invalid_request_error", code="request_too_large")
-
-
-class BodyLimitMiddleware:
-    """413 for bodies over the limit, by Content-Length up front or by counting chunks."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    def _reject(self) -> APIError:
-        return too_large(self.max_bytes)
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    too_large = int(value) > self.max_bytes
-                except ValueError:
-                    too_large = False
-                if too_large:
-                    await self._reject().response()(scope, receive, send)
-                    return
-        seen = 0
-
-        async def limited_receive() -> dict:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise RequestTooLarge()
-            return message
-
-        await self.app(scope, limited_receive, send)
 
 
 # ----------------------------------------------------------------------------------- routes

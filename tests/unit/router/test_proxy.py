@@ -470,3 +470,32 @@ def test_lora_adapter_calls_go_to_every_instance(fakes, path):
     finally:
         a.lora_status = b.lora_status = 200
         router.stop()
+
+
+def test_bodies_over_the_limit_are_413_before_the_router_buffers_them(fakes):
+    """--max_request_body_bytes as on the server: by Content-Length up front, and counted for a
+    chunked upload (no length); the instance never sees either."""
+    router = start_router([fakes[0].url], max_request_body_bytes="1KiB")
+    try:
+        with httpx.Client(timeout=30) as c:
+            r = c.post(router.url + "/v1/completions", json={"model": "m", "prompt": "x" * 2000})
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+            def chunks():
+                for _ in range(8):
+                    yield b"x" * 512
+
+            r = c.post(router.url + "/v1/completions", content=chunks(),
+                       headers={"Content-Type": "application/json"})
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+            r = c.post(router.url + "/v1/completions", json={"model": "m", "prompt": "hi"})
+            assert r.status_code == 200
+    finally:
+        router.stop()
+
+
+def test_router_body_limit_flag_is_checked():
+    with pytest.raises(ValueError, match="--max_request_body_bytes"):
+        RouterConfig(instances=["http://127.0.0.1:1"], max_request_body_bytes="lots")
+    with pytest.raises(ValueError, match="max_request_body_bytes"):
+        RouterConfig(instances=["http://127.0.0.1:1"], max_request_body_bytes="0")
