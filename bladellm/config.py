@@ -539,6 +539,8 @@ class LoRAConfig:
         if not self.enable_lora:
             # Every LoRA knob is read only by the LoRA path: without it it would be ignored.
             for name in _non_default(self):
+                if name == "max_cpu_loras" and self.max_cpu_loras == self.max_loras:
+                    continue  # its default, as filled in below (dataclasses.replace re-checks)
                 _check(False, name, "only used with --enable_lora")
         _check(self.max_lora_rank >= 1, "max_lora_rank",
                f"must be >= 1, got {self.max_lora_rank}")

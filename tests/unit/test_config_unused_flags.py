@@ -34,6 +34,9 @@ def test_lora_defaults_without_enable_lora():
     cfg = LoRAConfig()
     assert cfg.max_cpu_loras == cfg.max_loras and not cfg.enable_lora
     LoRAConfig(lora_modules=[], lora_root=[])  # empty lists give nothing either
+    import dataclasses
+
+    dataclasses.replace(cfg)  # the filled-in default of max_cpu_loras is still the default
 
 
 @pytest.mark.parametrize("argv,flag", [
