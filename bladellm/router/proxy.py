@@ -31,6 +31,7 @@ from bladellm.config import parse_size
 from bladellm.entrypoints.openai.auth import api_key_check
 from bladellm.entrypoints.openai.body_limit import (BodyLimitMiddleware, RequestTooLarge,
                                                     too_large)
+from bladellm.entrypoints.openai.disconnect import until_disconnect
 from bladellm.entrypoints.openai.errors import APIError, install_handlers
 from bladellm.router.config import RouterConfig
 from bladellm.router.metrics import render_instance_metrics
@@ -61,35 +62,15 @@ class _ClientGone(Exception):
     """The client disconnected before anything was sent back to it."""
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+async def _close_if_relay(result: Any) -> None:
+    if isinstance(result, _RelayResponse):  # ready just as the client left: never sent
+        await result.close_upstream()
 
 
 async def _until_disconnect(awaitable: Any, request: Request) -> Any:
     """Await ``awaitable`` unless the client disconnects first; then cancel it (which closes the
     upstream connection, so the instance aborts the request) and raise ``_ClientGone``."""
-    work = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this handler itself was cancelled
-        work.cancel()
-        watcher.cancel()
-        await asyncio.gather(work, watcher, return_exceptions=True)
-        raise
-    gone = watcher.done()
-    watcher.cancel()
-    await asyncio.gather(watcher, return_exceptions=True)
-    if not gone:
-        return work.result()
-    work.cancel()
-    result = (await asyncio.gather(work, return_exceptions=True))[0]
-    if isinstance(result, _RelayResponse):  # ready just as the client left: never sent
-        await result.close_upstream()
-    raise _ClientGone()
+    return await until_disconnect(awaitable, request, _ClientGone, discard=_close_if_relay)
 
 
 class RouterMetrics:

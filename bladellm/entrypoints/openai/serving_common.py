@@ -14,6 +14,7 @@ from bladellm.engine.cpu_offload import CpuOffload
 from bladellm.engine.errors import ContextLengthError, RequestFailedError
 from bladellm.engine.input_processor import context_length_message
 from bladellm.engine.prompt_limits import prompt_char_limit
+from bladellm.entrypoints.openai.disconnect import until_disconnect as _until_disconnect
 from bladellm.entrypoints.openai.errors import APIError, bad_request, unsupported
 from bladellm.entrypoints.openai.structured_output import guided_decoding_from_request
 from bladellm.entrypoints.openai.protocol import (
@@ -213,31 +214,10 @@ async def _aclose(stream: Any) -> None:
             pass  # still running in a task being cancelled; that task closes it
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def until_disconnect(awaitable: Awaitable[T], request: Request) -> T:
     """Await ``awaitable`` unless the client disconnects first; then cancel it (aborting its
     engine requests) and raise ``ClientDisconnected``."""
-    work = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this handler itself was cancelled (e.g. shutdown timeout)
-        work.cancel()
-        watcher.cancel()
-        await asyncio.gather(work, watcher, return_exceptions=True)
-        raise
-    watcher.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    await asyncio.gather(work, return_exceptions=True)
-    raise ClientDisconnected()
+    return await _until_disconnect(awaitable, request, ClientDisconnected)
 
 
 def context_length_error(exc: ContextLengthError, prompt_param: str,
