@@ -48,6 +48,16 @@ def parse_size(value: int | str) -> int:
     return int(number * scale)
 
 
+def parse_size_flag(value: int | str, flag: str) -> int:
+    """``parse_size`` for a flag: a positive size, else a ValueError naming ``--flag``."""
+    try:
+        size = parse_size(value)
+    except ValueError:
+        raise ValueError(f"--{flag}: cannot parse {value!r}") from None
+    _check(size > 0, flag, "must be positive")
+    return size
+
+
 def _non_default(obj: Any, names: tuple[str, ...] | None = None) -> list[str]:
     """The fields of dataclass ``obj`` (or those of ``names``) whose value is not the default."""
     out = []
@@ -188,12 +198,7 @@ class CacheConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks",
                f"must be >= 2, got {self.num_kv_blocks}")
         if self.kv_cache_memory != "auto":
-            try:
-                size = parse_size(self.kv_cache_memory)
-            except ValueError:
-                raise ValueError(
-                    f"--kv_cache_memory: cannot parse {self.kv_cache_memory!r}") from None
-            _check(size > 0, "kv_cache_memory", "must be positive")
+            parse_size_flag(self.kv_cache_memory, "kv_cache_memory")
             # --num_kv_blocks wins (platforms/cpu_defaults.py): the size would be ignored.
             _check(self.num_kv_blocks is None, "kv_cache_memory",
                    "cannot be combined with --num_kv_blocks (which sets the KV cache size "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from bladellm.config import parse_size
+from bladellm.config import parse_size, parse_size_flag
 
 POLICIES = ("round_robin", "least_tokens", "prefix_affinity")
 # The knobs of the prefix_affinity policy only.
@@ -103,12 +103,7 @@ class RouterConfig:
                "affinity_balance_factor",
                f"must be 0 (off) or >= 1, got {self.affinity_balance_factor}")
         _check(self.max_retries >= 0, "max_retries", "must be >= 0")
-        try:
-            size = parse_size(self.max_request_body_bytes)
-        except ValueError:
-            raise ValueError(f"--max_request_body_bytes: cannot parse "
-                             f"{self.max_request_body_bytes!r}") from None
-        _check(size > 0, "max_request_body_bytes", "must be positive")
+        parse_size_flag(self.max_request_body_bytes, "max_request_body_bytes")
         if self.policy != "prefix_affinity":
             # Read only by the prefix_affinity policy (router/policy.py, the prompt's block
             # hashes in router/prompt.py): with another policy they would be ignored.
@@ -122,3 +117,7 @@ class RouterConfig:
         self.log_level = self.log_level.lower()
         _check(self.log_level in ("critical", "error", "warning", "info", "debug"), "log_level",
                f"unknown level {self.log_level!r}")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return parse_size(self.max_request_body_bytes)

@@ -27,7 +27,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
-from bladellm.config import parse_size
 from bladellm.entrypoints.openai.auth import api_key_check
 from bladellm.entrypoints.openai.body_limit import (BodyLimitMiddleware, RequestTooLarge,
                                                     too_large)
@@ -163,7 +162,7 @@ class Router:
         try:
             return await request.body()
         except RequestTooLarge:
-            return too_large(parse_size(self.config.max_request_body_bytes)).response()
+            return too_large(self.config.max_body_bytes).response()
         except ClientDisconnect:
             return Response(status_code=499)
 
@@ -398,7 +397,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     install_handlers(app)
     # Bodies are read whole before forwarding (a request goes to another instance when one
     # fails): without a limit one huge upload would take the router's memory.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=parse_size(config.max_request_body_bytes))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     v1 = APIRouter(dependencies=[Depends(api_key_check(config.api_key))])
 
     @v1.post("/v1/completions")

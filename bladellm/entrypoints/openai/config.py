@@ -6,7 +6,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from bladellm.config import parse_size
+from bladellm.config import parse_size, parse_size_flag
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -68,12 +68,7 @@ class ServerConfig:
         _check(bool(self.host), "host", "must not be empty")
         _check(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
         _check(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
-        try:
-            size = parse_size(self.max_request_body_bytes)
-        except ValueError:
-            raise ValueError(f"--max_request_body_bytes: cannot parse "
-                             f"{self.max_request_body_bytes!r}") from None
-        _check(size > 0, "max_request_body_bytes", "must be positive")
+        parse_size_flag(self.max_request_body_bytes, "max_request_body_bytes")
         self.log_level = self.log_level.lower()
         _check(self.log_level in _LOG_LEVELS, "log_level",
                f"must be one of {_LOG_LEVELS}, got {self.log_level!r}")
