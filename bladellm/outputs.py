@@ -51,3 +51,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request failed inside the engine
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then per token its
+    # logprob first and the top-k after (as CompletionOutput.logprobs); with delta outputs
+    # only the first output of the request carries it.
+    prompt_logprobs: list[list[TokenLogprob] | None] | None = None

@@ -21,7 +21,7 @@ class SamplingParamsTypeError(TypeError, ValueError):
 
 
 _INT_FIELDS = ("n", "top_k", "min_tokens")
-_OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs")
+_OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
 _BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens")
@@ -116,6 +116,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_tokens: int | None = 16  # None: up to the context length
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs besides the sampled token's
+    # Per prompt token after the first: its logprob and rank, and this many top alternatives
+    # (``RequestOutput.prompt_logprobs``). One extra forward over the prompt, by the base model.
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     # Structured output: the output follows this constraint (None: unconstrained).
@@ -214,8 +217,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), "
                                     f"got {self.min_tokens}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= _MAX_LOGPROBS):
-            raise bad("logprobs", f"must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (0 <= value <= _MAX_LOGPROBS):
+                raise bad(name, f"must be in [0, {_MAX_LOGPROBS}], got {value}")
         if self.stop is not None and any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):

@@ -30,6 +30,7 @@ from bladellm.lora.request import LoRARequest
 from bladellm.model.checkpoint import HUB_FLAGS, ResolvedModel, locate_model
 from bladellm.model.hub import download_model, is_model_id
 from bladellm.model.pooling_config import pooling_config
+from bladellm.engine import prompt_logprobs as prompt_lp
 from bladellm.engine.prompt_logprobs import to_token_logprobs
 from bladellm.outputs import RequestOutput, TokenLogprob
 from bladellm.sampling_params import SamplingParams
@@ -152,7 +153,9 @@ class AsyncLLM:
         arrival = time.time()
         # Counted as waiting from here: requests being tokenized take their queue slot at once.
         self._not_started.add(request_id)
+        prompt_logprobs = None
         try:
+            num_top = prompt_lp.wanted(sampling_params, lora_request)
             core_reqs = await self.cpu_offload.run(
                 self.input_processor.process, request_id, prompt, sampling_params, arrival,
                 lora_request=lora_request, validate_grammar=False)
@@ -160,6 +163,9 @@ class AsyncLLM:
                 # Not in the tokenizer's queue; a client gone before its turn never starts it.
                 await self.grammar_offload.run(self.input_processor.validate_grammar,
                                                sampling_params)
+            if num_top is not None:  # one forward over the prompt, before it is queued
+                prompt_logprobs = prompt_lp.with_first((await self.prompt_logprobs(
+                    [core_reqs[0].prompt_token_ids], num_top))[0])
         except BaseException:
             self._not_started.discard(request_id)
             raise
@@ -182,6 +188,8 @@ class AsyncLLM:
                 # A failure before any output is an error response; after, a finish_reason.
                 if item.error is not None and (not yielded or item.error == QUEUE_TIMEOUT_ERROR):
                     raise self._request_error(item.error)  # `finally` aborts any siblings
+                if prompt_logprobs is not None and not (delta and yielded):
+                    item.prompt_logprobs = prompt_logprobs
                 finished, yielded = item.finished, True
                 yield item
                 if finished:

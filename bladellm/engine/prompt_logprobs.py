@@ -7,6 +7,7 @@ from functools import lru_cache
 from typing import Any
 
 from bladellm.outputs import TokenLogprob
+from bladellm.sampling_params import SamplingParams
 
 
 def to_token_logprobs(raw: list[list[Any]], tokenizer: Any) -> list[list[list[TokenLogprob]]]:
@@ -24,3 +25,18 @@ def to_token_logprobs(raw: list[list[Any]], tokenizer: Any) -> list[list[list[To
             entries.append(entry)
         result.append(entries)
     return result
+
+
+def wanted(params: SamplingParams, lora_request: Any) -> int | None:
+    """How many top alternatives the request's prompt logprobs want (None: none wanted); raises
+    where they cannot be computed."""
+    if params.prompt_logprobs is not None and lora_request is not None:
+        # The extra forward runs the base model: its numbers would not be the adapter's.
+        raise ValueError("prompt_logprobs: not supported with a LoRA adapter")
+    return params.prompt_logprobs
+
+
+def with_first(entries: list[list[TokenLogprob]]) -> list[list[TokenLogprob] | None]:
+    """vLLM's layout of ``RequestOutput.prompt_logprobs``: None for the first token (nothing
+    precedes it), then one entry per later prompt token."""
+    return [None, *entries]

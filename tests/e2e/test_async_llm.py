@@ -123,3 +123,24 @@ async def test_dead_engine_fails_requests_instead_of_hanging(tiny_llama, how):
 async def _drain(gen) -> None:
     async for _ in gen:
         pass
+
+
+async def test_prompt_logprobs_on_the_first_delta_only(engine, tiny_llama):
+    """SamplingParams.prompt_logprobs through the engine-core process: the numbers of the
+    offline API, sent once with delta outputs, on every output without."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    outs = [out async for out in engine.generate([5, 6, 7, 8], params, "plp-delta")]
+    assert outs[0].prompt_logprobs is not None
+    assert all(out.prompt_logprobs is None for out in outs[1:])
+    finals = [out async for out in engine.generate([5, 6, 7, 8], params, "plp-full",
+                                                   delta=False)]
+    assert all(out.prompt_logprobs == outs[0].prompt_logprobs for out in finals)
+    from bladellm import LLM
+    (offline,) = LLM(model=tiny_llama, dtype="float32").generate([[5, 6, 7, 8]], params,
+                                                                use_tqdm=False)
+    got, want = outs[0].prompt_logprobs, offline.prompt_logprobs
+    assert len(got) == 4 and got[0] is None and want[0] is None
+    for g, w in zip(got[1:], want[1:]):
+        assert [e.token_id for e in g] == [e.token_id for e in w]
+        assert [e.logprob for e in g] == pytest.approx([e.logprob for e in w], abs=1e-5)
+        assert g[0].rank == w[0].rank

@@ -101,3 +101,52 @@ def test_prompt_logprobs_match_transformers(llm, tiny_llama):
         assert lps[0] == pytest.approx(row[ids[pos + 1]].item(), abs=1e-4)
         assert rank == int((row > row[ids[pos + 1]]).sum()) + 1
         assert tok_ids[1:] == row.topk(3).indices.tolist()
+
+
+def test_offline_prompt_logprobs_match_transformers(llm, tiny_llama):
+    """SamplingParams.prompt_logprobs (vLLM's offline field): None for the first prompt token,
+    then the token's logprob and rank and the top-k, on every output of the request."""
+    lm = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_llama, torch_dtype=torch.float32).eval()
+    ids = llm.get_tokenizer().encode("The quick brown fox jumps over")
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2, n=2)
+    plain, with_lp = llm.generate([ids, ids], [SamplingParams(temperature=0.0, max_tokens=3,
+                                                              n=2), params], use_tqdm=False)
+    assert plain.prompt_logprobs is None
+    assert [c.token_ids for c in with_lp.outputs] == [c.token_ids for c in plain.outputs]
+    got = with_lp.prompt_logprobs
+    with torch.no_grad():
+        ref = torch.log_softmax(lm(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert got is not None and len(got) == len(ids) and got[0] is None
+    for pos, entry in enumerate(got[1:]):
+        row, token = ref[pos], ids[pos + 1]
+        assert entry[0].token_id == token and len(entry) == 3
+        assert entry[0].logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry[0].rank == int((row > row[token]).sum()) + 1
+        assert [e.token_id for e in entry[1:]] == row.topk(2).indices.tolist()
+        assert [e.rank for e in entry[1:]] == [1, 2]
+        assert entry[0].decoded == llm.get_tokenizer().decode([token])
+    assert llm.engine._prompt_logprobs == {}  # nothing kept once the request finished
+    (one,) = llm.generate([ids[:1]], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                          use_tqdm=False)
+    assert one.prompt_logprobs == [None]
+
+
+@pytest.mark.parametrize("value", [-1, 21])
+def test_prompt_logprobs_out_of_range_names_the_field(value):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=value)
+    with pytest.raises(TypeError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs="3")
+
+
+def test_prompt_logprobs_refused_with_a_lora_adapter():
+    """The extra forward runs the base model, so an adapter's request may not ask for them."""
+    from bladellm.engine import prompt_logprobs
+    from bladellm.lora.request import LoRARequest
+
+    lora = LoRARequest("a", 1, "/nowhere")
+    with pytest.raises(ValueError, match="prompt_logprobs: not supported with a LoRA adapter"):
+        prompt_logprobs.wanted(SamplingParams(prompt_logprobs=0), lora)
+    assert prompt_logprobs.wanted(SamplingParams(), lora) is None
+    assert prompt_logprobs.wanted(SamplingParams(prompt_logprobs=3), None) == 3
