@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -27,6 +28,27 @@ from bladellm.worker.input_batch import InputBatch, StepInputs
 from bladellm.worker.sampling_rows import attach_grammar_bitmask
 
 logger = logging.getLogger(__name__)
+
+
+def packable_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The unquantized linear layers, then the LM heads, of ``model``: the modules that may keep
+    their kernels' load-time weight forms (quantized layers were unpacked into their kernels'
+    layout by the loader already)."""
+    layers = [m for m in model.modules()
+              if isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod)]
+    return layers + [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+
+
+def prepack_bound(weights: Iterable[torch.Tensor], weight_bytes: int) -> tuple[int, bool]:
+    """(the most the kernels' load-time forms of ``weights`` can take, whether they are made):
+    made only while that bound (``packed_bytes_bound``: 1x the fp32 weights on AVX2, 1.5x
+    elsewhere, 1x for bf16) is at most a quarter of the memory a model of ``weight_bytes``
+    leaves. ``blade_llm_check`` counts the copies with this too, so the two cannot drift."""
+    from bladellm.kernels import get_kernels
+
+    kernels = get_kernels()
+    extra = sum(kernels.packed_bytes_bound(w) for w in weights)
+    return extra, extra <= (total_memory_bytes() - weight_bytes) // 4
 
 
 class ModelRunner:
@@ -93,24 +115,20 @@ class ModelRunner:
         CPU: a oneDNN reordered copy that runs batched GEMMs 1.2-2x faster, and for fp32
         weights that are exact bf16 values a bf16 copy that halves what a decode step streams;
         on AVX2 only that weight or its bf16 copy packed in panels, for every batch;
-        ``CompiledKernels.pack_linear_weight``). They are made only while the most they can take
-        (``packed_bytes_bound``: 1x the fp32 weights on AVX2, 1.5x elsewhere, 1x for bf16) is at
-        most a quarter of the memory the weights leave. Returns the bytes they added."""
+        ``CompiledKernels.pack_linear_weight``), when ``prepack_bound`` says they are made.
+        Returns the bytes they added."""
         from bladellm.kernels import get_kernels
 
-        # Quantized layers were unpacked into their kernels' layout by the loader already.
-        layers = [m for m in self.model.modules()
-                  if isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod)]
-        heads = [m for m in self.model.modules() if isinstance(m, ParallelLMHead)]
-        packable = layers + heads
-        kernels = get_kernels()
-        extra = sum(kernels.packed_bytes_bound(m.weight) for m in packable)
-        spare = total_memory_bytes() - model_weight_bytes(self.model)
-        if not packable or extra > spare // 4:
+        packable = packable_modules(self.model)
+        extra, made = prepack_bound([m.weight for m in packable], model_weight_bytes(self.model))
+        if not packable or not made:
             if packable:
                 logger.info("linear weights not prepacked: the copies (%.0f MiB) would exceed "
                             "a quarter of the spare memory", extra / (1 << 20))
             return 0
+        kernels = get_kernels()
+        layers = [m for m in packable if not isinstance(m, ParallelLMHead)]
+        heads = [m for m in packable if isinstance(m, ParallelLMHead)]
         for m in layers:
             m.quant_method.process_weights_after_loading(m)
         for h in heads:

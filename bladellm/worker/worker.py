@@ -35,6 +35,19 @@ def seed_process_rngs(seed: int | None) -> None:
     torch.manual_seed(seed & ((1 << 64) - 1))
 
 
+def rank_num_blocks(config: EngineConfig, bytes_per_block: int, weight_bytes: int,
+                    max_model_len: int, local_world_size: int) -> int:
+    """KV blocks of ``bytes_per_block`` a rank holding ``weight_bytes`` (everything it loaded:
+    weights, their prepacked copies, an sps draft) can hold (``kv_cache_num_blocks``). Ranks on
+    one machine share its memory: each sizes its pool from its share. ``blade_llm_check`` sizes
+    the pool with this too."""
+    cache = config.cache
+    kv_bytes = None if cache.kv_cache_memory == "auto" else parse_size(cache.kv_cache_memory)
+    return kv_cache_num_blocks(cache.num_kv_blocks, kv_bytes, bytes_per_block,
+                               config.scheduler.max_num_seqs, max_model_len, cache.block_size,
+                               weight_bytes, total_memory_bytes() // local_world_size)
+
+
 class Worker:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, rank: int = 0,
                  num_threads: int | None = None, local_world_size: int = 1) -> None:
@@ -55,7 +68,7 @@ class Worker:
         """KV blocks this rank can hold: ``--num_kv_blocks``, ``--kv_cache_memory SIZE``, or
         auto (a fixed share of total memory minus the weights; deterministic per machine), never
         more than ``--max_num_seqs`` full-length requests can use (+1 for the null block)."""
-        cache, runner = self.config.cache, self.model_runner
+        runner = self.model_runner
         # sps: one block id holds the target's and the draft's KV, so the budget is shared in
         # proportion to their per-token KV sizes.
         per_block = runner.bytes_per_block + runner.spec_bytes_per_block
@@ -64,12 +77,8 @@ class Worker:
             logger.info("KV budget shared by target and draft: %d + %d bytes per block",
                         runner.bytes_per_block, runner.spec_bytes_per_block)
             weights += model_weight_bytes(runner.spec.proposer.model)
-        kv_bytes = None if cache.kv_cache_memory == "auto" else parse_size(cache.kv_cache_memory)
-        # Ranks on one machine share its memory: each sizes its pool from its share.
-        return kv_cache_num_blocks(cache.num_kv_blocks, kv_bytes, per_block,
-                                   self.config.scheduler.max_num_seqs, runner.max_model_len,
-                                   runner.block_size, weights,
-                                   total_memory_bytes() // self.local_world_size)
+        return rank_num_blocks(self.config, per_block, weights, runner.max_model_len,
+                               self.local_world_size)
 
     def spec_forward_times(self) -> tuple[float, float]:
         """sps: seconds of a one-token forward of the (target, draft) on this rank, measured.
