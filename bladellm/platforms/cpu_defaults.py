@@ -96,9 +96,12 @@ def total_memory_bytes(root: str = CGROUP_ROOT, self_cgroup: str | None = None) 
 
 
 def model_weight_bytes(model: Any) -> int:
-    """Bytes of a ``torch.nn.Module``'s parameters and buffers (tied weights counted once)."""
+    """Bytes of a ``torch.nn.Module``'s parameters and buffers (tied weights counted once),
+    plus what its modules hold outside tensors (``opaque_weight_bytes``: fbgemm's packed int8
+    weights)."""
     tensors = itertools.chain(model.parameters(), model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    opaque = sum(getattr(m, "opaque_weight_bytes", 0) for m in model.modules())
+    return sum(t.numel() * t.element_size() for t in tensors) + opaque
 
 
 class KVCacheSizeError(ValueError):

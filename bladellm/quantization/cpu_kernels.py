@@ -196,6 +196,10 @@ class Int8DynamicLinear:
             w.q.to(torch.int8), w.scales[:, 0].to(torch.float64),
             torch.zeros(n, dtype=torch.int64), 0)
         self.packed = torch.ops.quantized.linear_prepack(qw, None)
+        # fbgemm's packed weight is an opaque object, not a tensor: what it holds (the int8
+        # codes, per-channel scale and zero point, column offsets) is counted here for the memory
+        # accounting (``model_weight_bytes``), which sees only tensors otherwise.
+        self.opaque_bytes = n * k + n * (8 + 8 + 4)
         self.split = split
         self.pad = torch.zeros(1, k)
         if split:

@@ -69,6 +69,9 @@ class QuantLinearMethod(LinearMethodBase):
         for name in names:
             delattr(layer, name)
         layer.quant_kernel = kernel
+        # Memory the kernel holds outside tensors (fbgemm's packed weight): counted by
+        # ``model_weight_bytes``, so the auto KV pool leaves room for it.
+        layer.opaque_weight_bytes = getattr(kernel, "opaque_bytes", 0)
         for attr in ("codes", "scales", "zeros", "packed", "scales_and_zeros", "wq", "w_scale"):
             for owner, tag in ((kernel, ""), (getattr(kernel, "fallback", None), "fallback_")):
                 t = getattr(owner, attr, None) if owner is not None else None

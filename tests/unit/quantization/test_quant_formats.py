@@ -94,3 +94,22 @@ def test_quantized_checkpoint_is_smaller_in_memory(checkpoints):
     buffers = sum(b.numel() * b.element_size() for b in layer.buffers())
     assert 0 < buffers < fp32 / 2  # 4-bit codes (+ ATen's int4 copy) and group scales
     assert model_weight_bytes(layer) == buffers
+
+
+def test_w8a8_packed_weights_are_counted(checkpoints):
+    """fbgemm's packed int8 weight is an opaque object, not a tensor: the memory accounting
+    (``model_weight_bytes``, which sizes the auto KV pool) must still count its int8 codes."""
+    from bladellm.platforms.cpu_defaults import model_weight_bytes
+    from bladellm.quantization.cpu_kernels import Int8DynamicLinear
+
+    model_dir, _ = checkpoints("ct-w8a8")
+    hf_config = load_hf_config(model_dir, False)
+    model = build_model(hf_config, torch.float32, "cpu", get_attn_backend(None, "cpu"),
+                        quant_config=get_quant_config(hf_config))
+    load_checkpoint_files(model, find_weight_files(model_dir))
+    process_quantized_layers(model)
+    layer = model.model.layers[0].mlp.down_proj
+    if not isinstance(layer.quant_kernel, Int8DynamicLinear):
+        pytest.skip("no fbgemm here: the reference kernel keeps plain tensors")
+    codes = layer.input_size * layer.output_size  # int8
+    assert codes < model_weight_bytes(layer) < 2 * codes
