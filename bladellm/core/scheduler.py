@@ -34,7 +34,7 @@ from bladellm.core.interface import (CachedRequestData, ModelRunnerOutput, NewRe
 from bladellm.core.kv_cache_manager import KVCacheManager, cdiv
 from bladellm.core.outputs import (GRAMMAR_ERROR_PREFIX, QUEUE_TIMEOUT_ERROR, EngineCoreOutput,
                                    Logprobs, SchedulerStats)
-from bladellm.guided.grammar import unsatisfiable_error
+from bladellm.guided.grammar import failed_mid_output_error, unsatisfiable_error
 from bladellm.request import Request, RequestStatus
 
 
@@ -495,16 +495,20 @@ class Scheduler:
         """The error of a request whose grammar rejected ``token_id``.
 
         When llguidance itself failed (the matcher is in its error state: ``try_consume_tokens``
-        of a merely banned token leaves no error) before the request produced any output, the
-        grammar fails on its own, whatever the model samples — e.g. ``start: start`` (no
-        sentence) or an endless forced text. That is the client's constraint: the grammar-error
-        prefix makes it a 400 naming the request field. Otherwise (a banned token got past the
-        mask, or llguidance failed mid-output) it stays an engine failure.
+        of a merely banned token leaves no error), the constraint is the cause: before any
+        output, the grammar fails on its own whatever the model samples (``start: start``, an
+        endless forced text); after some, it outgrew llguidance's limits (a right-recursive rule
+        past 2000 Earley items). Either is the client's constraint: the grammar-error prefix
+        makes it a 400 naming the request field, with llguidance's advice. A banned token that
+        got past the mask stays an engine failure (the mask and the matcher disagree).
         """
         reason = req.grammar.error  # type: ignore[union-attr]
         guided = req.sampling_params.guided_decoding
-        if reason is not None and req.num_output_tokens == 0 and guided is not None:
-            return GRAMMAR_ERROR_PREFIX + unsatisfiable_error(guided.kind, reason)
+        if reason is not None and guided is not None:
+            if req.num_output_tokens == 0:
+                return GRAMMAR_ERROR_PREFIX + unsatisfiable_error(guided.kind, reason)
+            return GRAMMAR_ERROR_PREFIX + failed_mid_output_error(guided.kind, reason,
+                                                                  req.num_output_tokens)
         return f"grammar: token {token_id} rejected ({reason or 'not allowed by the grammar'})"
 
     @staticmethod

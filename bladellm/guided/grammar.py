@@ -141,3 +141,11 @@ def unsatisfiable_error(kind: str, reason: str) -> str:
     """The message of a constraint that fails at its first token (the client's fault: a 400)."""
     return (f"{FIELD_OF_KIND[kind]}: no output can satisfy the {kind} constraint (it fails at "
             f"the first token: {llguidance_reason(reason)})")
+
+
+def failed_mid_output_error(kind: str, reason: str, num_output_tokens: int) -> str:
+    """The message of a constraint that llguidance could not follow further after some output,
+    e.g. a right-recursive rule past its parser's 2000-item row limit: the constraint's doing
+    (the message says how to rewrite it), so a 400 as well."""
+    return (f"{FIELD_OF_KIND[kind]}: the {kind} constraint failed after {num_output_tokens} "
+            f"output tokens: {llguidance_reason(reason)}")

@@ -235,6 +235,40 @@ async def test_unsatisfiable_grammar_is_an_invalid_request_naming_the_field(serv
     assert error["message"].startswith("guided_grammar: no output can satisfy the grammar")
 
 
+def _outgrowing_grammar(k: int = 100) -> str:
+    """Any run of "a"s, each level of a right recursion through k rules: llguidance's Earley row
+    passes its 2000-item limit after ~18 "a"s, i.e. mid-output (the first token is fine)."""
+    alts = " | ".join(f'"a" y{i}' for i in range(k))
+    return "start: x\nx: \"a\" | " + alts + "\n" + "\n".join(f"y{i}: x" for i in range(k))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_grammar_failing_mid_output_is_an_invalid_request(server, stream):
+    """llguidance giving up after some output is the constraint's doing, with its advice: a 400
+    naming the field (in-band when streaming), not a 500."""
+    # The grammar may end after any "a": EOS (and the BOS/pad id) banned keeps it going
+    # (min_tokens is refused with a grammar).
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 64, "temperature": 0,
+            "logit_bias": {"0": -100, "2": -100}, "guided_grammar": _outgrowing_grammar(),
+            "stream": stream}
+    async with httpx.AsyncClient(timeout=120) as http:
+        resp = await http.post(server.url + "/v1/completions", json=body)
+    if stream:
+        assert resp.status_code == 200
+        events = [line[len("data: "):] for line in resp.text.splitlines()
+                  if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert any(json.loads(e)["choices"][0]["text"] for e in events[:-2])  # output came first
+    else:
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "guided_grammar"
+    assert re.match(r"guided_grammar: the grammar constraint failed after \d+ output tokens: "
+                    r"Parser Error: Current row has \d+ items; max is 2000", error["message"])
+    assert "left-recursive" in error["message"]
+
+
 @pytest.mark.parametrize("num_choices", [2000, 5000])
 async def test_thousands_of_choices(client, num_choices):
     # Each choice was a parser-level alternative: 2000 or more failed with a 500 at the first

@@ -129,10 +129,12 @@ def test_grammar_failing_before_any_output_is_the_clients_error():
                                "grammar constraint (it fails at the first token: NoExtensionBias)")
     assert errors["banned"] == "grammar: token 9 rejected (not allowed by the grammar)"
     assert errors["later"] is None and later.accepted == [9]
-    # llguidance fails after output was produced: an engine failure, as before.
+    # llguidance fails after output was produced (e.g. a right-recursive rule past its row
+    # limit): still the constraint's doing, a 400 that says after how many tokens.
     later.allowed, later.broken = set(), True
     _, outs = step(sched, runner)
-    assert outs[0].error.startswith("grammar: token 9 rejected (NoExtensionBias")
+    assert outs[0].error == (GRAMMAR_ERROR_PREFIX + "guided_grammar: the grammar constraint "
+                             "failed after 1 output tokens: NoExtensionBias")
     sched.check_invariants()
 
 
