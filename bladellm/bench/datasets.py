@@ -68,9 +68,11 @@ DATASETS = ("random", "shared_prefix", "sharegpt:FILE", "jsonl:FILE")
 
 
 def check_dataset_args(spec: str, num_groups: int = DatasetConfig.num_groups,
-                       prefix_len: int = DatasetConfig.prefix_len) -> None:
+                       prefix_len: int = DatasetConfig.prefix_len,
+                       input_len_range: tuple[int, int] = DatasetConfig.input_len_range) -> None:
     """Validate ``--dataset`` and its knobs before anything is sent: an unknown dataset, a
-    missing file, or a ``shared_prefix`` knob given with another dataset (where it would be
+    missing file, a ``shared_prefix`` knob given with another dataset, or an
+    ``--input_len_range`` with a file dataset (whose prompts are the file's: it would be
     ignored) is a ValueError naming the flag."""
     kind, _, arg = str(spec).partition(":")
     if kind in ("sharegpt", "jsonl"):
@@ -78,6 +80,9 @@ def check_dataset_args(spec: str, num_groups: int = DatasetConfig.num_groups,
             raise ValueError(f"--dataset: {kind} needs a file, as {kind}:FILE")
         if not os.path.isfile(arg):
             raise ValueError(f"--dataset: no such file {arg!r}")
+        if tuple(input_len_range) != DatasetConfig.input_len_range:
+            raise ValueError(f"--input_len_range: not used with --dataset {kind}:FILE (the "
+                             "prompts are the file's)")
     elif kind not in ("random", "shared_prefix") or arg:
         raise ValueError(f"--dataset: unknown dataset {spec!r} ({', '.join(DATASETS)})")
     if kind == "shared_prefix":

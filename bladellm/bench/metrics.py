@@ -48,10 +48,15 @@ def parse_slo(text: str | None) -> SLO:
         try:
             ms = float(value)
         except ValueError:
-            raise ValueError(f"--slo: {key} needs a number of milliseconds, got {value!r}") from None
-        if ms <= 0:
-            raise ValueError(f"--slo: {key} must be > 0 ms")
-        values[SLO_KEYS[key.strip().lower()]] = ms
+            raise ValueError(f"--slo: {key} needs a number of milliseconds, "
+                             f"got {value!r}") from None
+        # NaN compares false both ways: every request would "meet" it; inf is no target at all.
+        if not (ms > 0 and math.isfinite(ms)):
+            raise ValueError(f"--slo: {key} must be a finite number of ms > 0, got {value!r}")
+        name = SLO_KEYS[key.strip().lower()]
+        if name in values:  # 'ttft:500,ttft:100' (or e2e and e2el): one would silently win
+            raise ValueError(f"--slo: {name} given twice in {text!r}")
+        values[name] = ms
     return SLO(**values)
 
 

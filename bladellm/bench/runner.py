@@ -30,6 +30,9 @@ def parse_rates(text: str) -> list[float]:
             rate = math.inf if part in ("inf", "infinity") else float(part)
         except ValueError:
             raise ValueError(f"--request_rate: not a number: {part!r}") from None
+        # 'nan' parses as a float and passes `<= 0`; its gaps were NaN, so it ran like inf.
+        if math.isnan(rate):
+            raise ValueError(f"--request_rate: not a number: {part!r}")
         if rate <= 0:
             raise ValueError(f"--request_rate: rates must be > 0, got {part!r}")
         rates.append(rate)

@@ -28,6 +28,9 @@ from bladellm.bench.report import (format_markdown_comparison, format_table, loa
 from bladellm.bench.runner import SweepConfig, make_session, parse_rates, run_rate, warm_up
 
 
+_SLO_TARGET_DEFAULT = 0.9
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every option's default in its help line (unless the help already explains it); the
     description and epilog keep their line breaks."""
@@ -67,7 +70,8 @@ def build_run_parser() -> argparse.ArgumentParser:
     _add(p, "--tokenizer", default=None,
          help="HF tokenizer dir for exact prompt token counts (default: --model if it is a dir; "
               "else random words, one word ~ one token)")
-    _add(p, "--input_len_range", default="128,128", help="prompt tokens A,B (uniform)")
+    _add(p, "--input_len_range", default="128,128",
+         help="prompt tokens A,B (uniform); random and shared_prefix only")
     _add(p, "--output_len_range", default="128,128", help="max output tokens A,B (uniform)")
     _add(p, "--num_groups", type=int, default=DatasetConfig.num_groups,
          help="shared_prefix: number of system prompts")
@@ -77,7 +81,8 @@ def build_run_parser() -> argparse.ArgumentParser:
     _add(p, "--request_rate", default="inf",
          help="comma list of req/s to sweep, 'inf' sends all at once (e.g. 1,2,4,8,inf)")
     _add(p, "--burstiness", type=float, default=1.0,
-         help="gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier, >1 more regular")
+         help="gamma shape of inter-arrival gaps at finite rates: 1 = Poisson, <1 burstier, "
+              ">1 more regular")
     _add(p, "--max_concurrency", type=int, default=None, help="cap on in-flight requests")
     _add(p, "--ignore_eos", action="store_true", help="send ignore_eos: true")
     _add(p, "--eos_logit_bias", default=None,
@@ -85,9 +90,9 @@ def build_run_parser() -> argparse.ArgumentParser:
     _add(p, "--temperature", type=float, default=0.0, help="sampling temperature sent")
     _add(p, "--seed", type=int, default=0, help="seeds prompts and arrival times")
     _add(p, "--slo", default=None, help="goodput targets in ms, e.g. ttft:500,tpot:50[,e2e:MS]")
-    _add(p, "--slo_target", type=float, default=0.9,
-         help="a rate meets the SLO when this fraction of its requests does (for plots); "
-              "in (0, 1]")
+    _add(p, "--slo_target", type=float, default=_SLO_TARGET_DEFAULT,
+         help="with --slo: a rate meets the SLO when this fraction of its requests does "
+              "(for plots); in (0, 1]")
     _add(p, "--num_warmup", type=int, default=0, help="requests sent first and not measured")
     _add(p, "--output_dir", default="bench_results",
          help="where the result JSON, CSV and plots are written")
@@ -126,6 +131,23 @@ def _dataset_config(args: argparse.Namespace, seed: str) -> DatasetConfig:
                          num_groups=args.num_groups, prefix_len=args.prefix_len, seed=seed)
 
 
+def _parse_eos_ids(text: str | None) -> tuple[int, ...]:
+    """'2,7' -> (2, 7); errors name --eos_logit_bias (int() alone named nothing)."""
+    if not text:
+        return ()
+    ids = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        try:
+            ids.append(int(part))
+        except ValueError:
+            raise ValueError(f"--eos_logit_bias: token ids are integers, got {part!r}") from None
+        if ids[-1] < 0:
+            raise ValueError(f"--eos_logit_bias: token ids are >= 0, got {part!r}")
+    return tuple(ids)
+
+
 def _check_slo_target(value: float) -> None:
     if not 0 < value <= 1:  # also refuses nan
         raise ValueError(f"--slo_target: must be a fraction in (0, 1], got {value}")
@@ -134,17 +156,27 @@ def _check_slo_target(value: float) -> None:
 def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every run option is checked here, before any server is contacted."""
     try:
-        check_dataset_args(args.dataset, args.num_groups, args.prefix_len)
+        args.input_len_range = parse_range(args.input_len_range, "--input_len_range")
+        args.output_len_range = parse_range(args.output_len_range, "--output_len_range")
+        check_dataset_args(args.dataset, args.num_groups, args.prefix_len, args.input_len_range)
         _check_slo_target(args.slo_target)
         if not (args.request_timeout > 0 and math.isfinite(args.request_timeout)):
             raise ValueError(f"--request_timeout: must be a positive number of seconds, "
                              f"got {args.request_timeout}")
-        args.input_len_range = parse_range(args.input_len_range, "--input_len_range")
-        args.output_len_range = parse_range(args.output_len_range, "--output_len_range")
         args.rates = parse_rates(args.request_rate)
         args.slo_obj = parse_slo(args.slo)
-        args.eos_ids = tuple(int(x) for x in args.eos_logit_bias.split(",") if x.strip()) \
-            if args.eos_logit_bias else ()
+        # A knob that would change nothing is refused rather than silently ignored:
+        if args.slo_target != _SLO_TARGET_DEFAULT and not args.slo_obj.is_set():
+            raise ValueError("--slo_target: only used with --slo (the fraction of requests "
+                             "that must meet it)")
+        if args.burstiness != 1.0 and all(math.isinf(r) for r in args.rates):
+            raise ValueError("--burstiness: only shapes the gaps of a finite --request_rate; "
+                             "rate inf sends every request at once")
+        args.eos_ids = _parse_eos_ids(args.eos_logit_bias)
+        # The server refuses these (HTTP 400 on every request, exit status 0 before).
+        if not (args.temperature >= 0 and math.isfinite(args.temperature)):
+            raise ValueError(f"--temperature: must be a finite number >= 0, "
+                             f"got {args.temperature}")
         if args.num_prompts < 1:
             raise ValueError("--num_prompts must be >= 1")
         if args.max_concurrency is not None and args.max_concurrency < 1:

@@ -35,7 +35,7 @@ def test_inf_rate_sends_at_once_and_seed_repeats():
 
 def test_parse_rates():
     assert parse_rates("1,2.5,inf") == [1.0, 2.5, float("inf")]
-    for bad in ("", "0", "x", "-1"):
+    for bad in ("", "0", "x", "-1", "nan", "1,NaN"):
         with pytest.raises(ValueError, match="--request_rate"):
             parse_rates(bad)
 

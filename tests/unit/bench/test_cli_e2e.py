@@ -17,9 +17,11 @@ def server():
         yield srv
 
 
-def _run(tmp_path, srv, *extra):
+def _run(tmp_path, srv, *extra, input_len: str | None = "4,12"):
     out = tmp_path / "out"
-    argv = ["--base-url", srv.base_url, "--num_prompts", "8", "--input_len_range", "4,12",
+    # A file dataset's prompts are its own: --input_len_range is refused with one.
+    lens = ["--input_len_range", input_len] if input_len else []
+    argv = ["--base-url", srv.base_url, "--num_prompts", "8", *lens,
             "--output-len-range", "6,6", "--output_dir", str(out), "--label", "fake",
             "--disable_tqdm", *extra]
     assert main(argv) == 0
@@ -66,7 +68,7 @@ def test_errors_are_recorded_not_fatal(tmp_path, server):
     data.write_text("\n".join(json.dumps({"prompt": p, "output_len": 4}) for p in
                               ["ok one", "please FAIL_HTTP", "then FAIL_STREAM", "ok two"]))
     _, run = _run(tmp_path, server, "--dataset", f"jsonl:{data}", "--max_concurrency", "2",
-                  "--request_rate", "inf")
+                  "--request_rate", "inf", input_len=None)
     e = run["rates"][0]
     assert e["errors"] > 0 and e["completed"] > 0 and e["completed"] + e["errors"] == 8
     assert any("HTTP 500" in s for s in e["error_samples"])
@@ -148,6 +150,21 @@ def test_help_documents_every_option_and_the_plot_subcommand(capsys):
     (["--request_timeout", "-1"], "--request_timeout"),
     (["--request_timeout", "inf"], "--request_timeout"),
     (["--burstiness", "nan"], "--burstiness"),
+    # Values that were accepted and then ignored, or sent to make every request fail:
+    (["--request_rate", "nan"], "--request_rate"),  # ran at once, like inf, labelled "nan"
+    (["--request_rate", "1,nan"], "--request_rate"),
+    (["--slo", "ttft:nan"], "--slo"),  # every request "met" a NaN target
+    (["--slo", "tpot:inf"], "--slo"),
+    (["--slo", "ttft:500,ttft:100"], "--slo"),  # the last one silently won
+    (["--slo", "e2e:500,e2el:100"], "--slo"),
+    (["--eos_logit_bias", "abc"], "--eos_logit_bias"),  # the error named no flag
+    (["--eos_logit_bias=-5"], "--eos_logit_bias"),  # every request got HTTP 400
+    (["--temperature", "nan"], "--temperature"),
+    (["--temperature=-1"], "--temperature"),
+    (["--slo_target", "0.5"], "--slo_target"),  # without --slo: nothing to judge
+    (["--burstiness", "0.5"], "--burstiness"),  # only rate inf: no gaps to shape
+    (["--burstiness", "2", "--request_rate", "inf,inf"], "--burstiness"),
+    (["--dataset", "jsonl:" + __file__, "--input_len_range", "8,16"], "--input_len_range"),
 ])
 def test_bad_options_fail_before_contacting_the_server(tmp_path, capsys, extra, flag):
     with pytest.raises(SystemExit) as exc:
@@ -161,7 +178,8 @@ def test_bad_options_fail_before_contacting_the_server(tmp_path, capsys, extra, 
 
 def test_shared_prefix_knobs_accepted_with_shared_prefix(tmp_path, server):
     _, run = _run(tmp_path, server, "--dataset", "shared_prefix", "--num_groups", "2",
-                  "--prefix_len", "8", "--slo_target", "1", "--request_timeout", "30")
+                  "--prefix_len", "8", "--slo", "ttft:1000", "--slo_target", "1",
+                  "--request_timeout", "30")
     assert run["dataset"] == "shared_prefix" and run["args"]["num_groups"] == 2
 
 
@@ -169,3 +187,13 @@ def test_plot_slo_target_is_checked(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["plot", str(tmp_path / "x.json"), "--slo_target", "2"])
     assert exc.value.code == 2 and "error: --slo_target" in capsys.readouterr().err
+
+
+def test_knobs_that_take_effect_are_accepted(tmp_path, server):
+    """The other side of the checks above: each knob where it does something."""
+    _, run = _run(tmp_path, server, "--slo", "ttft:1000", "--slo_target", "0.5",
+                  "--burstiness", "0.5", "--request_rate", "50,inf", "--temperature", "0.7",
+                  "--eos_logit_bias", "0,2")
+    assert run["slo_target"] == 0.5 and [e["completed"] for e in run["rates"]] == [8, 8]
+    assert server.payloads[-1]["temperature"] == 0.7
+    assert server.payloads[-1]["logit_bias"] == {"0": -100, "2": -100}

@@ -82,6 +82,8 @@ def test_check_dataset_args():
                            ("shared_prefix", {"num_groups": 0}, "--num_groups"),
                            ("shared_prefix", {"prefix_len": -1}, "--prefix_len"),
                            ("bogus", {}, "--dataset"), ("sharegpt", {}, "--dataset"),
-                           ("jsonl:/nonexistent/x.jsonl", {}, "--dataset")]:
+                           ("jsonl:/nonexistent/x.jsonl", {}, "--dataset"),
+                           ("jsonl:" + __file__, {"input_len_range": (8, 16)},
+                            "--input_len_range")]:
         with pytest.raises(ValueError, match="^" + flag):
             check_dataset_args(spec, **kw)

@@ -112,7 +112,7 @@ def test_no_slo_means_no_goodput():
 def test_parse_slo():
     assert parse_slo("ttft:500,tpot:50") == SLO(ttft=500, tpot=50)
     assert parse_slo("e2el:2000").e2e == 2000
-    for bad in ("ttft", "foo:1", "ttft:x", "ttft:-1"):
+    for bad in ("ttft", "foo:1", "ttft:x", "ttft:-1", "ttft:nan", "tpot:inf", "e2e:1,e2el:2"):
         with pytest.raises(ValueError, match="--slo"):
             parse_slo(bad)
 
