@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 
 from bladellm.quantization.algorithms.config import QUANT_ALGOS, QuantizeConfig
@@ -80,7 +81,9 @@ def config_from_args(ns: argparse.Namespace) -> QuantizeConfig:
                              f"{group_size}")
         group_size = 64
     return QuantizeConfig(
-        model=ns.model, output_dir=ns.output_dir, quant_algo=ns.quant_algo, bit=ns.bit,
+        # ~ expanded here as for --model: `--output_dir=~/x` reaches us unexpanded by the shell
+        model=ns.model, output_dir=os.path.expanduser(ns.output_dir), quant_algo=ns.quant_algo,
+        bit=ns.bit,
         group_size=-1 if group_size is None else group_size,
         sym=ns.sym, act_order=ns.act_order, calib_data=ns.calib_data,
         calib_data_max_len=ns.calib_data_max_len, num_calib_samples=ns.num_calib_samples,
@@ -142,13 +145,45 @@ def _remove_previous_output(output_dir: str) -> None:
             os.remove(os.path.join(output_dir, name))
 
 
+def _first_missing(path: str) -> str | None:
+    """The outermost directory of ``path`` that does not exist yet (what ``makedirs`` will
+    create), or None when ``path`` exists."""
+    path = os.path.abspath(path)
+    missing = None
+    while not os.path.exists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
 def run(argv: list[str] | None = None):
-    """Parse, validate and quantize; returns the report. ValueError names the bad flag."""
+    """Parse, validate and quantize; returns the report. ValueError names the bad flag.
+    Whatever fails (or is interrupted) after the output directory was made removes what this
+    run wrote: the directories it created, or its files in an existing --output_dir."""
     from bladellm.quantization.algorithms.pipeline import quantize_checkpoint
 
     cfg = config_from_args(make_parser().parse_args(argv))
     check_paths(cfg)
-    return quantize_checkpoint(cfg)
+    created = _first_missing(cfg.output_dir)
+    before = set(os.listdir(cfg.output_dir)) if created is None else set()
+    try:
+        try:
+            os.makedirs(cfg.output_dir, exist_ok=True)  # before the model is read, not after
+        except OSError as e:
+            raise ValueError(f"--output_dir: cannot create {cfg.output_dir}: {e}") from e
+        return quantize_checkpoint(cfg)
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        elif os.path.isdir(cfg.output_dir):
+            _remove_previous_output(cfg.output_dir)  # the index first, then the shards
+            for name in set(os.listdir(cfg.output_dir)) - before:
+                path = os.path.join(cfg.output_dir, name)
+                if os.path.isfile(path):
+                    os.remove(path)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:

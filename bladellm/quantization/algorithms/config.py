@@ -10,6 +10,11 @@ QUANT_ALGOS = ("minmax", "gptq", "awq", "smoothquant", "smoothquant+")
 CALIBRATED_ALGOS = ("gptq", "awq", "smoothquant", "smoothquant+")
 
 
+def same_dir(a: str, b: str) -> bool:
+    """Whether two paths (``~`` expanded, links resolved) name the same directory."""
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+
+
 @dataclass(frozen=True)
 class QuantizeConfig:
     model: str
@@ -83,7 +88,9 @@ class QuantizeConfig:
             for flag in ("calib_data_max_len", "num_calib_samples"):
                 if getattr(self, flag) != defaults[flag]:
                     raise ValueError(f"--{flag}: {algo} uses no calibration data")
-        if os.path.abspath(self.output_dir) == os.path.abspath(os.path.expanduser(self.model)):
+        # realpath: a link to the model directory is the model directory (with --overwrite
+        # the previous output's safetensors, i.e. the source's, would be deleted).
+        if same_dir(self.output_dir, self.model):
             raise ValueError("--output_dir must differ from --model")
 
     @property
