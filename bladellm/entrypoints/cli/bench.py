@@ -14,6 +14,7 @@ import os
 import platform
 import random
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -189,7 +190,31 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(str(exc))
 
 
-async def _run(args: argparse.Namespace) -> dict[str, Any]:
+def _prepare_output_dir(path: str) -> None:
+    """Make ``--output_dir`` and write a probe file in it, before the sweep: the results are
+    written after the whole sweep, and a directory that couldn't be made or written lost them
+    all (a traceback at the end). A real write, since os.access says yes to root on a
+    read-only or special file system (/proc)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--output_dir: cannot write in {path!r} "
+                         f"({type(exc).__name__}: {exc.strerror or exc})") from None
+
+
+def _load_tokenizer(path: str | None, flag: str) -> Any:
+    """``load_tokenizer`` with its failure (a missing dir: a Hugging Face traceback about repo
+    ids) turned into one line that names where the path came from."""
+    try:
+        return load_tokenizer(path)
+    except Exception as exc:  # noqa: BLE001 - OSError, HFValidationError, ValueError, ...
+        raise ValueError(f"{flag}: cannot load a tokenizer from {path!r} "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+
+
+async def _run(args: argparse.Namespace, tokenizer: Any = None) -> dict[str, Any]:
     cfg = SweepConfig(base_url=args.base_url, options=None, max_concurrency=args.max_concurrency,
                       burstiness=args.burstiness, seed=args.seed,
                       request_timeout_s=args.request_timeout,
@@ -206,7 +231,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                                  eos_logit_bias=args.eos_ids, temperature=args.temperature,
                                  include_usage=not args.no_usage)
     tok_path = args.tokenizer or (model if os.path.isdir(model) else None)
-    tokenizer = load_tokenizer(tok_path)
+    if tokenizer is None and tok_path:  # --tokenizer was loaded before contacting the server
+        try:
+            tokenizer = _load_tokenizer(tok_path, "--model (a directory, used as the tokenizer)")
+        except ValueError as exc:
+            raise SystemExit(f"blade_llm_bench: {exc}; pass --tokenizer") from None
 
     run: dict[str, Any] = {
         "label": args.label, "base_url": args.base_url, "model": model,
@@ -243,8 +272,18 @@ def run_main(argv: list[str]) -> int:
     parser = build_run_parser()
     args = parser.parse_args(argv)
     _validate(parser, args)
+    tokenizer = None
+    if args.tokenizer:
+        try:
+            tokenizer = _load_tokenizer(args.tokenizer, "--tokenizer")
+        except ValueError as exc:
+            parser.error(str(exc))
+    try:  # last: a usage error above leaves no directory behind
+        _prepare_output_dir(args.output_dir)
+    except ValueError as exc:
+        parser.error(str(exc))
     t0 = time.perf_counter()
-    run = asyncio.run(_run(args))
+    run = asyncio.run(_run(args, tokenizer))
     label = args.label or _default_label(run["model"])
     run["label"] = label
     os.makedirs(args.output_dir, exist_ok=True)

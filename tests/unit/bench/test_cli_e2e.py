@@ -197,3 +197,19 @@ def test_knobs_that_take_effect_are_accepted(tmp_path, server):
     assert run["slo_target"] == 0.5 and [e["completed"] for e in run["rates"]] == [8, 8]
     assert server.payloads[-1]["temperature"] == 0.7
     assert server.payloads[-1]["logit_bias"] == {"0": -100, "2": -100}
+
+
+def test_unusable_output_dir_or_tokenizer_fail_before_the_sweep(tmp_path, capsys):
+    """Both were found only after contacting the server: an output dir that can't be made
+    ended the run in a traceback after the whole sweep had run, its results lost; a missing
+    tokenizer path in a Hugging Face traceback."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for extra, flag in [(["--output_dir", str(blocker / "out")], "--output_dir"),
+                        (["--output_dir", str(blocker)], "--output_dir"),
+                        (["--tokenizer", str(tmp_path / "no_such_tokenizer")], "--tokenizer")]:
+        with pytest.raises(SystemExit) as exc:
+            main(["--base_url", "http://127.0.0.1:9", "--model", "m", "--disable_tqdm",
+                  "--output_dir", str(tmp_path / "out"), *extra])
+        assert exc.value.code == 2, extra  # a usage error, not the connection failure
+        assert f"error: {flag}" in capsys.readouterr().err
