@@ -17,7 +17,8 @@ import os
 import shutil
 import sys
 
-from bladellm.quantization.algorithms.config import QUANT_ALGOS, QuantizeConfig
+from bladellm.quantization.algorithms.config import (QUANT_ALGOS, QUANT_ARCHITECTURES,
+                                                     QuantizeConfig)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -108,6 +109,12 @@ def check_paths(cfg: QuantizeConfig) -> None:
     if raw.get("quantization_config"):
         raise ValueError(f"--model: {cfg.model} is already quantized (quantization_config); "
                          f"start from the float checkpoint")
+    archs = raw.get("architectures") or []
+    if not any(a in QUANT_ARCHITECTURES for a in archs):
+        raise ValueError(f"--model: architecture {', '.join(archs) or '(none in config.json)'} "
+                         f"is not supported; blade_llm_quantize supports "
+                         f"{', '.join(QUANT_ARCHITECTURES)}")
+    _check_tensors(cfg.model, model_dir, raw)
     _check_group_size(cfg, raw)
     if os.path.isfile(cfg.output_dir):
         raise ValueError(f"--output_dir: {cfg.output_dir} is a file")
@@ -116,6 +123,37 @@ def check_paths(cfg: QuantizeConfig) -> None:
             raise ValueError(f"--output_dir: {cfg.output_dir} is not empty; pass --overwrite "
                              f"to replace it")
         _remove_previous_output(cfg.output_dir)
+
+
+# Tensor suffixes of packed quantized weights (GPTQ / AWQ, compressed-tensors).
+_PACKED_SUFFIXES = (".qweight", ".qzeros", ".weight_scale", ".weight_packed")
+
+
+def _check_tensors(model: str, model_dir: str, raw: dict) -> None:
+    """Every decoder layer's float linears and norms are in the checkpoint: transformers would
+    initialize a missing one at random and we would quantize noise without a word. A checkpoint
+    quantized without ``quantization_config`` in config.json (AutoGPTQ's quantize_config.json,
+    packed tensors) is named as such."""
+    from bladellm.quantization.algorithms.layer_io import LINEAR_NAMES
+    from bladellm.quantization.algorithms.model_source import LAYER_PREFIX, weight_files
+
+    if os.path.isfile(os.path.join(model_dir, "quantize_config.json")):
+        raise ValueError(f"--model: {model} is already quantized (quantize_config.json); start "
+                         f"from the float checkpoint")
+    names = weight_files(model_dir)
+    packed = sorted(n for n in names if n.endswith(_PACKED_SUFFIXES))
+    if packed:
+        raise ValueError(f"--model: {model} is already quantized ({packed[0]}); start from the "
+                         f"float checkpoint")
+    per_layer = [f"{n}.weight" for n in LINEAR_NAMES + ("input_layernorm",
+                                                        "post_attention_layernorm")]
+    want = ["model.embed_tokens.weight"] + [
+        f"{LAYER_PREFIX}{i}.{n}" for i in range(int(raw.get("num_hidden_layers") or 0))
+        for n in per_layer]
+    missing = [n for n in want if n not in names]
+    if missing:
+        raise ValueError(f"--model: {model} lacks {len(missing)} tensor(s) its layers need, "
+                         f"e.g. {', '.join(missing[:3])}")
 
 
 def _check_group_size(cfg: QuantizeConfig, raw: dict) -> None:

@@ -61,3 +61,60 @@ def test_failed_run_leaves_no_output_dir(tiny_llama, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="interrupted"):
         run(_args(tiny_llama, str(out)))
     assert out.is_dir() and os.listdir(out) == []
+
+
+def _copy_with_config(src: str, dst, **changes) -> str:
+    import json
+
+    shutil.copytree(src, dst)
+    with open(dst / "config.json") as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(dst / "config.json", "w") as f:
+        json.dump(config, f)
+    return str(dst)
+
+
+def test_unsupported_architecture_refused_before_any_work(tiny_llama, tmp_path, capsys):
+    """A GPT-2 (no model.layers.*) was a StopIteration traceback; a Mixtral failed at its
+    first layer, leaving an empty --output_dir."""
+    for arch in ("GPT2LMHeadModel", "MixtralForCausalLM"):
+        src = _copy_with_config(tiny_llama, tmp_path / arch, architectures=[arch])
+        assert main(_args(src, str(tmp_path / f"{arch}-q"))) == 2
+        err = capsys.readouterr().err
+        assert f"--model: architecture {arch}" in err and "Traceback" not in err, err
+        assert not (tmp_path / f"{arch}-q").exists()
+
+
+def test_quantized_weights_without_quantization_config_refused(tiny_llama, tmp_path, capsys):
+    """An AutoGPTQ-style checkpoint (quantize_config.json, packed tensors, no
+    quantization_config in config.json) was 'quantized' from randomly initialized weights
+    (transformers initializes what the checkpoint lacks) with exit status 0."""
+    import json
+
+    gptq = tmp_path / "gptq"
+    assert main(_args(tiny_llama, str(gptq), "--bit", "4", "--group_size", "32")) == 0
+    with open(gptq / "config.json") as f:
+        config = json.load(f)
+    del config["quantization_config"]
+    with open(gptq / "config.json", "w") as f:
+        json.dump(config, f)
+    assert main(_args(str(gptq), str(tmp_path / "again"))) == 2
+    assert "already quantized (quantize_config.json)" in capsys.readouterr().err
+    os.remove(gptq / "quantize_config.json")
+    assert main(_args(str(gptq), str(tmp_path / "again"))) == 2
+    assert "already quantized (model.layers.0." in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()
+
+
+def test_missing_layer_tensors_refused(tiny_llama, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    state = load_file(src / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    assert main(_args(str(src), str(tmp_path / "q"))) == 2
+    err = capsys.readouterr().err
+    assert "--model:" in err and "model.layers.1.mlp.up_proj.weight" in err, err
