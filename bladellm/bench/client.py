@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -208,6 +209,10 @@ async def send_request(session: aiohttp.ClientSession, base_url: str, req: Bench
                         rec.on_event(data, now)
                 for data in parser.close():
                     rec.on_event(data, time.perf_counter())
+    except asyncio.TimeoutError:
+        # str() of aiohttp's total-timeout error is empty: say which limit it was.
+        rec.result.error = ("TimeoutError: no complete response within --request_timeout "
+                            f"({session.timeout.total:g} s)")
     except Exception as exc:  # noqa: BLE001 - any transport failure is one failed request
         rec.result.error = f"{type(exc).__name__}: {exc}"
     return rec.finish(time.perf_counter())

@@ -298,6 +298,21 @@ def run_main(argv: list[str]) -> int:
         print("max rate meeting the SLO: " + (f"{best['request_rate']} "
               f"({best['request_throughput']:.2f} req/s achieved)" if best else "none"))
     print(f"wrote {base}.json, {base}.csv, {', '.join(plots)} ({time.perf_counter() - t0:.1f} s)")
+    return _report_failures(run["rates"])
+
+
+def _report_failures(rates: list[dict[str, Any]]) -> int:
+    """Failed requests on stderr, whatever --disable_tqdm says (they were only in the JSON);
+    exit status 1 when none succeeded: a wrong --model or a dead server is not a benchmark."""
+    for e in rates:
+        if e["errors"]:
+            print(f"rate {e['request_rate']}: {e['errors']} of {e['num_requests']} requests "
+                  f"failed: " + " | ".join(s[:300] for s in e["error_samples"]),
+                  file=sys.stderr)
+    if rates and not any(e["completed"] for e in rates):
+        print("blade_llm_bench: every request failed (errors above); the numbers are empty",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -213,3 +213,30 @@ def test_unusable_output_dir_or_tokenizer_fail_before_the_sweep(tmp_path, capsys
                   "--output_dir", str(tmp_path / "out"), *extra])
         assert exc.value.code == 2, extra  # a usage error, not the connection failure
         assert f"error: {flag}" in capsys.readouterr().err
+
+
+def test_a_run_where_every_request_failed_says_why_and_exits_1(tmp_path, server, capsys):
+    """A wrong --model, an unreachable server or a refused parameter made every request fail:
+    the run exited 0 and, with --disable_tqdm, the cause was only in the JSON."""
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "always FAIL_HTTP", "output_len": 4}))
+    out = tmp_path / "out"
+    assert main(["--base_url", server.base_url, "--model", "m", "--dataset", f"jsonl:{data}",
+                 "--num_prompts", "3", "--output_dir", str(out), "--label", "x",
+                 "--disable_tqdm"]) == 1
+    err = capsys.readouterr().err
+    assert "rate inf: 3 of 3 requests failed" in err and "HTTP 500" in err
+    assert "every request failed" in err
+    assert json.loads((out / "x.json").read_text())["rates"][0]["errors"] == 3  # still written
+
+
+def test_a_timed_out_request_names_request_timeout(tmp_path, capsys):
+    with FakeOpenAIServer(ttft_s=2.0, itl_s=0.01) as srv:
+        assert main(["--base_url", srv.base_url, "--model", "m", "--num_prompts", "1",
+                     "--input_len_range", "4", "--output_len_range", "2", "--disable_tqdm",
+                     "--request_timeout", "0.3", "--output_dir", str(tmp_path),
+                     "--label", "t"]) == 1
+    run = json.loads((tmp_path / "t.json").read_text())
+    assert run["rates"][0]["error_samples"] == [
+        "TimeoutError: no complete response within --request_timeout (0.3 s)"]
+    assert "--request_timeout" in capsys.readouterr().err
