@@ -17,8 +17,8 @@ import os
 import shutil
 import sys
 
-from bladellm.quantization.algorithms.config import (QUANT_ALGOS, QUANT_ARCHITECTURES,
-                                                     QuantizeConfig)
+from bladellm.quantization.algorithms.config import (CALIBRATED_ALGOS, QUANT_ALGOS,
+                                                     QUANT_ARCHITECTURES, QuantizeConfig)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -56,25 +56,42 @@ def make_parser() -> argparse.ArgumentParser:
     add("--calib_data", default=None,
         help="Calibration text: a .txt file (one sample per paragraph, or per line), a .jsonl "
              "file with a 'text' field per line, or the text itself.")
-    add("--calib_data_max_len", type=int, default=512, help="Tokens per calibration sample.")
-    add("--num_calib_samples", type=int, default=128, help="Number of calibration samples.")
+    # default None: a value given for an algorithm that does not use it is refused even when it
+    # equals the default (config_from_args); QuantizeConfig's own defaults apply otherwise.
+    add("--calib_data_max_len", type=int, default=None,
+        help="Tokens per calibration sample (default 512).")
+    add("--num_calib_samples", type=int, default=None,
+        help="Number of calibration samples (default 128; fewer when the text runs out).")
     add("--cpu_offload", action="store_true",
         help="Hold one decoder layer in memory at a time (read from the safetensors files "
              "when needed) instead of the whole model.")
     add("--alpha", type=float, default=None,
         help="smoothquant: migration strength (default 0.5).")
-    add("--damp_percent", type=float, default=0.01,
-        help="gptq: dampening added to the Hessian diagonal, relative to its mean.")
+    add("--damp_percent", type=float, default=None,
+        help="gptq: dampening added to the Hessian diagonal, relative to its mean "
+             "(default 0.01).")
     add("--no_awq_clip", action="store_true", help="awq: skip the weight clipping search.")
     add("--overwrite", action="store_true", help="Write into a non-empty --output_dir.")
     return p
 
 
 def config_from_args(ns: argparse.Namespace) -> QuantizeConfig:
-    mode = "act_and_weight_quant" if ns.quant_algo == "smoothquant" else "weight_only_quant"
+    algo = ns.quant_algo
+    mode = "act_and_weight_quant" if algo == "smoothquant" else "weight_only_quant"
     if ns.quant_mode is not None and ns.quant_mode != mode:
-        raise ValueError(f"--quant_mode {ns.quant_mode}: --quant_algo {ns.quant_algo} is "
+        raise ValueError(f"--quant_mode {ns.quant_mode}: --quant_algo {algo} is "
                          f"{mode}")
+    # Given (not None) but unused by the algorithm: refused even at the default value, which
+    # QuantizeConfig cannot tell apart from a flag left out.
+    calibrated = algo in CALIBRATED_ALGOS
+    for flag, value, used in (("--damp_percent", ns.damp_percent, algo == "gptq"),
+                              ("--calib_data_max_len", ns.calib_data_max_len, calibrated),
+                              ("--num_calib_samples", ns.num_calib_samples, calibrated)):
+        if value is not None and not used:
+            raise ValueError(f"{flag}: {algo} does not use it; leave it out")
+    if ns.block_wise_quant and algo == "smoothquant":  # named as typed, not as --group_size 64
+        raise ValueError("--block_wise_quant: smoothquant's int8 weights are per output "
+                         "channel, not group-wise")
     group_size = ns.group_size
     if ns.block_wise_quant:
         if group_size not in (None, 64):
@@ -87,9 +104,10 @@ def config_from_args(ns: argparse.Namespace) -> QuantizeConfig:
         bit=ns.bit,
         group_size=-1 if group_size is None else group_size,
         sym=ns.sym, act_order=ns.act_order, calib_data=ns.calib_data,
-        calib_data_max_len=ns.calib_data_max_len, num_calib_samples=ns.num_calib_samples,
-        cpu_offload=ns.cpu_offload, alpha=ns.alpha, damp_percent=ns.damp_percent,
-        awq_clip=not ns.no_awq_clip, overwrite=ns.overwrite)
+        cpu_offload=ns.cpu_offload, alpha=ns.alpha, awq_clip=not ns.no_awq_clip,
+        overwrite=ns.overwrite,
+        **{k: getattr(ns, k) for k in ("calib_data_max_len", "num_calib_samples", "damp_percent")
+           if getattr(ns, k) is not None})
 
 
 def check_paths(cfg: QuantizeConfig) -> None:

@@ -53,7 +53,7 @@ class QuantizeConfig:
                 raise ValueError("--group_size: smoothquant's int8 weights are per output "
                                  "channel; pass --group_size -1")
             if not self.sym:
-                raise ValueError("--asym: smoothquant's W8A8 format is symmetric only")
+                raise ValueError("--no-sym/--asym: smoothquant's W8A8 format is symmetric only")
         if self.group_size != -1 and self.group_size < 1:
             raise ValueError(f"--group_size: must be -1 (per channel) or >= 1, "
                              f"got {self.group_size}")

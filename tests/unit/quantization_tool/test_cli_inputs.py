@@ -118,3 +118,19 @@ def test_missing_layer_tensors_refused(tiny_llama, tmp_path, capsys):
     assert main(_args(str(src), str(tmp_path / "q"))) == 2
     err = capsys.readouterr().err
     assert "--model:" in err and "model.layers.1.mlp.up_proj.weight" in err, err
+
+
+@pytest.mark.parametrize("extra,flag", [
+    # given at their default values, these were accepted and ignored
+    (["--num_calib_samples", "128"], "--num_calib_samples"),
+    (["--calib_data_max_len", "512"], "--calib_data_max_len"),
+    (["--quant_algo", "awq", "--damp_percent", "0.01", "--calib_data", "x y"], "--damp_percent"),
+    # the error names the flag that was typed
+    (["--quant_algo", "smoothquant", "--no-sym", "--calib_data", "x y"], "--no-sym"),
+    (["--quant_algo", "smoothquant", "--block_wise_quant", "--calib_data", "x y"],
+     "--block_wise_quant"),
+])
+def test_unused_flag_refused_even_at_its_default(extra, flag, tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match=flag):
+        run(_args(tiny_llama, str(tmp_path / "q"), *extra))
+    assert not (tmp_path / "q").exists()
