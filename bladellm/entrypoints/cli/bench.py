@@ -214,7 +214,11 @@ def _load_tokenizer(path: str | None, flag: str) -> Any:
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
 
 
-async def _run(args: argparse.Namespace, tokenizer: Any = None) -> dict[str, Any]:
+async def _run(args: argparse.Namespace, tokenizer: Any = None,
+               state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The sweep. ``state["run"]`` is the result being built, rate by rate, so that the
+    caller still has the finished rates when Ctrl-C cancels this coroutine."""
+    state = {} if state is None else state
     cfg = SweepConfig(base_url=args.base_url, options=None, max_concurrency=args.max_concurrency,
                       burstiness=args.burstiness, seed=args.seed,
                       request_timeout_s=args.request_timeout,
@@ -247,6 +251,7 @@ async def _run(args: argparse.Namespace, tokenizer: Any = None) -> dict[str, Any
                  "python": platform.python_version()},
         "rates": [],
     }
+    state["run"] = run
     if args.num_warmup:
         wcfg = _dataset_config(args, f"{args.seed}:warmup")
         wcfg.num_prompts = args.num_warmup
@@ -283,7 +288,28 @@ def run_main(argv: list[str]) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     t0 = time.perf_counter()
-    run = asyncio.run(_run(args, tokenizer))
+    state: dict[str, Any] = {}
+    try:
+        run = asyncio.run(_run(args, tokenizer, state))
+    except KeyboardInterrupt:
+        # Keep what was measured: the rates that finished (the interrupted one is cut short,
+        # its numbers would mislead, so it is left out).
+        run = state.get("run")
+        if not run or not run["rates"]:
+            print("blade_llm_bench: interrupted before a rate finished; nothing written",
+                  file=sys.stderr)
+            return 130
+        run["interrupted"] = True
+        run["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        print(f"blade_llm_bench: interrupted; writing the {len(run['rates'])} rate(s) that "
+              "finished", file=sys.stderr)
+        _write_results(args, run, t0)
+        return 130
+    return _write_results(args, run, t0)
+
+
+def _write_results(args: argparse.Namespace, run: dict[str, Any], t0: float) -> int:
+    """Files, table and failure report of a (possibly interrupted) run; the exit status."""
     label = args.label or _default_label(run["model"])
     run["label"] = label
     os.makedirs(args.output_dir, exist_ok=True)

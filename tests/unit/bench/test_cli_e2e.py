@@ -240,3 +240,44 @@ def test_a_timed_out_request_names_request_timeout(tmp_path, capsys):
     assert run["rates"][0]["error_samples"] == [
         "TimeoutError: no complete response within --request_timeout (0.3 s)"]
     assert "--request_timeout" in capsys.readouterr().err
+
+
+def test_ctrl_c_keeps_the_rates_already_measured(tmp_path, server):
+    """Ctrl-C during the second rate was a traceback and no file: the first rate's results
+    were lost. Now they are written, marked interrupted, and the exit status is 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bladellm.entrypoints.cli.bench", "--base_url", server.base_url,
+         "--model", "m", "--num_prompts", "4", "--input_len_range", "4",
+         "--output_len_range", "2", "--request_rate", "100,0.2", "--output_dir",
+         str(tmp_path), "--label", "c"], stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, env={**os.environ, "PYTHONPATH": repo}, cwd=repo)
+    first_done = threading.Event()
+    err: list[str] = []
+
+    def drain() -> None:
+        for line in iter(proc.stderr.readline, ""):
+            err.append(line)
+            if "rate 100:" in line:
+                first_done.set()
+        first_done.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    assert first_done.wait(120)
+    time.sleep(0.5)  # inside rate 0.2's schedule (its 4 arrivals span ~15 s)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, "".join(err)[-2000:]
+    run = json.loads((tmp_path / "c.json").read_text())
+    assert run["interrupted"] is True
+    assert [e["request_rate"] for e in run["rates"]] == ["100"]
+    assert run["rates"][0]["completed"] == 4
+    assert "interrupted" in "".join(err) and (tmp_path / "c.csv").exists()
