@@ -20,11 +20,16 @@ _FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".md", ".text")
 
 def load_calibration_texts(calib_data: str) -> list[str]:
     path = os.path.expanduser(calib_data)
+    if os.path.isdir(path):
+        raise ValueError(f"--calib_data: {calib_data} is a directory; pass a .txt or .jsonl file")
     if os.path.isfile(path):
-        if path.endswith(".jsonl"):
-            return _read_jsonl(path)
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        try:
+            if path.endswith(".jsonl"):
+                return _read_jsonl(path)
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:  # a ValueError whose message names no flag
+            raise ValueError(f"--calib_data: {calib_data} is not UTF-8 text ({e})") from e
         parts = re.split(r"\n\s*\n", text) if re.search(r"\n\s*\n", text) else text.splitlines()
         texts = [p.strip() for p in parts if p.strip()]
     elif "\n" not in calib_data and (calib_data.endswith(_FILE_SUFFIXES) or

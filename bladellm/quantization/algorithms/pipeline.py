@@ -22,11 +22,11 @@ from torch import nn
 from bladellm.quantization.algorithms.base import LayerAlgorithm, LayerResult
 from bladellm.quantization.algorithms.config import QuantizeConfig
 from bladellm.quantization.algorithms.layer_io import (LayerInputs, check_layer_layout, linear,
-                                                        run_layer)
+                                                       run_layer)
 from bladellm.quantization.algorithms.model_source import (LAYER_PREFIX, ModelSource,
-                                                            read_tensors)
+                                                           read_tensors)
 from bladellm.quantization.algorithms.quantizer import (GroupQuantSpec, Int8ChannelWeight,
-                                                         fake_quantize_act_per_token)
+                                                        fake_quantize_act_per_token)
 
 logger = logging.getLogger("bladellm.quantize")
 TOOL_NAME = "blade_llm_quantize"
@@ -139,15 +139,27 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
     start = time.perf_counter()
     model_dir = os.path.expanduser(cfg.model)
     texts = load_calibration_texts(cfg.calib_data) if cfg.calib_data else None
+    algo = algorithm or make_algorithm(cfg)
+    samples = None
+    if algo.needs_calibration:  # before the model is read: a bad tokenizer fails at once
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError) as e:  # transformers' messages run over several lines
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"--model: cannot load the tokenizer of {cfg.model} (it tokenizes "
+                             f"--calib_data): {first}") from e
+        samples = tokenize_calibration(tokenizer, texts, cfg.calib_data_max_len,
+                                       cfg.num_calib_samples)
+        if len(samples) < cfg.num_calib_samples:  # the text ran out: say so, as asked for more
+            logger.warning("--calib_data gives %d calibration sample(s) of the %d asked for "
+                           "(--num_calib_samples) at --calib_data_max_len %d: %d tokens",
+                           len(samples), cfg.num_calib_samples, cfg.calib_data_max_len,
+                           sum(s.shape[1] for s in samples))
     source = ModelSource(model_dir, cfg.cpu_offload)
     dtype = source.source_dtype()
     num_layers = len(source.layers)
-    algo = algorithm or make_algorithm(cfg)
     inputs = None
-    if algo.needs_calibration:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        samples = tokenize_calibration(tokenizer, texts, cfg.calib_data_max_len,
-                                       cfg.num_calib_samples)
+    if samples is not None:
         inputs = capture_layer0_inputs(source.model, samples)
     os.makedirs(cfg.output_dir, exist_ok=True)
     out = writer.ShardedWriter(cfg.output_dir, num_layers + 1)

@@ -134,3 +134,37 @@ def test_unused_flag_refused_even_at_its_default(extra, flag, tiny_llama, tmp_pa
     with pytest.raises(ValueError, match=flag):
         run(_args(tiny_llama, str(tmp_path / "q"), *extra))
     assert not (tmp_path / "q").exists()
+
+
+def test_calib_data_errors_name_the_flag(tmp_path):
+    from bladellm.quantization.calib import load_calibration_texts
+
+    with pytest.raises(ValueError, match=r"--calib_data: .* is a directory"):
+        load_calibration_texts(str(tmp_path))  # was "file ... not found"
+    binary = tmp_path / "calib.txt"
+    binary.write_bytes(bytes(range(128, 256)) * 4)
+    with pytest.raises(ValueError, match=r"--calib_data: .*calib.txt is not UTF-8 text"):
+        load_calibration_texts(str(binary))  # was codec's message, no flag
+
+
+def test_missing_tokenizer_names_model(tiny_llama, calib_file, tmp_path, capsys):
+    """Calibrated algorithms tokenize --calib_data with the model's tokenizer: read before the
+    model, its absence is one line naming --model (was transformers' multi-line message)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(tiny_llama, name), src / name)
+    rc = main(_args(str(src), str(tmp_path / "q"), "--quant_algo", "gptq",
+                    "--calib_data", calib_file))
+    err = capsys.readouterr().err
+    assert rc == 2 and "--model: cannot load the tokenizer" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "q").exists()
+
+
+def test_fewer_calibration_samples_than_asked_is_logged(tiny_llama, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="bladellm.quantize"):
+        assert main(_args(tiny_llama, str(tmp_path / "q"), "--quant_algo", "gptq",
+                          "--calib_data", "The quick brown fox jumps over the lazy dog.",
+                          "--num_calib_samples", "8", "--calib_data_max_len", "64")) == 0
+    assert "1 calibration sample(s) of the 8 asked for" in caplog.text
