@@ -168,3 +168,14 @@ def test_fewer_calibration_samples_than_asked_is_logged(tiny_llama, tmp_path, ca
                           "--calib_data", "The quick brown fox jumps over the lazy dog.",
                           "--num_calib_samples", "8", "--calib_data_max_len", "64")) == 0
     assert "1 calibration sample(s) of the 8 asked for" in caplog.text
+
+
+def test_overwrite_removes_the_previous_gptq_config(tiny_llama, tmp_path):
+    """A W8A8 run over a GPTQ one kept the GPTQ quantize_config.json (what AutoGPTQ reads)
+    next to the compressed-tensors checkpoint."""
+    out = str(tmp_path / "q")
+    assert main(_args(tiny_llama, out, "--bit", "4", "--group_size", "32")) == 0
+    assert os.path.isfile(os.path.join(out, "quantize_config.json"))
+    assert main(_args(tiny_llama, out, "--quant_algo", "smoothquant", "--calib_data", "a b c d",
+                      "--overwrite")) == 0
+    assert not os.path.exists(os.path.join(out, "quantize_config.json"))
