@@ -43,6 +43,8 @@ class RequestResult:
     output_tokens: int = 0
     usage_reported: bool = False
     num_chunks: int = 0
+    # Kept only to count its tokens when the server reports no usage; not written to JSON.
+    generated_text: str = ""
 
 
 class SSEParser:
@@ -170,8 +172,10 @@ class StreamRecorder:
             res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
             res.output_tokens = usage.get("completion_tokens", res.output_tokens)
         self._counted_tokens += chunk_token_count(obj)
-        if not chunk_text(obj):
+        text = chunk_text(obj)
+        if not text:
             return
+        res.generated_text += text
         if self._last is None:
             res.ttft = now - res.start
         else:
@@ -188,6 +192,17 @@ class StreamRecorder:
             res.error = "stream ended without generated text"
         res.success = not res.error
         return res
+
+
+def count_tokens_without_usage(results: list[RequestResult], tokenizer: Any) -> None:
+    """Output tokens of successful requests the server reported no usage for: the tokens of
+    their generated text, as vLLM's benchmark counts them. The chunk count they had is short
+    whenever a chunk packs several tokens (BladeLLM's streams do), which inflated TPOT and
+    deflated output throughput. Left as counted when the text encodes to nothing."""
+    for r in results:
+        if r.success and not r.usage_reported and r.generated_text:
+            n = len(tokenizer.encode(r.generated_text, add_special_tokens=False))
+            r.output_tokens = n or r.output_tokens
 
 
 async def send_request(session: aiohttp.ClientSession, base_url: str, req: BenchRequest,

@@ -45,6 +45,7 @@ def rate_entry(rate: float, results: Sequence[RequestResult], duration_s: float,
 def _request_record(r: RequestResult) -> dict[str, Any]:
     d = asdict(r)
     d.pop("num_chunks")
+    d.pop("generated_text")  # only for counting tokens; it would bloat the file
     d["start"] = round(d["start"], 6)
     return d
 

@@ -19,7 +19,8 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from bladellm.bench.client import RequestOptions, fetch_model_name
+from bladellm.bench.client import (RequestOptions, count_tokens_without_usage,
+                                   fetch_model_name)
 from bladellm.bench.datasets import (DatasetConfig, build_dataset, check_dataset_args,
                                      load_tokenizer, parse_range)
 from bladellm.bench.metrics import SLO, max_qps_meeting_slo, parse_slo
@@ -101,7 +102,8 @@ def build_run_parser() -> argparse.ArgumentParser:
     _add(p, "--request_timeout", type=float, default=3600.0,
          help="seconds per request (> 0, finite)")
     _add(p, "--no_usage", action="store_true",
-         help="don't send stream_options.include_usage (count chunks as tokens)")
+         help="don't send stream_options.include_usage (output tokens: the generated text "
+              "encoded with the tokenizer if there is one, else one per chunk)")
     _add(p, "--plot_stat", choices=("mean", "p50", "p90", "p99"), default="mean",
          help="statistic drawn on the latency axes of the plots")
     _add(p, "--disable_tqdm", action="store_true", help="no progress bar")
@@ -263,6 +265,8 @@ async def _run(args: argparse.Namespace, tokenizer: Any = None,
         # Fresh prompts per rate so a server's prompt cache can't reuse an earlier rate's.
         requests = build_dataset(_dataset_config(args, f"{args.seed}:{i}"), tokenizer)
         res = await run_rate(cfg, rate, requests, random.Random(f"{args.seed}:arrivals:{i}"))
+        if tokenizer is not None:
+            count_tokens_without_usage(res.results, tokenizer)
         entry = rate_entry(rate, res.results, res.duration_s, args.slo_obj,
                            spec_decode=res.spec_decode)
         run["rates"].append(entry)

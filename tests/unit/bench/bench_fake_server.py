@@ -1,7 +1,7 @@
 """A fake OpenAI-compatible streaming server with known timings, run in a background thread.
 
 Every streamed request waits ``ttft_s`` before its first token and ``itl_s`` between tokens,
-emits ``max_tokens`` one-word chunks (completions or chat), a usage chunk when
+emits ``max_tokens`` words, ``tokens_per_chunk`` per chunk (completions or chat), a usage chunk when
 ``stream_options.include_usage`` is set, then ``[DONE]``. A prompt containing ``FAIL_HTTP``
 gets a 500; one containing ``FAIL_STREAM`` gets an error event after its first token.
 
@@ -25,8 +25,10 @@ from aiohttp import web
 class FakeOpenAIServer:
     def __init__(self, ttft_s: float = 0.05, itl_s: float = 0.02, usage: bool = True,
                  model: str = "fake-model", metrics: bool = False,
-                 spec_per_request: tuple[int, int, int] | None = None):
+                 spec_per_request: tuple[int, int, int] | None = None,
+                 tokens_per_chunk: int = 1):
         self.ttft_s = ttft_s
+        self.tokens_per_chunk = tokens_per_chunk  # >1: a chunk carries that many words
         self.metrics = metrics
         self.spec_per_request = spec_per_request
         self.spec_totals = [0, 0, 0]
@@ -124,7 +126,9 @@ class FakeOpenAIServer:
             # Sleep to absolute deadlines so timer slack doesn't accumulate.
             target = t0 + self.ttft_s + i * self.itl_s
             await asyncio.sleep(max(0.0, target - time.perf_counter()))
-            word = f" w{i}"
+            if i % self.tokens_per_chunk:
+                continue  # packed into the chunk sent at i - i % tokens_per_chunk
+            word = "".join(f" w{j}" for j in range(i, min(n, i + self.tokens_per_chunk)))
             choice = ({"index": 0, "delta": {"content": word}} if is_chat
                       else {"index": 0, "text": word})
             await _send(resp, {"choices": [choice]})

@@ -281,3 +281,38 @@ def test_ctrl_c_keeps_the_rates_already_measured(tmp_path, server):
     assert [e["request_rate"] for e in run["rates"]] == ["100"]
     assert run["rates"][0]["completed"] == 4
     assert "interrupted" in "".join(err) and (tmp_path / "c.csv").exists()
+
+
+class _WordTokenizer:
+    """One token per whitespace-separated word (the fake server's words)."""
+
+    def encode(self, text, add_special_tokens=True):
+        return list(range(len(text.split())))
+
+    def decode(self, ids):
+        return " ".join("w" for _ in ids)
+
+    def __len__(self):
+        return 4
+
+
+def test_without_usage_a_tokenizer_counts_the_tokens_of_packed_chunks(tmp_path, monkeypatch):
+    """A server that packs several tokens into a chunk (BladeLLM does: 9 tokens in 5 chunks on
+    a tiny model) and reports no usage: the count was the chunks (54 tokens for 96 on a real
+    run with --no_usage), so TPOT and output throughput were off even with --tokenizer. vLLM
+    tokenizes the generated text; so do we when a tokenizer is given."""
+    import bladellm.entrypoints.cli.bench as bench_cli
+
+    monkeypatch.setattr(bench_cli, "load_tokenizer", lambda path: _WordTokenizer())
+    data = tmp_path / "p.jsonl"
+    data.write_text(json.dumps({"prompt": "a b c"}))  # (a jsonl only counts prompt tokens)
+    with FakeOpenAIServer(ttft_s=0.01, itl_s=0.002, usage=False, tokens_per_chunk=3) as srv:
+        _, run = _run(tmp_path, srv, "--model", "m", "--request_rate", "inf",
+                      "--tokenizer", str(tmp_path), "--dataset", f"jsonl:{data}",
+                      input_len=None)
+        e = run["rates"][0]
+        assert not e["usage_reported"] and e["total_output_tokens"] == 8 * 6
+        assert all(len(r["itl"]) == 1 for r in e["requests"])  # ITL stays per chunk (2 each)
+        assert "generated_text" not in e["requests"][0]  # counted, not stored
+        _, run = _run(tmp_path, srv, "--model", "m", "--request_rate", "inf")
+        assert run["rates"][0]["total_output_tokens"] == 8 * 2  # no tokenizer: chunks
