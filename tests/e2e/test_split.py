@@ -155,3 +155,56 @@ def test_bad_inputs_refused(uneven_split, tmp_path):
         split_checkpoint(src, str(tmp_path / "t13"), 13)  # more ranks than query heads
     with pytest.raises(ValueError, match="not empty"):
         split_checkpoint(src, out, 3)
+
+
+def test_bad_paths_and_models_refused_leaving_nothing(tiny_llama, tmp_path, capsys):
+    """Each is one line naming the flag, exit status 2, and no output directory left behind."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    link = tmp_path / "link"
+    link.symlink_to(src)
+    # a link to the model is the model (was a SameFileError traceback after writing rank_*
+    # directories into the source)
+    assert split_main(["-tp", "2", "--model", str(src), "--output_dir", str(link),
+                       "--overwrite"]) == 2
+    assert "--output_dir must differ from --model" in capsys.readouterr().err
+    assert sorted(os.listdir(src)) == sorted(os.listdir(tiny_llama))
+    # an --output_dir that cannot be made (was a NotADirectoryError traceback)
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    assert split_main(["-tp", "2", "--model", str(src), "--output_dir",
+                       str(a_file / "out")]) == 2
+    assert "--output_dir: cannot create" in capsys.readouterr().err
+    # an architecture the engine does not build (the error named no flag and left an empty
+    # --output_dir behind)
+    config = json.load(open(src / "config.json"))
+    config["architectures"] = ["GPT2LMHeadModel"]
+    json.dump(config, open(src / "config.json", "w"))
+    out = tmp_path / "new" / "out"
+    assert split_main(["-tp", "2", "--model", str(src), "--output_dir", str(out)]) == 2
+    assert "--model: model architecture ['GPT2LMHeadModel']" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+def test_missing_weights_hint_names_split_flags(tiny_llama, tmp_path, capsys):
+    """The loader's hint was '--load_format dummy', which blade_llm_split does not take."""
+    assert split_main(["-tp", "2", "--model", tiny_llama, "--output_dir", str(tmp_path / "o"),
+                       "--load_format", "pt"]) == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and "--load_format pt" in err and "dummy" not in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_failed_split_leaves_no_output_dir(tiny_llama, tmp_path, monkeypatch):
+    import bladellm.model.loader as loader
+
+    def boom(*_a, **_k):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(loader, "split_state_dict", boom)
+    out = tmp_path / "new" / "out"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        split_checkpoint(tiny_llama, str(out), 2)
+    assert not (tmp_path / "new").exists()

@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 
+from bladellm.entrypoints.cli.output_dir import first_missing
 from bladellm.quantization.algorithms.config import (CALIBRATED_ALGOS, QUANT_ALGOS,
                                                      QUANT_ARCHITECTURES, QuantizeConfig)
 
@@ -202,19 +203,6 @@ def _remove_previous_output(output_dir: str) -> None:
             os.remove(os.path.join(output_dir, name))
 
 
-def _first_missing(path: str) -> str | None:
-    """The outermost directory of ``path`` that does not exist yet (what ``makedirs`` will
-    create), or None when ``path`` exists."""
-    path = os.path.abspath(path)
-    missing = None
-    while not os.path.exists(path):
-        missing, parent = path, os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return missing
-
-
 def run(argv: list[str] | None = None):
     """Parse, validate and quantize; returns the report. ValueError names the bad flag.
     Whatever fails (or is interrupted) after the output directory was made removes what this
@@ -223,7 +211,7 @@ def run(argv: list[str] | None = None):
 
     cfg = config_from_args(make_parser().parse_args(argv))
     check_paths(cfg)
-    created = _first_missing(cfg.output_dir)
+    created = first_missing(cfg.output_dir)
     before = set(os.listdir(cfg.output_dir)) if created is None else set()
     try:
         try:

@@ -6,8 +6,9 @@
 
 Writes ``OUT/rank_{r}/model.safetensors`` for r in 0..T*P-1 (``r = stage * T + tp_rank``):
 exactly the parameters rank ``r`` holds (its stage's layers, its TP shards), under the engine's
-own names (fused ``qkv_proj`` / ``gate_up_proj``) and shard shapes, plus the source's config, tokenizer and generation config, and ``OUT/bladellm_split.json`` (the
-manifest, written last: an interrupted split is not loadable). The shards are made by building
+own names (fused ``qkv_proj`` / ``gate_up_proj``) and shard shapes, plus the source's config,
+tokenizer and generation config, and ``OUT/bladellm_split.json`` (the manifest, written last: an
+interrupted split is not loadable, and removes what it wrote). The shards are made by building
 the model once per rank in this process with the TP rank and size faked
 (``parallel_state.tp_shape_for_split``: no process group, no collective) and loading the full
 checkpoint through the layers' ordinary weight loaders, so a split shard is byte for byte what
@@ -26,6 +27,8 @@ import time
 from typing import Any
 
 import torch
+
+from bladellm.entrypoints.cli.output_dir import first_missing, same_dir
 
 logger = logging.getLogger("bladellm.split")
 
@@ -101,7 +104,10 @@ def _prepare_output(output_dir: str, overwrite: bool) -> None:
         for name in os.listdir(output_dir):
             if name.startswith("rank_") and os.path.isdir(os.path.join(output_dir, name)):
                 shutil.rmtree(os.path.join(output_dir, name))
-    os.makedirs(output_dir, exist_ok=True)
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--output_dir: cannot create {output_dir}: {e}") from e
 
 
 def _copy_side_files(src: str, dst: str) -> list[str]:
@@ -121,20 +127,16 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
                      load_format: str = "auto", overwrite: bool = False,
                      pipeline_parallel_size: int = 1) -> dict[str, Any]:
     """Write the split of ``model`` for ``tensor_parallel_size`` ranks to ``output_dir``;
-    returns the manifest. Every bad input is a ``ValueError`` naming the flag."""
-    from safetensors.torch import save_file
-
-    from bladellm.attention import get_attn_backend
+    returns the manifest. Every bad input is a ``ValueError`` naming the flag, raised before
+    ``output_dir`` is made; a run that fails later removes what it made."""
     from bladellm.config import ModelConfig
-    from bladellm.distributed.parallel_state import tp_shape_for_split
     from bladellm.executor.multiproc import check_pipeline_parallel, check_tensor_parallel
     from bladellm.model.checkpoint import resolve_model
-    from bladellm.model.loader import (SPLIT_FORMAT, SPLIT_FORMAT_VERSION, SPLIT_MANIFEST,
-                                       find_weight_files, load_checkpoint_files,
-                                       split_rank_dir, split_state_dict)
+    from bladellm.model.loader import SPLIT_MANIFEST, find_weight_files
     from bladellm.model.registry import get_model_class
     from bladellm.quantization import get_quant_config
 
+    output_dir = os.path.expanduser(output_dir)  # as --model: `--output_dir=~/x` is unexpanded
     tp = tensor_parallel_size
     if tp < 1:
         raise ValueError(f"--tensor_parallel_size: must be >= 1, got {tp}")
@@ -154,16 +156,55 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
     hf_config = resolved.hf_config
     check_tensor_parallel(hf_config, tp)
     check_pipeline_parallel(hf_config, pp)
-    if os.path.abspath(output_dir) == os.path.abspath(src_dir):
+    # realpath: a link to the model is the model (we would write rank_* into the source, then
+    # fail copying its files onto themselves)
+    if same_dir(output_dir, src_dir):
         raise ValueError("--output_dir must differ from --model")
-    files = find_weight_files(src_dir, load_format)
+    # Everything about the source is checked before --output_dir is made. The loader's and
+    # registry's messages are the server's: they get our flag's name, and the loader's hint
+    # (--load_format dummy) goes, as blade_llm_split does not take it.
+    try:
+        files = find_weight_files(src_dir, load_format)
+    except ValueError as e:
+        msg = str(e).replace("; use --load_format dummy for random weights", "")
+        raise ValueError(f"--model: {msg} (--load_format {load_format})") from e
+    try:
+        # A quantized checkpoint is split as its packed tensors (each rank's shard on group and
+        # pack boundaries, as a rank would load it); the rank unpacks them when it loads it.
+        quant_config = get_quant_config(hf_config)
+        model_cls = get_model_class(hf_config)
+    except ValueError as e:
+        raise ValueError(str(e) if str(e).startswith("--") else f"--model: {e}") from e
     source_bytes = sum(os.path.getsize(p) for p in files)
     torch_dtype = _checkpoint_dtype(hf_config, dtype)
-    _prepare_output(output_dir, overwrite)
-    # A quantized checkpoint is split as its packed tensors (each rank's shard on group and
-    # pack boundaries, as a rank would load it); the rank unpacks them when it loads the split.
-    quant_config = get_quant_config(hf_config)
-    model_cls = get_model_class(hf_config)
+    created = first_missing(output_dir)
+    try:
+        _prepare_output(output_dir, overwrite)
+        return _write_split(model, src_dir, output_dir, files, hf_config, quant_config,
+                            model_cls, torch_dtype, tp, pp, source_bytes)
+    except BaseException:
+        # What this run made goes: the directories it created, or the rank_* directories it
+        # wrote into an existing --output_dir (no manifest yet, so nothing loadable is lost).
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        elif os.path.isdir(output_dir) and not os.path.exists(
+                os.path.join(output_dir, SPLIT_MANIFEST)):
+            for name in os.listdir(output_dir):
+                if name.startswith("rank_"):
+                    shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+        raise
+
+
+def _write_split(model: str, src_dir: str, output_dir: str, files: list[str], hf_config: Any,
+                 quant_config: Any, model_cls: Any, torch_dtype: torch.dtype, tp: int, pp: int,
+                 source_bytes: int) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    from bladellm.attention import get_attn_backend
+    from bladellm.distributed.parallel_state import tp_shape_for_split
+    from bladellm.model.loader import (SPLIT_FORMAT, SPLIT_FORMAT_VERSION, SPLIT_MANIFEST,
+                                       load_checkpoint_files, split_rank_dir, split_state_dict)
+
     attn_backend = get_attn_backend("torch", "cpu")  # construction only: nothing runs
     ranks = []
     for rank in range(tp * pp):  # the workers' rank order: pp_rank * tp + tp_rank
@@ -184,7 +225,8 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
                       "bytes": size, "num_tensors": len(state)})
         del state
         logger.info("rank %d/%d: %s, %.1f MB (%.0f%% of the source) in %.1f s", rank, tp * pp,
-                    path, size / 1e6, 100 * size / max(source_bytes, 1), time.perf_counter() - start)
+                    path, size / 1e6, 100 * size / max(source_bytes, 1),
+                    time.perf_counter() - start)
     copied = _copy_side_files(src_dir, output_dir)
     manifest = {
         "format": SPLIT_FORMAT,
