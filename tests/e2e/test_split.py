@@ -208,3 +208,17 @@ def test_failed_split_leaves_no_output_dir(tiny_llama, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="interrupted"):
         split_checkpoint(tiny_llama, str(out), 2)
     assert not (tmp_path / "new").exists()
+
+
+def test_dtype_flag_is_the_served_dtype(tiny_llama, tmp_path):
+    """--dtype bfloat16 wrote bfloat16 shards under the source's config.json (float32), so
+    --dtype auto served them widened back to float32: the flag saved disk only."""
+    from bladellm.model.loader import resolve_dtype
+    from transformers import AutoConfig
+
+    out = str(tmp_path / "bf16")
+    manifest = split_checkpoint(tiny_llama, out, 2, dtype="bfloat16")
+    assert manifest["dtype"] == "bfloat16"
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["dtype"] == "bfloat16", config.get("dtype")
+    assert resolve_dtype(AutoConfig.from_pretrained(out), "auto", "cuda") == torch.bfloat16

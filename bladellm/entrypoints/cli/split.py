@@ -54,8 +54,9 @@ def make_parser() -> argparse.ArgumentParser:
                         help="Number of pipeline stages to split for (each stage's ranks get "
                              "only its layers).")
     parser.add_argument("--dtype", default="auto", choices=["auto", *_DTYPE_NAMES],
-                        help="dtype of the written shards; auto keeps the checkpoint's dtype "
-                             "(float32 if the config names none).")
+                        help="dtype of the written shards, also written to the split's "
+                             "config.json (what the server's --dtype auto serves); auto keeps "
+                             "the checkpoint's dtype (float32 if the config names none).")
     parser.add_argument("--trust_remote_code", action="store_true",
                         help="Allow model code from the model directory.")
     parser.add_argument("--load_format", default="auto", choices=["auto", "safetensors", "pt"],
@@ -120,6 +121,19 @@ def _copy_side_files(src: str, dst: str) -> list[str]:
         shutil.copy2(path, os.path.join(dst, name))
         copied.append(name)
     return copied
+
+
+def _set_config_dtype(path: str, torch_dtype: torch.dtype) -> None:
+    """The copied config names the shards' dtype: with the source's, ``--dtype auto`` would
+    serve e.g. a ``--dtype bfloat16`` split widened back to the source's float32."""
+    with open(path) as f:
+        config = json.load(f)
+    name = str(torch_dtype).removeprefix("torch.")
+    config["torch_dtype"] = name  # transformers < 5 reads torch_dtype, 5 reads dtype
+    if "dtype" in config:
+        config["dtype"] = name
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
@@ -228,6 +242,7 @@ def _write_split(model: str, src_dir: str, output_dir: str, files: list[str], hf
                     path, size / 1e6, 100 * size / max(source_bytes, 1),
                     time.perf_counter() - start)
     copied = _copy_side_files(src_dir, output_dir)
+    _set_config_dtype(os.path.join(output_dir, "config.json"), torch_dtype)
     manifest = {
         "format": SPLIT_FORMAT,
         "format_version": SPLIT_FORMAT_VERSION,
