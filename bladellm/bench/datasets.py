@@ -194,12 +194,25 @@ def _shared_prefix(cfg: DatasetConfig, maker: PromptMaker,
     return out
 
 
+# A malformed file is a ValueError naming "--dataset KIND:PATH" and where in it: it was a
+# traceback (AttributeError, JSONDecodeError) or, for output_len <= 0, HTTP 400 on every request.
 def _sharegpt_rows(path: str) -> list[dict[str, Any]]:
+    where = f"--dataset sharegpt:{path}"
     with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{where}: expected a JSON list of conversations, "
+                         f"got {type(data).__name__}")
     rows = []
-    for item in data:
-        turns = item.get("conversations") or item.get("conversation") or []
+    for i, item in enumerate(data):
+        turns = ((item.get("conversations") or item.get("conversation") or [])
+                 if isinstance(item, dict) else None)
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            raise ValueError(f"{where}: item {i} is not {{\"conversations\": [{{\"value\": "
+                             "...}}, ...]}}")
         if len(turns) < 2:
             continue
         rows.append({"prompt": turns[0].get("value", ""), "completion": turns[1].get("value", "")})
@@ -207,14 +220,23 @@ def _sharegpt_rows(path: str) -> list[dict[str, Any]]:
 
 
 def _jsonl_rows(path: str) -> list[dict[str, Any]]:
+    where = f"--dataset jsonl:{path}"
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if "prompt" not in row:
-                raise ValueError(f"--dataset jsonl:{path}: line {lineno} has no 'prompt'")
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: line {lineno} is not JSON ({exc})") from None
+            if not isinstance(row, dict) or "prompt" not in row:
+                raise ValueError(f"{where}: line {lineno} has no 'prompt'")
+            out_len = row.get("output_len")
+            if out_len is not None and not (isinstance(out_len, int)
+                                            and not isinstance(out_len, bool) and out_len >= 1):
+                raise ValueError(f"{where}: line {lineno}: output_len must be an integer >= 1, "
+                                 f"got {out_len!r}")
             rows.append(row)
     return rows
 
@@ -224,7 +246,7 @@ def _from_rows(rows: list[dict[str, Any]], cfg: DatasetConfig, maker: PromptMake
     """Rows carry 'prompt' and optionally 'system', 'output_len' or a reference 'completion'
     (whose length becomes output_len). Rows are sampled (with replacement if too few)."""
     if not rows:
-        raise ValueError(f"--dataset {kind}: no usable rows")
+        raise ValueError(f"--dataset {cfg.spec}: no usable rows")
     out = []
     order = list(range(len(rows)))
     rng.shuffle(order)

@@ -21,8 +21,8 @@ from typing import Any
 
 from bladellm.bench.client import (RequestOptions, count_tokens_without_usage,
                                    fetch_model_name)
-from bladellm.bench.datasets import (DatasetConfig, build_dataset, check_dataset_args,
-                                     load_tokenizer, parse_range)
+from bladellm.bench.datasets import (BenchRequest, DatasetConfig, build_dataset,
+                                     check_dataset_args, load_tokenizer, parse_range)
 from bladellm.bench.metrics import SLO, max_qps_meeting_slo, parse_slo
 from bladellm.bench.plots import plot_runs
 from bladellm.bench.report import (format_markdown_comparison, format_table, load_json,
@@ -151,6 +151,14 @@ def _parse_eos_ids(text: str | None) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _build_dataset(cfg: DatasetConfig, tokenizer: Any) -> list[BenchRequest]:
+    """``build_dataset`` with a malformed file as one line naming it, not a traceback."""
+    try:
+        return build_dataset(cfg, tokenizer)
+    except ValueError as exc:
+        raise SystemExit(f"blade_llm_bench: {exc}") from None
+
+
 def _check_slo_target(value: float) -> None:
     if not 0 < value <= 1:  # also refuses nan
         raise ValueError(f"--slo_target: must be a fraction in (0, 1], got {value}")
@@ -257,13 +265,13 @@ async def _run(args: argparse.Namespace, tokenizer: Any = None,
     if args.num_warmup:
         wcfg = _dataset_config(args, f"{args.seed}:warmup")
         wcfg.num_prompts = args.num_warmup
-        warm = await warm_up(cfg, build_dataset(wcfg, tokenizer))
+        warm = await warm_up(cfg, _build_dataset(wcfg, tokenizer))
         if not any(r.success for r in warm):
             print(f"warning: all {len(warm)} warm-up requests failed: {warm[0].error}",
                   file=sys.stderr)
     for i, rate in enumerate(args.rates):
         # Fresh prompts per rate so a server's prompt cache can't reuse an earlier rate's.
-        requests = build_dataset(_dataset_config(args, f"{args.seed}:{i}"), tokenizer)
+        requests = _build_dataset(_dataset_config(args, f"{args.seed}:{i}"), tokenizer)
         res = await run_rate(cfg, rate, requests, random.Random(f"{args.seed}:arrivals:{i}"))
         if tokenizer is not None:
             count_tokens_without_usage(res.results, tokenizer)

@@ -316,3 +316,22 @@ def test_without_usage_a_tokenizer_counts_the_tokens_of_packed_chunks(tmp_path, 
         assert "generated_text" not in e["requests"][0]  # counted, not stored
         _, run = _run(tmp_path, srv, "--model", "m", "--request_rate", "inf")
         assert run["rates"][0]["total_output_tokens"] == 8 * 2  # no tokenizer: chunks
+
+
+@pytest.mark.parametrize("name,text", [
+    ("s.json", '{"not": "a list"}'),  # was AttributeError: 'str' object has no attribute 'get'
+    ("s.json", "[1, 2]"),
+    ("s.json", "{broken"),
+    ("p.jsonl", '{"prompt": "a"}\n{broken\n'),  # was a JSONDecodeError traceback
+    ("p.jsonl", '{"prompt": "a", "output_len": "many"}'),
+    ("p.jsonl", '{"prompt": "a", "output_len": 0}'),  # max_tokens 0: HTTP 400 on every request
+    ("p.jsonl", '["prompt"]'),
+])
+def test_a_malformed_dataset_file_is_one_error_naming_it(tmp_path, server, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    kind = "sharegpt" if name.endswith(".json") else "jsonl"
+    with pytest.raises(SystemExit) as exc:
+        _run(tmp_path, server, "--dataset", f"{kind}:{path}", input_len=None)
+    assert str(exc.value.code).startswith(f"blade_llm_bench: --dataset {kind}:{path}")
+    assert server.payloads == []  # nothing sent
