@@ -222,3 +222,10 @@ def test_dtype_flag_is_the_served_dtype(tiny_llama, tmp_path):
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["dtype"] == "bfloat16", config.get("dtype")
     assert resolve_dtype(AutoConfig.from_pretrained(out), "auto", "cuda") == torch.bfloat16
+
+
+def test_help_describes_pipeline_stages():
+    from bladellm.entrypoints.cli.split import make_parser
+
+    description = make_parser().description
+    assert "pipeline" in description and "rank_" in description, description

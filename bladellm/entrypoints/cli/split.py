@@ -42,9 +42,11 @@ _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="blade_llm_split", allow_abbrev=False,
-        description="Split a checkpoint into one directory per tensor-parallel rank, which "
-                    "blade_llm_server --model OUT --tensor_parallel_size T loads with each rank "
-                    "reading only its own shard.")
+        description="Split a checkpoint into one directory per rank, OUT/rank_{r} for r = "
+                    "stage * T + tp_rank (its pipeline stage's layers, its tensor-parallel "
+                    "shards), which blade_llm_server --model OUT --tensor_parallel_size T "
+                    "--pipeline_parallel_size P loads with each rank reading only its own "
+                    "directory.")
     parser.add_argument("--model", required=True,
                         help="Source model directory (Hugging Face layout) or hub model id.")
     parser.add_argument("--output_dir", required=True, help="Directory to write the split to.")
