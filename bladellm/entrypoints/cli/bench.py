@@ -106,7 +106,8 @@ def build_run_parser() -> argparse.ArgumentParser:
               "encoded with the tokenizer if there is one, else one per chunk)")
     _add(p, "--plot_stat", choices=("mean", "p50", "p90", "p99"), default="mean",
          help="statistic drawn on the latency axes of the plots")
-    _add(p, "--disable_tqdm", action="store_true", help="no progress bar")
+    _add(p, "--disable_tqdm", action="store_true",
+         help="no progress bar and no per-rate line (failed requests are still reported)")
     return p
 
 
