@@ -258,7 +258,7 @@ def test_ctrl_c_keeps_the_rates_already_measured(tmp_path, server):
         [sys.executable, "-m", "bladellm.entrypoints.cli.bench", "--base_url", server.base_url,
          "--model", "m", "--num_prompts", "4", "--input_len_range", "4",
          "--output_len_range", "2", "--request_rate", "100,0.2", "--output_dir",
-         str(tmp_path), "--label", "c"], stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+         str(tmp_path), "--label", "c"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
         text=True, env={**os.environ, "PYTHONPATH": repo}, cwd=repo)
     first_done = threading.Event()
     err: list[str] = []
@@ -270,11 +270,13 @@ def test_ctrl_c_keeps_the_rates_already_measured(tmp_path, server):
                 first_done.set()
         first_done.set()
 
-    threading.Thread(target=drain, daemon=True).start()
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
     assert first_done.wait(120)
     time.sleep(0.5)  # inside rate 0.2's schedule (its 4 arrivals span ~15 s)
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    proc.wait(timeout=60)
+    reader.join(10)  # the only reader of stderr: every line is in err
     assert proc.returncode == 130, "".join(err)[-2000:]
     run = json.loads((tmp_path / "c.json").read_text())
     assert run["interrupted"] is True
