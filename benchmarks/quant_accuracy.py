@@ -181,10 +181,12 @@ def main() -> None:
         bits = RUNS[algo]
         group = -1 if algo == "smoothquant" else ns.group_size
         out = os.path.join(ns.work_dir, algo.replace("+", "plus"))
-        cfg = QuantizeConfig(
-            model=src, output_dir=out, quant_algo=algo, bit=bits, group_size=group,
-            calib_data=None if algo == "minmax" else calib,
-            calib_data_max_len=ns.calib_data_max_len, num_calib_samples=ns.num_calib_samples)
+        # minmax (round to nearest) takes no calibration: its config refuses calibration sizes.
+        calib_args = {} if algo == "minmax" else dict(
+            calib_data=calib, calib_data_max_len=ns.calib_data_max_len,
+            num_calib_samples=ns.num_calib_samples)
+        cfg = QuantizeConfig(model=src, output_dir=out, quant_algo=algo, bit=bits,
+                             group_size=group, **calib_args)
         report = quantize_checkpoint(cfg, progress=False)
         start = time.perf_counter()
         ppl = perplexity(load_fake_quant(src, out), windows)
