@@ -87,6 +87,19 @@ def test_estimate_is_what_the_worker_loads_and_sizes(tiny_model_factory, machine
     _assert_matches(cfg, packed_made=prepack)
 
 
+def test_estimate_counts_the_lora_device_slots(tiny_llama, machine):
+    """--enable_lora: every adapted projection holds --max_loras slots of --max_lora_rank
+    A/B buffers, in the runner's weights (and so in the auto pool's budget)."""
+    machine(64 * MiB)
+    base = dict(model=tiny_llama, dtype="float32", max_model_len=256, max_num_seqs=256,
+                block_size=16)
+    _, (plain,) = all_rank_memory(EngineConfig.from_kwargs(**base))
+    cfg = EngineConfig.from_kwargs(**base, enable_lora=True, max_loras=3, max_lora_rank=8)
+    _assert_matches(cfg, packed_made=True)
+    _, (rank,) = all_rank_memory(cfg)
+    assert rank.weights > plain.weights
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_estimate_sums_every_rank_with_its_own_shard_and_pool(tiny_llama, machine, tp, pp):
     """TP splits the KV heads (one per rank here), PP the layers (and the embedding / LM head);
