@@ -74,6 +74,22 @@ def _engine(validator: _SlowValidator) -> AsyncLLM:
     return llm
 
 
+def _run(main) -> None:
+    """Run ``main(llm, validator)`` on a fresh engine; always unblock and stop its threads."""
+    validator = _SlowValidator()
+    llm = _engine(validator)
+    try:
+        asyncio.run(main(llm, validator))
+    finally:
+        validator.release.set()
+        llm.cpu_offload.shutdown()
+        llm.grammar_offload.shutdown()
+
+
+def _guided() -> SamplingParams:
+    return SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(choice=["a", "b"]))
+
+
 async def _first(llm: AsyncLLM, rid: str, params: SamplingParams) -> None:
     agen = llm.generate("hello", params, rid)
     try:
@@ -83,12 +99,8 @@ async def _first(llm: AsyncLLM, rid: str, params: SamplingParams) -> None:
 
 
 def test_unconstrained_request_is_not_held_up_by_a_slow_grammar_check():
-    validator = _SlowValidator()
-    llm = _engine(validator)
-
-    async def main() -> None:
-        guided = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(
-            choice=["a", "b"]))
+    async def main(llm: AsyncLLM, validator: _SlowValidator) -> None:
+        guided = _guided()
         heavy = [asyncio.create_task(_first(llm, f"g{i}", guided)) for i in range(4)]
         await asyncio.sleep(0.1)
         plain = asyncio.create_task(_first(llm, "plain", SamplingParams(max_tokens=1)))
@@ -104,21 +116,12 @@ def test_unconstrained_request_is_not_held_up_by_a_slow_grammar_check():
         await asyncio.gather(*heavy, plain, return_exceptions=True)
         assert reached, "an unconstrained request waited behind grammar validation"
 
-    try:
-        asyncio.run(main())
-    finally:
-        validator.release.set()
-        llm.cpu_offload.shutdown()
-        llm.grammar_offload.shutdown()
+    _run(main)
 
 
 def test_grammar_check_of_a_client_gone_while_queued_never_starts():
-    validator = _SlowValidator()
-    llm = _engine(validator)
-
-    async def main() -> None:
-        guided = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(
-            choice=["a", "b"]))
+    async def main(llm: AsyncLLM, validator: _SlowValidator) -> None:
+        guided = _guided()
         busy = [asyncio.create_task(_first(llm, f"g{i}", guided)) for i in range(2)]
         await asyncio.sleep(0.1)
         assert validator.started == 2  # both check threads busy
@@ -134,9 +137,4 @@ def test_grammar_check_of_a_client_gone_while_queued_never_starts():
             t.cancel()
         await asyncio.gather(*busy, return_exceptions=True)
 
-    try:
-        asyncio.run(main())
-    finally:
-        validator.release.set()
-        llm.cpu_offload.shutdown()
-        llm.grammar_offload.shutdown()
+    _run(main)
