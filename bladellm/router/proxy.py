@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -400,43 +400,31 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     v1 = APIRouter(dependencies=[Depends(api_key_check(config.api_key))])
 
-    @v1.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await router.forward(request, "/v1/completions")
+    def forwarding(path: str, use_policy: bool) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            return await router.forward(request, path, use_policy=use_policy)
+        return endpoint
 
-    @v1.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await router.forward(request, "/v1/chat/completions")
+    def broadcasting(path: str) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            return await router.broadcast(request, path)
+        return endpoint
 
-    @v1.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await router.forward(request, "/v1/models")
+    # Generation goes where the policy says (load, prompt-cache affinity).
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        v1.add_api_route(path, forwarding(path, True), methods=["POST"])
+    v1.add_api_route("/v1/models", forwarding("/v1/models", True), methods=["GET"])
 
     @v1.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         return await router.forward(request, f"/v1/models/{model_id}")
 
     # Served by any one instance (no prompt cache to aim at): the least busy.
-    @v1.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        return await router.forward(request, "/v1/embeddings", use_policy=False)
-
-    @v1.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await router.forward(request, "/tokenize", use_policy=False)
-
-    @v1.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await router.forward(request, "/detokenize", use_policy=False)
-
+    for path in ("/v1/embeddings", "/tokenize", "/detokenize"):
+        v1.add_api_route(path, forwarding(path, False), methods=["POST"])
     # Adapters must be on every instance: sent to all of them.
-    @v1.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request) -> Response:
-        return await router.broadcast(request, "/v1/load_lora_adapter")
-
-    @v1.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request) -> Response:
-        return await router.broadcast(request, "/v1/unload_lora_adapter")
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        v1.add_api_route(path, broadcasting(path), methods=["POST"])
 
     app.include_router(v1)
 
