@@ -20,9 +20,10 @@ from bladellm.engine.core_client import AsyncMPClient
 from bladellm.engine import embedding
 from bladellm.engine.cpu_offload import CpuOffload
 from bladellm.engine.errors import (
-    EngineDeadError, EngineOverloadedError, RequestFailedError, ServerShuttingDownError)
+    EngineDeadError, EngineOverloadedError, RequestFailedError, ServerShuttingDownError,
+    request_error)
 from bladellm.engine.input_processor import InputProcessor
-from bladellm.engine.messages import GRAMMAR_ERROR_PREFIX, QUEUE_TIMEOUT_ERROR, SchedulerStats
+from bladellm.engine.messages import QUEUE_TIMEOUT_ERROR, SchedulerStats
 from bladellm.engine.metrics import StatLogger
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
@@ -187,7 +188,7 @@ class AsyncLLM:
                     raise item
                 # A failure before any output is an error response; after, a finish_reason.
                 if item.error is not None and (not yielded or item.error == QUEUE_TIMEOUT_ERROR):
-                    raise self._request_error(item.error)  # `finally` aborts any siblings
+                    raise request_error(item.error)  # `finally` aborts any siblings
                 if prompt_logprobs is not None and not (delta and yielded):
                     item.prompt_logprobs = prompt_logprobs
                 finished, yielded = item.finished, True
@@ -201,14 +202,6 @@ class AsyncLLM:
                 # No await here: this runs while the request is being cancelled (client gone),
                 # and a second cancellation must not skip the abort that frees the KV blocks.
                 self._abort_nowait(request_id)
-
-    @staticmethod
-    def _request_error(error: str) -> Exception:
-        if error == QUEUE_TIMEOUT_ERROR:
-            return EngineOverloadedError("request waited longer than --max_queue_time")
-        if error.startswith(GRAMMAR_ERROR_PREFIX):  # the client's constraint: a 400
-            return ValueError(error[len(GRAMMAR_ERROR_PREFIX):])
-        return RequestFailedError(error)
 
     async def embed(self, prompts: list[str | list[int]], dimensions: int | None = None,
                     truncate_prompt_tokens: int | None = None) -> list[embedding.EmbeddingOutput]:

@@ -1,5 +1,7 @@
 """Typed errors the front end maps to HTTP status codes."""
 
+from bladellm.core.outputs import GRAMMAR_ERROR_PREFIX, QUEUE_TIMEOUT_ERROR
+
 
 class EngineDeadError(RuntimeError):
     """The engine core died; every pending and future request fails with this (HTTP 503)."""
@@ -45,3 +47,14 @@ def _context_length_error(message: str, num_prompt_tokens: int, max_tokens: int 
                           max_model_len: int) -> ContextLengthError:
     return ContextLengthError(message, num_prompt_tokens=num_prompt_tokens,
                               max_tokens=max_tokens, max_model_len=max_model_len)
+
+
+def request_error(error: str) -> Exception:
+    """The exception for an engine-side request error string (``EngineCoreOutput.error``): a
+    queue timeout is an overload (503), the client's failing constraint a ValueError (400
+    naming its field), anything else ``RequestFailedError`` (500)."""
+    if error == QUEUE_TIMEOUT_ERROR:
+        return EngineOverloadedError("request waited longer than --max_queue_time")
+    if error.startswith(GRAMMAR_ERROR_PREFIX):
+        return ValueError(error[len(GRAMMAR_ERROR_PREFIX):])
+    return RequestFailedError(error)
