@@ -99,7 +99,7 @@ class LLMEngine:
         if processed.reqs_to_abort:  # stop strings matched: the core stops them now
             self.core.abort_requests(processed.reqs_to_abort)
         outs = list(processed.request_outputs.values())
-        for out in outs:
+        for out in outs if self._prompt_logprobs else ():  # none wanted: no per-step loop
             if out.request_id in self._prompt_logprobs:
                 out.prompt_logprobs = (self._prompt_logprobs.pop(out.request_id) if out.finished
                                        else self._prompt_logprobs[out.request_id])
