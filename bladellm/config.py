@@ -88,10 +88,10 @@ class ModelConfig:
     dtype: str = field(
         default="auto",
         metadata={"help": "Weight and activation dtype: auto, float32, bfloat16 or float16. "
-                          "auto keeps a float32 checkpoint in float32; a bfloat16/float16 "
-                          "checkpoint runs in bfloat16 on CPUs with native bf16 (AVX512_BF16 "
-                          "or AMX) and in float32 on others, where bf16 is emulated "
-                          "(docs/cpu.md). An explicit value always wins."})
+                          "On a CPU, auto serves every checkpoint in bfloat16 where the CPU "
+                          "has native bf16 (AVX512_BF16 or AMX), as vLLM does, and in float32 "
+                          "on others, where bf16 is emulated (docs/cpu.md); on a GPU it keeps "
+                          "the checkpoint's dtype. An explicit value always wins."})
     max_model_len: int | None = field(
         default=None,
         metadata={"help": "Longest prompt + output in tokens; defaults to the model's "

@@ -52,7 +52,7 @@ LINEAR_MAX_ROWS_PANEL = 1 << 16
 # Where bf16 weights are packed in pair panels (bl_linear_pack_pairs / bl_linear_pairs: pairs of
 # K in 32-bit lanes, vdpbf16ps with AVX512-BF16, exact widening and FMAs elsewhere) for bf16
 # activations, instead of a oneDNN copy; the same row limit as the fp32 panels.
-LINEAR_PAIRS_ISAS = ("avx2",)
+LINEAR_PAIRS_ISAS = ("avx2", "avx512_bf16")
 
 
 class _PagedAttentionArgs(ctypes.Structure):

@@ -26,11 +26,12 @@ class DtypeChoice:
 
 
 def choose_cpu_dtype(requested: str, checkpoint_dtype: str | None, cpu: CpuInfo) -> DtypeChoice:
-    """``--dtype`` on a CPU. ``auto`` keeps a 16-bit checkpoint in bfloat16 only where the CPU
-    computes bf16 natively (AVX512_BF16 or AMX); elsewhere bf16 is widened to float32 (oneDNN's
-    emulated GEMMs are several times slower than float32; the compiled AVX2 kernels about even
-    with it), so it loads in float32, which also gives transformers' float32 results. A float32 (or unstated) checkpoint
-    stays float32. An explicit ``--dtype`` always wins, with a warning where it is slow."""
+    """``--dtype`` on a CPU. ``auto`` serves in bfloat16 where the CPU computes bf16 natively
+    (AVX512_BF16 or AMX), whatever the checkpoint's dtype, as vLLM's CPU build does; elsewhere
+    bf16 is widened to float32 (oneDNN's emulated GEMMs are several times slower than float32,
+    the compiled AVX2 kernels about even with it), so every checkpoint loads in float32, which
+    also gives transformers' float32 results. An explicit ``--dtype`` always wins, with a
+    warning where it is slow."""
     native = ("amx_bf16" if cpu.has_amx else "avx512_bf16") if cpu.has_native_bf16 else None
     if requested != "auto":
         warning = None
@@ -46,6 +47,12 @@ def choose_cpu_dtype(requested: str, checkpoint_dtype: str | None, cpu: CpuInfo)
         return DtypeChoice(requested, f"--dtype {requested}", warning)
     if checkpoint_dtype not in ("bfloat16", "float16"):
         stated = checkpoint_dtype or "dtype not stated"
+        if native is not None:
+            # vLLM's auto does the same on such CPUs: bf16 halves the bytes every decode step
+            # streams, and native bf16 dot products keep it at full speed (docs/cpu.md has the
+            # measured gain). --dtype float32 keeps the checkpoint's precision.
+            return DtypeChoice("bfloat16", f"checkpoint {stated}, CPU has {native}; "
+                                           "--dtype float32 keeps float32")
         return DtypeChoice("float32", f"checkpoint {stated}")
     if native is not None:
         return DtypeChoice("bfloat16", f"checkpoint {checkpoint_dtype}, CPU has {native}")

@@ -66,8 +66,11 @@ def test_parse_cpuinfo_amx_xeon():
     (ZEN4, "bfloat16", "bfloat16"),
     (ZEN4, "float16", "bfloat16"),
     (AMX, "bfloat16", "bfloat16"),
-    (AMX, "float32", "float32"),  # a float32 checkpoint never drops precision
-    (ZEN4, None, "float32"),  # config states no dtype
+    (AMX, "float32", "bfloat16"),  # native bf16: served in bf16, as vLLM's auto does
+    (ZEN4, "float32", "bfloat16"),
+    (ZEN4, None, "bfloat16"),  # config states no dtype
+    (AVX2_ONLY, "float32", "float32"),
+    (AVX2_ONLY, None, "float32"),
 ])
 def test_dtype_auto(machine, checkpoint, expected):
     assert choose_cpu_dtype("auto", checkpoint, machine).dtype == expected
@@ -78,6 +81,7 @@ def test_dtype_auto_says_why():
         "checkpoint bfloat16, CPU has avx512_bf16"
     assert "amx_bf16" in choose_cpu_dtype("auto", "bfloat16", AMX).reason
     assert "no native bf16" in choose_cpu_dtype("auto", "bfloat16", AVX2_ONLY).reason
+    assert "--dtype float32 keeps float32" in choose_cpu_dtype("auto", "float32", ZEN4).reason
 
 
 @pytest.mark.parametrize("machine", [AVX2_ONLY, ZEN4, AMX])
@@ -99,12 +103,13 @@ def test_resolve_dtype_logs_the_choice(caplog):
         assert resolve_dtype(bf16_config, "auto", cpu=AVX2_ONLY) == torch.float32
         assert resolve_dtype(bf16_config, "auto", cpu=AMX) == torch.bfloat16
         assert resolve_dtype(SimpleNamespace(torch_dtype="float32"), "auto",
-                             cpu=AMX) == torch.float32
+                             cpu=AMX) == torch.bfloat16
         assert resolve_dtype(bf16_config, "bfloat16", cpu=AVX2_ONLY) == torch.bfloat16
     messages = [r.getMessage() for r in caplog.records]
     assert messages[0].startswith("dtype auto: float32 (checkpoint bfloat16, CPU has no native")
     assert messages[1] == "dtype auto: bfloat16 (checkpoint bfloat16, CPU has amx_bf16)"
-    assert messages[2] == "dtype auto: float32 (checkpoint float32)"
+    assert messages[2] == ("dtype auto: bfloat16 (checkpoint float32, CPU has amx_bf16; "
+                           "--dtype float32 keeps float32)")
     assert caplog.records[3].levelno == logging.WARNING and "slower" in messages[3]
 
 
