@@ -367,7 +367,8 @@ class DraftConfig:
         metadata={"help": "Attention backend of the draft model: auto, paged, torch or triton "
                           "(see --attn_cls)."})
     dtype: str = field(
-        default="auto", metadata={"help": "Draft model dtype (see --dtype)."})
+        default="auto", metadata={"help": "Draft model dtype (see --dtype); auto: the "
+                                          "target's resolved dtype."})
 
     def __post_init__(self) -> None:
         _check(self.model is None or bool(self.model), "draft.model", "must not be empty")

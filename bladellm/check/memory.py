@@ -120,7 +120,7 @@ def _resolve_draft(config: EngineConfig, target: ResolvedModel) -> ResolvedModel
     from bladellm.model.checkpoint import resolve_model
     from bladellm.spec_decode.draft_model import check_draft_vocab, draft_model_config
 
-    draft = resolve_model(draft_model_config(config, target.max_model_len), snapshot_config=True)
+    draft = resolve_model(draft_model_config(config, target.max_model_len, target.dtype), snapshot_config=True)
     check_draft_vocab(target.hf_config, draft.hf_config, draft.path)
     return draft
 

@@ -30,7 +30,7 @@ def _check_draft(config: EngineConfig, resolved: ResolvedModel):
     from bladellm.model.checkpoint import resolve_model
     from bladellm.spec_decode.draft_model import check_draft_vocab, draft_model_config
 
-    draft = resolve_model(draft_model_config(config, resolved.max_model_len),
+    draft = resolve_model(draft_model_config(config, resolved.max_model_len, resolved.dtype),
                           snapshot_config=True)
     check_draft_vocab(resolved.hf_config, draft.hf_config, draft.path)
     return draft.hf_config

@@ -34,18 +34,21 @@ logger = logging.getLogger(__name__)
 _DRAFT_SALT = 0x2545F4914F6CDD1D  # seeded requests: the draft's draws use their own generator
 
 
-def draft_model_config(config: EngineConfig, max_model_len: int) -> ModelConfig:
+def draft_model_config(config: EngineConfig, max_model_len: int,
+                       target_dtype: torch.dtype) -> ModelConfig:
     """The draft's ``ModelConfig``. A draft that is a hub model id comes from the target's
     ``--model_hub`` and ``--download_dir`` (as in vLLM, where the load config is shared); its
     revision is the hub's default branch: ``--revision`` names a revision of ``--model``'s
-    repository, not the draft's."""
+    repository, not the draft's. ``--draft.dtype auto`` is the target's resolved dtype: the
+    draft proposes what the target would, in the same arithmetic."""
     from bladellm.model.hub import is_model_id
 
     d = config.draft
     hub = {}
     if d.model != "demo" and is_model_id(d.model):
         hub = {"download_dir": config.model.download_dir, "model_hub": config.model.model_hub}
-    return ModelConfig(model=d.model, dtype=d.dtype, attn_cls=d.attn_cls,
+    dtype = d.dtype if d.dtype != "auto" else str(target_dtype).removeprefix("torch.")
+    return ModelConfig(model=d.model, dtype=dtype, attn_cls=d.attn_cls,
                        max_model_len=max_model_len,
                        trust_remote_code=config.model.trust_remote_code, **hub)
 
@@ -67,7 +70,8 @@ class DraftModelProposer:
         self.block_size = block_size
         self.device = device
         self.kv_cache_quant = config.cache.kv_cache_quant  # the draft's KV is stored alike
-        resolved = resolve_model(draft_model_config(config, target_resolved.max_model_len),
+        resolved = resolve_model(draft_model_config(config, target_resolved.max_model_len,
+                                                    target_resolved.dtype),
                                  snapshot_config=True)
         check_draft_vocab(target_resolved.hf_config, resolved.hf_config, resolved.path)
         self.model = resolved.load_model(device, get_attn_backend(config.draft.attn_cls, device))

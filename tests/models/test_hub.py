@@ -6,6 +6,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 from bladellm.config import ModelConfig
 from bladellm.engine.model_info import model_info_for
@@ -125,7 +126,7 @@ def test_draft_id_comes_from_the_same_hub(tiny_llama, tmp_path, monkeypatch):
     cfg = EngineConfig.from_kwargs(model="acme/target", model_hub="modelscope", revision="v1",
                                    download_dir=str(tmp_path), decode_algo="sps",
                                    draft_model="acme/draft")
-    draft = draft_model_config(cfg, 128)
+    draft = draft_model_config(cfg, 128, torch.float32)
     assert (draft.model_hub, draft.download_dir, draft.revision) == (
         "modelscope", str(tmp_path), None)
     assert resolve_model(draft).path == tiny_llama
@@ -133,7 +134,20 @@ def test_draft_id_comes_from_the_same_hub(tiny_llama, tmp_path, monkeypatch):
     # A local draft keeps the defaults (they would be refused on a local path).
     local = EngineConfig.from_kwargs(model="acme/target", model_hub="modelscope",
                                      decode_algo="sps", draft_model=tiny_llama)
-    assert resolve_model(draft_model_config(local, 128)).path == tiny_llama
+    assert resolve_model(draft_model_config(local, 128, torch.float32)).path == tiny_llama
+
+
+def test_draft_dtype_auto_is_the_targets(tiny_llama):
+    """--draft.dtype auto proposes in the target's resolved dtype; an explicit value wins."""
+    from bladellm.config import EngineConfig
+    from bladellm.spec_decode.draft_model import draft_model_config
+
+    cfg = EngineConfig.from_kwargs(model=tiny_llama, decode_algo="sps", draft_model=tiny_llama)
+    assert draft_model_config(cfg, 128, torch.bfloat16).dtype == "bfloat16"
+    assert draft_model_config(cfg, 128, torch.float32).dtype == "float32"
+    explicit = EngineConfig.from_kwargs(model=tiny_llama, decode_algo="sps",
+                                        draft_model=tiny_llama, draft_dtype="float32")
+    assert draft_model_config(explicit, 128, torch.bfloat16).dtype == "float32"
 
 
 def test_api_process_hands_the_core_local_paths(tiny_llama, tmp_path, monkeypatch):

@@ -155,15 +155,17 @@ def test_sliding_window_smaller_than_context_is_refused(tiny_model_factory):
 
 def test_resolve_dtype(llama_dir):
     cfg = load_hf_config(llama_dir, trust_remote_code=False)
-    assert resolve_dtype(cfg, "auto") == torch.float32  # saved from a float32 model
-    assert resolve_dtype(cfg, "bfloat16") == torch.bfloat16
-    cfg.dtype = torch.bfloat16
-    # auto keeps bf16 only on a CPU with native bf16 (a faked one: the test must not depend on
-    # the machine it runs on; tests/unit/platforms covers the other flag sets).
+    # auto is bf16 only on a CPU with native bf16, whatever the checkpoint's dtype (faked CPUs:
+    # the test must not depend on the machine it runs on; tests/unit/platforms covers the
+    # other flag sets).
     native = CpuInfo("fake", frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl",
                                         "avx512_bf16"}), 2)
-    assert resolve_dtype(cfg, "auto", cpu=native) == torch.bfloat16
     avx2 = CpuInfo("fake", frozenset({"avx2", "fma"}), 2)
+    assert resolve_dtype(cfg, "auto", cpu=avx2) == torch.float32  # saved from a float32 model
+    assert resolve_dtype(cfg, "auto", cpu=native) == torch.bfloat16
+    assert resolve_dtype(cfg, "bfloat16") == torch.bfloat16
+    cfg.dtype = torch.bfloat16
+    assert resolve_dtype(cfg, "auto", cpu=native) == torch.bfloat16
     assert resolve_dtype(cfg, "auto", cpu=avx2) == torch.float32
     assert resolve_dtype(cfg, "float16") == torch.float16  # allowed, with a warning on CPU
 
