@@ -12,7 +12,8 @@ meaningful with ``--threads 1``).
 (compressed-tensors int-quantized) and a W4A16 (GPTQ 4-bit, group 128) checkpoint by the test
 packers (tests/quant_checkpoints.py); single-stream TBT (one request, T = ``--tbt_tokens`` output
 tokens after a 32-token prompt: (t(T + 1 tokens) - t(1 token)) / T, best of 2) and offline
-throughput (``--num_prompts`` requests, 64 in / 64 out, output tok/s) through ``bladellm.LLM``.
+throughput (``--num_prompts`` requests, 64 in / 64 out, output tok/s) through ``bladellm.LLM``;
+where the CPU has native bf16 the fp32 checkpoint also runs at ``--dtype bfloat16``.
 
     python benchmarks/quantized_linear.py --kernels --threads 1 --clock cpu
     python benchmarks/quantized_linear.py --e2e --threads 2
@@ -102,10 +103,11 @@ def bench_kernels(reps: int, clock) -> None:
             print(f"| {name} ({n}x{k}) | {m} | " + " | ".join(f"{c:.0f}" for c in cols) + " |")
 
 
-def _llm_numbers(model_dir: str, tbt_tokens: int, num_prompts: int) -> tuple[float, float]:
+def _llm_numbers(model_dir: str, dtype: str, tbt_tokens: int,
+                 num_prompts: int) -> tuple[float, float]:
     from bladellm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=32)
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=256, max_num_seqs=32)
     try:
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(10, 8000, (32,), generator=gen).tolist()
@@ -127,24 +129,32 @@ def _llm_numbers(model_dir: str, tbt_tokens: int, num_prompts: int) -> tuple[flo
         llm.shutdown()
 
 
+def _native_bf16() -> bool:
+    from bladellm.platforms.cpu import detect_cpu
+
+    return detect_cpu().has_native_bf16
+
+
 def bench_e2e(workdir: Path, tbt_tokens: int, num_prompts: int) -> None:
     from offline_throughput import make_model_dir
     from quant_checkpoints import quantize_checkpoint
 
     fp32 = make_model_dir("llama-88m", workdir / "fp32")
-    dirs = {"fp32": fp32}
+    dirs = {"fp32": (fp32, "float32")}
+    if _native_bf16():  # a bf16 row only where bf16 is native (elsewhere it is emulated)
+        dirs["bf16 (the fp32 checkpoint at --dtype bfloat16)"] = (fp32, "bfloat16")
     for label, kwargs in (("W8A8 (compressed-tensors int8)", dict(fmt="ct-w8a8")),
                           ("W4A16 (GPTQ 4-bit g128)", dict(fmt="gptq", bits=4, group_size=128,
                                                             sym=True))):
         d = workdir / kwargs["fmt"]
         if not (d / "config.json").exists():
             quantize_checkpoint(fp32, d, **kwargs)
-        dirs[label] = str(d)
+        dirs[label] = (str(d), "float32")
     print("| model | single-stream TBT ms | offline output tok/s |")
     print("|---|---|---|")
     base = None
-    for label, d in dirs.items():
-        tbt, tput = _llm_numbers(d, tbt_tokens, num_prompts)
+    for label, (d, dtype) in dirs.items():
+        tbt, tput = _llm_numbers(d, dtype, tbt_tokens, num_prompts)
         base = base or (tbt, tput)
         print(f"| {label} | {tbt:.2f} ({base[0] / tbt:.2f}x) | {tput:.0f} "
               f"({tput / base[1]:.2f}x) |", flush=True)
