@@ -12,9 +12,9 @@ Contract with the caller (``LLMEngine`` / ``AsyncLLM``):
   ``delta=True`` it holds, for each child with news, only what is new since the previous one
   (text, token ids, logprobs); otherwise it holds every child with everything so far. Text
   always excludes the held-back tail that could still become a stop string (see detokenizer).
-- An error in one child fails the whole request: ``RequestOutput.error`` (and its
-  ``error_kind``) is set, that child
-  finishes with "error" and its unfinished siblings with "abort" (and go to ``reqs_to_abort``).
+- An error in one child fails the whole request: ``RequestOutput.error`` and ``error_kind``
+  are set, that child finishes with "error" and its unfinished siblings with "abort" (and go
+  to ``reqs_to_abort``).
 - A parent's state is dropped when all its children finished or on ``abort_request``.
 """
 
