@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bladellm.errors import ErrorKind
+
 
 @dataclass
 class TokenLogprob:
@@ -51,6 +53,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request failed inside the engine
+    error_kind: ErrorKind | None = None  # set with error: why it failed (the HTTP status)
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then per token its
     # logprob first and the top-k after (as CompletionOutput.logprobs); with delta outputs
     # only the first output of the request carries it.

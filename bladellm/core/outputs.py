@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import msgspec
 
-# EngineCoreOutput.error of a request that waited past --max_queue_time (front end: HTTP 503).
+from bladellm.errors import ErrorKind
+
+# EngineCoreOutput.error of a request that waited past --max_queue_time (its kind QUEUE_TIMEOUT).
 QUEUE_TIMEOUT_ERROR = "queue_timeout"
-# Prefix of the error of a request whose grammar failed to compile (the client's fault: a 400).
-GRAMMAR_ERROR_PREFIX = "invalid grammar: "
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -30,7 +30,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     new_logprobs: Logprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id that ended it
-    error: str | None = None
+    error: str | None = None  # what failed; the front end maps error_kind to the status
+    error_kind: ErrorKind | None = None  # set with error
     num_cached_tokens: int = 0  # prompt-cache hit (tokens) on first admission
     queued_time: float = 0.0  # seconds from arrival to first scheduled; sent with the first output
     # Finished because its grammar was complete: the last token is text, not a stop token.

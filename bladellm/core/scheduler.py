@@ -32,8 +32,8 @@ from bladellm.core.block_pool import _require
 from bladellm.core.interface import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                      SampleLogprobs, SchedulerOutput)
 from bladellm.core.kv_cache_manager import KVCacheManager, cdiv
-from bladellm.core.outputs import (GRAMMAR_ERROR_PREFIX, QUEUE_TIMEOUT_ERROR, EngineCoreOutput,
-                                   Logprobs, SchedulerStats)
+from bladellm.core.outputs import QUEUE_TIMEOUT_ERROR, EngineCoreOutput, Logprobs, SchedulerStats
+from bladellm.errors import ErrorKind
 from bladellm.guided.grammar import failed_mid_output_error, unsatisfiable_error
 from bladellm.request import Request, RequestStatus
 
@@ -383,7 +383,7 @@ class Scheduler:
         req_ids = [r.request_id for r in self.requests.values() if r.lora_id == lora_id]
         outputs = self.abort_requests(req_ids, RequestStatus.FINISHED_ERROR)
         for output in outputs:
-            output.error = error
+            output.error, output.error_kind = error, ErrorKind.FAILED
         return outputs
 
     def _expire_queued(self) -> None:
@@ -398,7 +398,8 @@ class Scheduler:
         self._remove_from_queues({r.request_id for r in expired})
         for req in expired:
             self._finish(req, RequestStatus.FINISHED_ERROR)
-            output = self._make_output(req, [], error=QUEUE_TIMEOUT_ERROR)
+            output = self._make_output(req, [], error=QUEUE_TIMEOUT_ERROR,
+                                       error_kind=ErrorKind.QUEUE_TIMEOUT)
             output.queued_time = now - req.arrival_time
             self._pending_outputs.append(output)
 
@@ -419,6 +420,7 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted since it was scheduled
             error = out.errored.get(req_id)
+            error_kind = ErrorKind.FAILED
             new_tokens: list[int] = []
             if error is None:
                 tokens = sampled.get(req_id) or []
@@ -444,13 +446,14 @@ class Scheduler:
                     error = "the model runner returned no token for a finished prefill"
                 if (req.grammar is not None and not req.is_finished
                         and len(new_tokens) < len(tokens)):
-                    error = self._grammar_rejection(req, tokens[len(new_tokens)])
+                    error_kind, error = self._grammar_rejection(req, tokens[len(new_tokens)])
             done = error is not None or req.is_finished
             if done:
                 self._finish(req, req.status if error is None else RequestStatus.FINISHED_ERROR)
                 finished.add(req_id)
             if new_tokens or done:
-                outputs.append(self._make_output(req, new_tokens, out.logprobs.get(req_id), error))
+                outputs.append(self._make_output(req, new_tokens, out.logprobs.get(req_id), error,
+                                                 error_kind))
         if not verified and self.spec_costs is not None:
             self.spec_rate.idle()
         self._remove_from_queues(finished)
@@ -458,7 +461,7 @@ class Scheduler:
                               if r not in sched.num_scheduled_tokens and r in self.requests]
         for req_id in unscheduled_errors:
             outputs.extend(self.abort_requests([req_id], RequestStatus.FINISHED_ERROR))
-            outputs[-1].error = out.errored[req_id]
+            outputs[-1].error, outputs[-1].error_kind = out.errored[req_id], ErrorKind.FAILED
         return outputs
 
     def _record_spec(self, req: Request, num_proposed: int, num_accepted: int) -> None:
@@ -491,25 +494,26 @@ class Scheduler:
         return appended
 
     @staticmethod
-    def _grammar_rejection(req: Request, token_id: int) -> str:
+    def _grammar_rejection(req: Request, token_id: int) -> tuple[ErrorKind, str]:
         """The error of a request whose grammar rejected ``token_id``.
 
         When llguidance itself failed (the matcher is in its error state: ``try_consume_tokens``
         of a merely banned token leaves no error), the constraint is the cause: before any
         output, the grammar fails on its own whatever the model samples (``start: start``, an
         endless forced text); after some, it outgrew llguidance's limits (a right-recursive rule
-        past 2000 Earley items). Either is the client's constraint: the grammar-error prefix
-        makes it a 400 naming the request field, with llguidance's advice. A banned token that
+        past 2000 Earley items). Either is the client's constraint: ``INVALID_GRAMMAR`` makes it
+        a 400 naming the request field, with llguidance's advice. A banned token that
         got past the mask stays an engine failure (the mask and the matcher disagree).
         """
         reason = req.grammar.error  # type: ignore[union-attr]
         guided = req.sampling_params.guided_decoding
         if reason is not None and guided is not None:
             if req.num_output_tokens == 0:
-                return GRAMMAR_ERROR_PREFIX + unsatisfiable_error(guided.kind, reason)
-            return GRAMMAR_ERROR_PREFIX + failed_mid_output_error(guided.kind, reason,
-                                                                  req.num_output_tokens)
-        return f"grammar: token {token_id} rejected ({reason or 'not allowed by the grammar'})"
+                return ErrorKind.INVALID_GRAMMAR, unsatisfiable_error(guided.kind, reason)
+            return ErrorKind.INVALID_GRAMMAR, failed_mid_output_error(guided.kind, reason,
+                                                                      req.num_output_tokens)
+        return ErrorKind.FAILED, (f"grammar: token {token_id} rejected "
+                                  f"({reason or 'not allowed by the grammar'})")
 
     @staticmethod
     def _grammar_stop(req: Request) -> bool:
@@ -556,9 +560,10 @@ class Scheduler:
 
     def _make_output(self, req: Request, new_token_ids: list[int],
                      logprobs: SampleLogprobs | None = None,
-                     error: str | None = None) -> EngineCoreOutput:
+                     error: str | None = None,
+                     error_kind: ErrorKind = ErrorKind.FAILED) -> EngineCoreOutput:
         output = EngineCoreOutput(request_id=req.request_id, new_token_ids=new_token_ids,
-                                  error=error)
+                                  error=error, error_kind=None if error is None else error_kind)
         if logprobs is not None and new_token_ids:
             k = len(new_token_ids)
             output.new_logprobs = Logprobs(token_ids=logprobs.token_ids[:k],

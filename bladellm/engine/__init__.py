@@ -11,6 +11,7 @@ Engine-core process (a busy loop: schedule -> execute -> update -> emit):
     core_proc.py         the process entry point and busy loop
     engine_core.py       EngineCore: core.Scheduler + executor.Executor (-> worker.Worker)
 
-Both: messages.py (the wire structs), errors.py. The offline ``LLM`` (llm_engine.py) runs the
-front end and an ``EngineCore`` in one process: same code, no sockets.
+Both: messages.py (the wire structs; error types live in bladellm/errors.py). The offline
+``LLM`` (llm_engine.py) runs the front end and an ``EngineCore`` in one process: same code, no
+sockets.
 """

@@ -16,14 +16,13 @@ import time
 from collections.abc import AsyncIterator
 
 from bladellm.config import EngineConfig
+from bladellm.errors import (EngineDeadError, EngineOverloadedError, ErrorKind,
+                             RequestFailedError, ServerShuttingDownError, request_error)
 from bladellm.engine.core_client import AsyncMPClient
 from bladellm.engine import embedding
 from bladellm.engine.cpu_offload import CpuOffload
-from bladellm.engine.errors import (
-    EngineDeadError, EngineOverloadedError, RequestFailedError, ServerShuttingDownError,
-    request_error)
 from bladellm.engine.input_processor import InputProcessor
-from bladellm.engine.messages import QUEUE_TIMEOUT_ERROR, SchedulerStats
+from bladellm.engine.messages import SchedulerStats
 from bladellm.engine.metrics import StatLogger
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
@@ -187,8 +186,9 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 # A failure before any output is an error response; after, a finish_reason.
-                if item.error is not None and (not yielded or item.error == QUEUE_TIMEOUT_ERROR):
-                    raise request_error(item.error)  # `finally` aborts any siblings
+                if item.error is not None and (
+                        not yielded or item.error_kind is ErrorKind.QUEUE_TIMEOUT):
+                    raise request_error(item.error_kind, item.error)  # `finally` aborts siblings
                 if prompt_logprobs is not None and not (delta and yielded):
                     item.prompt_logprobs = prompt_logprobs
                 finished, yielded = item.finished, True

@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from bladellm.config import EngineConfig
 from bladellm.engine.core_proc import DEAD_POLL_MS, SHUTDOWN_WAIT_S, Msg, run_engine_core_proc
-from bladellm.engine.errors import EngineDeadError
+from bladellm.errors import EngineDeadError
 from bladellm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from bladellm.platforms.threads import engine_process_env, process_env
 

@@ -12,8 +12,9 @@ import logging
 
 from bladellm.config import EngineConfig
 from bladellm.core.interface import SchedulerOutput
-from bladellm.core.outputs import GRAMMAR_ERROR_PREFIX, EngineCoreOutput
+from bladellm.core.outputs import EngineCoreOutput
 from bladellm.core.scheduler import Scheduler
+from bladellm.errors import ErrorKind
 from bladellm.guided.manager import GrammarState, GuidedDecodingManager, StepBitmask
 from bladellm.model.checkpoint import ResolvedModel
 from bladellm.request import RequestStatus
@@ -88,7 +89,7 @@ class GuidedRequests:
             return []
         outputs = self.scheduler.abort_requests(broken, RequestStatus.FINISHED_ERROR)
         for out in outputs:
-            out.error = GRAMMAR_ERROR_PREFIX + str(broken[out.request_id])
+            out.error, out.error_kind = str(broken[out.request_id]), ErrorKind.INVALID_GRAMMAR
         return outputs
 
     def wait_for_compiling(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from bladellm.engine.errors import ContextLengthError
+from bladellm.errors import ContextLengthError
 from bladellm.engine.messages import EngineCoreRequest
 from bladellm.engine.model_info import ModelInfo
 from bladellm.lora.request import LoRARequest

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import msgspec
 
-from bladellm.core.outputs import (GRAMMAR_ERROR_PREFIX, QUEUE_TIMEOUT_ERROR, EngineCoreOutput,
-                                   Logprobs, SchedulerStats)
+from bladellm.core.outputs import EngineCoreOutput, Logprobs, SchedulerStats
 from bladellm.lora.request import LoRARequest
 from bladellm.sampling_params import SamplingParams
 
-__all__ = ["GRAMMAR_ERROR_PREFIX", "QUEUE_TIMEOUT_ERROR", "EngineCoreOutput", "EngineCoreOutputs",
-           "EngineCoreRequest",
-           "Logprobs", "SchedulerStats"]
+__all__ = ["EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest", "Logprobs",
+           "SchedulerStats"]
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):

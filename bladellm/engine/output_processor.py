@@ -12,8 +12,9 @@ Contract with the caller (``LLMEngine`` / ``AsyncLLM``):
   ``delta=True`` it holds, for each child with news, only what is new since the previous one
   (text, token ids, logprobs); otherwise it holds every child with everything so far. Text
   always excludes the held-back tail that could still become a stop string (see detokenizer).
-- An error in one child fails the whole request: ``RequestOutput.error`` is set, that child
-  finishes with "error" and its unfinished siblings with "abort" (and go to ``reqs_to_abort``).
+- An error in one child fails the whole request: ``RequestOutput.error`` and ``error_kind``
+  are set, that child finishes with "error" and its unfinished siblings with "abort" (and go
+  to ``reqs_to_abort``).
 - A parent's state is dropped when all its children finished or on ``abort_request``.
 """
 
@@ -26,6 +27,7 @@ from bladellm.engine.detokenizer import IncrementalDetokenizer
 from bladellm.engine.messages import EngineCoreOutput, Logprobs
 from bladellm.engine.metrics import FinishedRequestStats, IterationStats
 from bladellm.engine.token_bytes import TokenBytes, token_bytes_for
+from bladellm.errors import ErrorKind
 from bladellm.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from bladellm.sampling_params import SamplingParams
 
@@ -73,6 +75,7 @@ class _ParentState:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
         self.error: str | None = None
+        self.error_kind: ErrorKind | None = None
         self.aborted = False  # by abort_request (client gone), not by the core
 
     @property
@@ -155,15 +158,16 @@ class OutputProcessor:
             news = touched.setdefault(parent.request_id, [])
             try:
                 if out.error is not None:
-                    self._fail(parent, child, out.error, news, result.reqs_to_abort)
+                    self._fail(parent, child, (out.error_kind or ErrorKind.FAILED, out.error),
+                               news, result.reqs_to_abort)
                     continue
                 self._apply(child, out, result.reqs_to_abort)
             except Exception as e:  # a bad token must fail its request, not the engine
                 logger.exception("output processing failed for %s", out.request_id)
                 if out.finish_reason is None and not child.finished:
                     result.reqs_to_abort.append(child.child_id)  # still running in the core
-                self._fail(parent, child, f"output processing failed: {e}", news,
-                           result.reqs_to_abort)
+                self._fail(parent, child, (ErrorKind.FAILED, f"output processing failed: {e}"),
+                           news, result.reqs_to_abort)
                 continue
             if child not in news:
                 news.append(child)
@@ -194,10 +198,11 @@ class OutputProcessor:
         elif out.finish_reason is not None:
             child.finish(out.finish_reason, out.stop_reason)
 
-    def _fail(self, parent: _ParentState, child: _ChildState, error: str,
+    def _fail(self, parent: _ParentState, child: _ChildState, error: tuple[ErrorKind, str],
               news: list[_ChildState], reqs_to_abort: list[str]) -> None:
         """Finish ``child`` with an error and its running siblings with "abort"."""
-        parent.error = parent.error or error
+        if parent.error is None:
+            parent.error_kind, parent.error = error
         child.finish("error")
         if child not in news:
             news.append(child)
@@ -243,7 +248,7 @@ class OutputProcessor:
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=completions,
             finished=parent.finished, num_cached_tokens=parent.num_cached_tokens,
-            metrics=parent.metrics, error=parent.error)
+            metrics=parent.metrics, error=parent.error, error_kind=parent.error_kind)
 
     def _delta_completion(self, child: _ChildState) -> CompletionOutput:
         detok = child.detokenizer

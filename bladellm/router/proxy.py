@@ -27,11 +27,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
-from bladellm.entrypoints.openai.auth import api_key_check
-from bladellm.entrypoints.openai.body_limit import (BodyLimitMiddleware, RequestTooLarge,
-                                                    too_large)
-from bladellm.entrypoints.openai.disconnect import until_disconnect
-from bladellm.entrypoints.openai.errors import APIError, install_handlers
+from bladellm.http.auth import api_key_check
+from bladellm.http.body_limit import BodyLimitMiddleware, RequestTooLarge, too_large
+from bladellm.http.disconnect import until_disconnect
+from bladellm.http.errors import APIError
+from bladellm.http.handlers import install_handlers
 from bladellm.router.config import RouterConfig
 from bladellm.router.metrics import render_instance_metrics
 from bladellm.router.policy import PrefixAffinity, make_policy

@@ -19,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from bladellm.entrypoints.openai.errors import APIError
+from bladellm.http.errors import APIError
 from bladellm.router.proxy import INSTANCE_HEADER
 from bladellm.serve.ray_router import PrefixAffinityRequestRouter
 

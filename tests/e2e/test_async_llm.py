@@ -11,7 +11,7 @@ import pytest
 from bladellm import SamplingParams
 from bladellm.config import EngineConfig
 from bladellm.engine.async_llm import AsyncLLM
-from bladellm.engine.errors import EngineDeadError, EngineOverloadedError
+from bladellm.errors import EngineDeadError, EngineOverloadedError
 
 
 def _engine(model_dir: str, **kw) -> AsyncLLM:

@@ -162,8 +162,8 @@ def test_preemption_keeps_the_grammar_state(tiny_llama):
 def test_grammar_failing_in_the_engine_fails_only_its_request(llm):
     # Bypass the front end's validation: the engine's compilation fails, and the request ends
     # with a grammar error (a 400 in the server) while a free request beside it completes.
-    from bladellm.engine.errors import request_error
-    from bladellm.engine.messages import GRAMMAR_ERROR_PREFIX, EngineCoreRequest
+    from bladellm.engine.messages import EngineCoreRequest
+    from bladellm.errors import ErrorKind, request_error
 
     core = llm.engine.core
     bad = SamplingParams(max_tokens=5, guided_decoding=GuidedDecodingParams(
@@ -179,8 +179,9 @@ def test_grammar_failing_in_the_engine_fails_only_its_request(llm):
             if out.finish_reason is not None:
                 outputs[out.request_id] = out
     assert outputs["bad"].finish_reason == "error"
-    assert outputs["bad"].error.startswith(GRAMMAR_ERROR_PREFIX + "guided_grammar")
-    assert isinstance(request_error(outputs["bad"].error), ValueError)
+    assert outputs["bad"].error_kind is ErrorKind.INVALID_GRAMMAR
+    assert outputs["bad"].error.startswith("guided_grammar")
+    assert isinstance(request_error(outputs["bad"].error_kind, outputs["bad"].error), ValueError)
     assert outputs["ok"].finish_reason == "length"
     core.scheduler.check_invariants()
 
@@ -192,8 +193,8 @@ def test_grammar_failing_at_the_first_token_in_the_engine_is_the_clients_error(
     # Bypass the front end's validation (which now rejects these): the matcher fails at the
     # first token whatever the model samples, and the request ends with a grammar error (a 400
     # in the server), not a rejected-token engine failure (a 500).
-    from bladellm.engine.errors import request_error
-    from bladellm.engine.messages import GRAMMAR_ERROR_PREFIX, EngineCoreRequest
+    from bladellm.engine.messages import EngineCoreRequest
+    from bladellm.errors import ErrorKind, request_error
 
     core = llm.engine.core
     params = SamplingParams(max_tokens=5, guided_decoding=GuidedDecodingParams(grammar=grammar))
@@ -206,9 +207,10 @@ def test_grammar_failing_at_the_first_token_in_the_engine_is_the_clients_error(
                 outputs[out.request_id] = out
     dead = outputs["dead"]
     assert dead.finish_reason == "error" and not dead.new_token_ids
-    assert dead.error.startswith(GRAMMAR_ERROR_PREFIX + "guided_grammar: no output can satisfy")
+    assert dead.error_kind is ErrorKind.INVALID_GRAMMAR
+    assert dead.error.startswith("guided_grammar: no output can satisfy")
     assert reason in dead.error
-    error = request_error(dead.error)
+    error = request_error(dead.error_kind, dead.error)
     assert isinstance(error, ValueError) and str(error).startswith("guided_grammar: ")
     core.scheduler.check_invariants()
 

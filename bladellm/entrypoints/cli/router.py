@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from bladellm.entrypoints.cli.args import add_dataclass_flags, dataclass_from_namespace
+from bladellm.http.listen import bind_socket
 from bladellm.router.config import RouterConfig
 
 logger = logging.getLogger("bladellm.router")
@@ -66,10 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from bladellm.entrypoints.openai.server import _bind
-
     try:
-        sock = _bind(config.host, config.port)
+        sock = bind_socket(config.host, config.port)
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
         return 1

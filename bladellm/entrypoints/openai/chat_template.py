@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bladellm.entrypoints.openai.errors import APIError, bad_request
+from bladellm.http.errors import APIError, bad_request
 
 MERGED = ("add_generation_prompt", "continue_final_message")
 # Parameters of transformers' apply_chat_template and of InputProcessor.apply_chat_template.

@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from bladellm.entrypoints.openai.errors import shutting_down
+from bladellm.http.errors import shutting_down
 
 logger = logging.getLogger("bladellm.server")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bladellm.entrypoints.openai.errors import bad_request
+from bladellm.http.errors import bad_request
 from bladellm.entrypoints.openai.protocol import CompletionLogprobs
 from bladellm.entrypoints.openai.serving_common import ServingContext, legacy_top_logprobs
 from bladellm.outputs import TokenLogprob

@@ -22,12 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from bladellm.config import EngineConfig
-from bladellm.engine.errors import EngineDeadError
-from bladellm.entrypoints.openai.auth import api_key_check as _api_key_check
-from bladellm.entrypoints.openai.body_limit import (BodyLimitMiddleware, RequestTooLarge,
-                                                    too_large)
 from bladellm.entrypoints.openai.config import ServerConfig
-from bladellm.entrypoints.openai.errors import APIError, from_exception, install_handlers
 from bladellm.entrypoints.openai.lifecycle import Lifecycle, LifecycleMiddleware, watch_engine
 from bladellm.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatLogger
 from bladellm.entrypoints.openai.protocol import (
@@ -39,6 +34,12 @@ from bladellm.entrypoints.openai.serving_lora import adapter_cards, add_lora_rou
 from bladellm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
 from bladellm.entrypoints.openai.serving_tokenize import (
     DetokenizeRequest, TokenizeRequest, detokenize, tokenize)
+from bladellm.errors import EngineDeadError
+from bladellm.http.auth import api_key_check as _api_key_check
+from bladellm.http.body_limit import BodyLimitMiddleware, RequestTooLarge, too_large
+from bladellm.http.errors import APIError
+from bladellm.http.handlers import from_exception, install_handlers
+from bladellm.http.listen import bind_socket
 
 logger = logging.getLogger("bladellm.server")
 
@@ -214,23 +215,6 @@ class _Server(uvicorn.Server):
                         self.model_name)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not the default 0: asyncio turns Nagle off (TCP_NODELAY) only on accepted
-    # sockets whose ``proto`` says TCP, and accepted sockets copy the listener's. With Nagle
-    # on, a streamed response on a reused keep-alive connection waited for the client's
-    # delayed ACK: its tokens arrived ~40 ms late in one burst (TTFT +40 ms, ITL ~0).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # Linux: accepted ones inherit
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def _interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -273,7 +257,7 @@ async def _serve(engine_config: EngineConfig, server_config: ServerConfig,
     engine = AsyncLLM.from_engine_config(engine_config, stat_loggers=[metrics], client=client)
     sock = None
     try:
-        sock = _bind(server_config.host, server_config.port)
+        sock = bind_socket(server_config.host, server_config.port)
         app = build_app(engine, server_config, metrics=metrics)
         # Our own drain has finished every request before uvicorn's shutdown starts; its
         # timeout only bounds connections that still will not close (e.g. a stalled reader).
@@ -309,7 +293,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     # the engine process has started so that it never inherits the listening socket.
     if server_config.port:
         try:
-            _bind(server_config.host, server_config.port).close()
+            bind_socket(server_config.host, server_config.port).close()
         except OSError as exc:
             logger.error("cannot listen on %s:%d: %s", server_config.host, server_config.port,
                          exc)

@@ -13,7 +13,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from bladellm.engine.prompt_limits import check_prompt_chars
 from bladellm.entrypoints.openai.chat_template import template_options
-from bladellm.entrypoints.openai.errors import bad_request, from_exception, unsupported
+from bladellm.http.errors import bad_request, unsupported
+from bladellm.http.handlers import from_exception
 from bladellm.entrypoints.openai.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, DeltaMessage, ToolCall)

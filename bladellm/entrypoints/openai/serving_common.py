@@ -11,11 +11,11 @@ from typing import Any, AsyncIterator, Awaitable, TypeVar
 from fastapi import Request
 
 from bladellm.engine.cpu_offload import CpuOffload
-from bladellm.engine.errors import ContextLengthError, RequestFailedError, request_error
+from bladellm.errors import ContextLengthError, RequestFailedError, request_error
 from bladellm.engine.input_processor import context_length_message
 from bladellm.engine.prompt_limits import prompt_char_limit
-from bladellm.entrypoints.openai.disconnect import until_disconnect as _until_disconnect
-from bladellm.entrypoints.openai.errors import APIError, bad_request, unsupported
+from bladellm.http.disconnect import until_disconnect as _until_disconnect
+from bladellm.http.errors import APIError, bad_request, unsupported
 from bladellm.entrypoints.openai.structured_output import guided_decoding_from_request
 from bladellm.entrypoints.openai.protocol import (
     ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptTokensDetails, SamplingRequest,
@@ -246,7 +246,7 @@ def check_output(out: RequestOutput) -> None:
     """Raise for a request the engine failed: a 400 naming the field when the client's
     constraint failed (llguidance could not follow it further), else a 500."""
     if out.error is not None:
-        raise request_error(out.error)
+        raise request_error(out.error_kind, out.error)
     for comp in out.outputs:
         if comp.finish_reason == "error":
             raise RequestFailedError(f"choice {comp.index} failed in the engine")

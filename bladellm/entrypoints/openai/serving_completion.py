@@ -11,9 +11,10 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from bladellm.engine.errors import ContextLengthError
+from bladellm.errors import ContextLengthError
 from bladellm.entrypoints.openai import prompt_logprobs as prompt_lp
-from bladellm.entrypoints.openai.errors import bad_request, from_exception, unsupported
+from bladellm.http.errors import bad_request, unsupported
+from bladellm.http.handlers import from_exception
 from bladellm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse)
 from bladellm.entrypoints.openai.serving_common import (

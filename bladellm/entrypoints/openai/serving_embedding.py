@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
-from bladellm.entrypoints.openai.errors import bad_request
+from bladellm.http.errors import bad_request
 from bladellm.entrypoints.openai.serving_common import ServingContext, until_disconnect
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request

@@ -10,7 +10,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from bladellm.entrypoints.openai.errors import APIError, from_exception
+from bladellm.http.errors import APIError
+from bladellm.http.handlers import from_exception
 from bladellm.entrypoints.openai.protocol import ModelCard
 from bladellm.lora.registry import LoRANotFoundError
 

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from bladellm.engine.prompt_limits import check_prompt_chars
-from bladellm.entrypoints.openai.errors import bad_request, unsupported
+from bladellm.http.errors import bad_request, unsupported
 from bladellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from bladellm.entrypoints.openai.serving_chat import _prompt_ids
 from bladellm.entrypoints.openai.serving_common import ServingContext, check_token_ids

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bladellm.entrypoints.openai.errors import APIError, bad_request, unsupported
+from bladellm.http.errors import APIError, bad_request, unsupported
 from bladellm.entrypoints.openai.protocol import SamplingRequest
 from bladellm.sampling_params import GuidedDecodingParams
 

@@ -1,6 +1,7 @@
 import pytest
 
 from bladellm.core.interface import ModelRunnerOutput
+from bladellm.errors import ErrorKind
 from bladellm.request import RequestStatus
 from sched_utils import (EOS, FakeRunner, make_request, make_scheduler, run_to_completion,
                          step)
@@ -214,6 +215,7 @@ def test_errored_request_finishes_with_error_and_frees_blocks():
     outs = sched.update_from_output(so, runner.execute(so, errored={"bad": "bad logit_bias"}))
     by_id = {o.request_id: o for o in outs}
     assert by_id["bad"].finish_reason == "error" and by_id["bad"].error == "bad logit_bias"
+    assert by_id["bad"].error_kind is ErrorKind.FAILED
     assert by_id["good"].finish_reason == "length"
     assert_all_blocks_free(sched)
 
@@ -257,6 +259,7 @@ def test_queue_timeout_fails_requests_that_never_started():
     so, outs = step(sched, runner)
     by_id = {o.request_id: o for o in outs}
     assert by_id["stuck"].finish_reason == "error" and by_id["stuck"].error == "queue_timeout"
+    assert by_id["stuck"].error_kind is ErrorKind.QUEUE_TIMEOUT
     assert by_id["stuck"].queued_time == pytest.approx(5.5)
     assert "first" not in by_id or by_id["first"].finish_reason is None  # running: untouched
     assert sched.num_waiting == 0 and "first" in sched.requests

@@ -109,7 +109,7 @@ class BrokenGrammar(FakeGrammar):
 
 
 def test_grammar_failing_before_any_output_is_the_clients_error():
-    from bladellm.core.outputs import GRAMMAR_ERROR_PREFIX
+    from bladellm.errors import ErrorKind
     from bladellm.sampling_params import GuidedDecodingParams
 
     sched = make_scheduler()
@@ -124,17 +124,20 @@ def test_grammar_failing_before_any_output_is_the_clients_error():
     later = BrokenGrammar(broken=False)
     sched.add_request(_with_grammar("later", later, guided_decoding=params, salt="3"))
     _, outs = step(sched, runner)
-    errors = {o.request_id: o.error for o in outs}
-    assert errors["first"] == (GRAMMAR_ERROR_PREFIX + "guided_grammar: no output can satisfy the "
-                               "grammar constraint (it fails at the first token: NoExtensionBias)")
-    assert errors["banned"] == "grammar: token 9 rejected (not allowed by the grammar)"
-    assert errors["later"] is None and later.accepted == [9]
+    errors = {o.request_id: (o.error_kind, o.error) for o in outs}
+    assert errors["first"] == (ErrorKind.INVALID_GRAMMAR, "guided_grammar: no output can satisfy "
+                               "the grammar constraint (it fails at the first token: "
+                               "NoExtensionBias)")
+    assert errors["banned"] == (ErrorKind.FAILED,
+                                "grammar: token 9 rejected (not allowed by the grammar)")
+    assert errors["later"] == (None, None) and later.accepted == [9]
     # llguidance fails after output was produced (e.g. a right-recursive rule past its row
     # limit): still the constraint's doing, a 400 that says after how many tokens.
     later.allowed, later.broken = set(), True
     _, outs = step(sched, runner)
-    assert outs[0].error == (GRAMMAR_ERROR_PREFIX + "guided_grammar: the grammar constraint "
-                             "failed after 1 output tokens: NoExtensionBias")
+    assert (outs[0].error_kind, outs[0].error) == (
+        ErrorKind.INVALID_GRAMMAR,
+        "guided_grammar: the grammar constraint failed after 1 output tokens: NoExtensionBias")
     sched.check_invariants()
 
 

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from bladellm.engine.errors import ContextLengthError
+from bladellm.errors import ContextLengthError
 from bladellm.engine.input_processor import InputProcessor
 from bladellm.engine.model_info import load_model_info
 from bladellm.sampling_params import SamplingParams

@@ -3,6 +3,7 @@ from tiny_models import train_tokenizer
 
 from bladellm.engine.messages import EngineCoreOutput, Logprobs
 from bladellm.engine.output_processor import OutputProcessor
+from bladellm.errors import ErrorKind
 from bladellm.outputs import TokenLogprob
 from bladellm.sampling_params import SamplingParams
 
@@ -186,15 +187,27 @@ def test_error_output_fails_the_request_and_aborts_siblings(proc, tok):
     add(proc, tok, request_id="p", n=3, delta=True)
     proc.process_outputs([out("p-0", [5]), out("p-1", [6])], 101.0)
     proc.process_outputs([out("p-2", [7], finish_reason="length")], 101.5)
-    res = proc.process_outputs([out("p-1", [], error="CUDA error: boom")], 102.0)
+    res = proc.process_outputs([out("p-1", [], error="CUDA error: boom",
+                                    error_kind=ErrorKind.FAILED)], 102.0)
     ro = res.request_outputs["p"]
     assert ro.finished and ro.error == "CUDA error: boom"
+    assert ro.error_kind is ErrorKind.FAILED
     reasons = {c.index: c.finish_reason for c in ro.outputs}
     assert reasons == {0: "abort", 1: "error"}  # delta: child 2 finished earlier
     assert res.reqs_to_abort == ["p-0"]
     assert res.finished[0].finish_reason == "error"
     assert not proc.has_unfinished()
     assert proc.process_outputs([out("p-0", [8])], 103.0).request_outputs == {}
+
+
+def test_error_kind_travels_to_the_request_output(proc, tok):
+    """The front end picks the HTTP status from the kind (a grammar the client sent: 400)."""
+    add(proc, tok, request_id="g")
+    res = proc.process_outputs([out("g", [], error="guided_grammar: no output can satisfy",
+                                    error_kind=ErrorKind.INVALID_GRAMMAR)], 101.0)
+    ro = res.request_outputs["g"]
+    assert ro.error_kind is ErrorKind.INVALID_GRAMMAR
+    assert ro.error == "guided_grammar: no output can satisfy"
 
 
 def test_abort_request(proc, tok):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bladellm.engine.embedding import EmbeddingOutput, check_prompt
-from bladellm.engine.errors import ContextLengthError, EngineDeadError, ServerShuttingDownError
+from bladellm.errors import ContextLengthError, EngineDeadError, ServerShuttingDownError
 from bladellm.engine.input_processor import context_length_message
 from bladellm.engine.messages import SchedulerStats
 from bladellm.outputs import CompletionOutput, RequestOutput, TokenLogprob

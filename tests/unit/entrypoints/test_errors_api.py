@@ -8,7 +8,7 @@ import httpx
 import pytest
 from sse_helpers import sse_events
 
-from bladellm.engine.errors import EngineOverloadedError, RequestFailedError
+from bladellm.errors import EngineOverloadedError, RequestFailedError
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"

@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from bladellm.entrypoints.openai.errors import APIError
+from bladellm.http.errors import APIError
 from bladellm.entrypoints.openai.tool_calls import (AutoToolStream, forced_calls,
                                                     forced_constraint, parse_auto,
                                                     parse_tool_choice)

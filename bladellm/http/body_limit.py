@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bladellm.entrypoints.openai.errors import APIError
+from bladellm.http.errors import APIError
 
 
 class RequestTooLarge(Exception):

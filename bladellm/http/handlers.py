@@ -1,8 +1,5 @@
-"""OpenAI-style error bodies and the exception handlers that produce them.
-
-Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}`` with the
-status code OpenAI would use; pydantic's 422 becomes 400, as in OpenAI's API.
-"""
+"""Exception handlers: what a FastAPI app answers for an exception raised while serving a
+request, as an ``APIError`` body; pydantic's 422 becomes 400, as in OpenAI's API."""
 
 from __future__ import annotations
 
@@ -16,46 +13,11 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from bladellm.engine.errors import (
+from bladellm.errors import (
     EngineDeadError, EngineOverloadedError, RequestFailedError, ServerShuttingDownError)
+from bladellm.http.errors import APIError, bad_request, shutting_down
 
 logger = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    """An error with its HTTP status and OpenAI error fields."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, code)
-
-
-def unsupported(param: str, what: str | None = None) -> APIError:
-    return bad_request(f"{what or param} is not supported by this server", param=param,
-                       code="unsupported_parameter")
-
-
-def shutting_down(message: str, retry_after: int = 1) -> APIError:
-    return APIError(503, f"The server is shutting down: {message}", "server_error",
-                    code="server_shutting_down", headers={"Retry-After": str(retry_after)})
 
 
 def _param_of(message: str) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from bladellm.entrypoints.openai.server import _bind
+from bladellm.http.listen import bind_socket
 
 
 async def test_accepted_connections_have_nagle_off():
@@ -19,7 +19,7 @@ async def test_accepted_connections_have_nagle_off():
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             accepted.set_result(transport.get_extra_info("socket"))
 
-    sock = _bind("127.0.0.1", 0)
+    sock = bind_socket("127.0.0.1", 0)
     server = await loop.create_server(Accept, sock=sock)
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])

@@ -7,7 +7,7 @@ import hmac
 
 from fastapi import Request
 
-from bladellm.entrypoints.openai.errors import APIError
+from bladellm.http.errors import APIError
 
 
 def api_key_check(api_key: str | None):

@@ -1,6 +1,22 @@
-"""Typed errors the front end maps to HTTP status codes."""
+"""The engine's typed errors, which the front ends map to HTTP status codes, and the kind of
+a request's error as it travels on the engine's outputs.
 
-from bladellm.core.outputs import GRAMMAR_ERROR_PREFIX, QUEUE_TIMEOUT_ERROR
+The lowest layer: imported by ``core/`` (the outputs carry ``ErrorKind``), the engine, the servers
+and the router alike, so it imports nothing of BladeLLM and no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(enum.Enum):
+    """Why a request failed inside the engine (``EngineCoreOutput.error_kind``): the front ends
+    pick the exception, hence the HTTP status, from it; the message says what happened."""
+
+    QUEUE_TIMEOUT = "queue_timeout"  # waited past --max_queue_time: an overload (503)
+    INVALID_GRAMMAR = "invalid_grammar"  # the client's constraint cannot be followed (400)
+    FAILED = "failed"  # the engine failed the request (500)
 
 
 class EngineDeadError(RuntimeError):
@@ -49,12 +65,12 @@ def _context_length_error(message: str, num_prompt_tokens: int, max_tokens: int 
                               max_tokens=max_tokens, max_model_len=max_model_len)
 
 
-def request_error(error: str) -> Exception:
-    """The exception for an engine-side request error string (``EngineCoreOutput.error``): a
-    queue timeout is an overload (503), the client's failing constraint a ValueError (400
-    naming its field), anything else ``RequestFailedError`` (500)."""
-    if error == QUEUE_TIMEOUT_ERROR:
+def request_error(kind: ErrorKind | None, message: str) -> Exception:
+    """The exception for a request the engine failed (``EngineCoreOutput.error_kind`` and
+    ``.error``): a queue timeout is an overload (503), the client's failing constraint a
+    ValueError (400 naming its field), anything else ``RequestFailedError`` (500)."""
+    if kind is ErrorKind.QUEUE_TIMEOUT:
         return EngineOverloadedError("request waited longer than --max_queue_time")
-    if error.startswith(GRAMMAR_ERROR_PREFIX):
-        return ValueError(error[len(GRAMMAR_ERROR_PREFIX):])
-    return RequestFailedError(error)
+    if kind is ErrorKind.INVALID_GRAMMAR:
+        return ValueError(message)
+    return RequestFailedError(message)
