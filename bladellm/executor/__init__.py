@@ -7,17 +7,19 @@ process per rank and publishes each ``SchedulerOutput`` once to all of them.
 
 from bladellm.config import EngineConfig
 from bladellm.executor.base import Executor, WorkerDiedError
-from bladellm.executor.uniproc import UniProcExecutor
 
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:
-    """The executor for the configured world size (the multiprocess one is imported only
-    where it is used: it brings the transport with it)."""
+    """The executor for the configured world size. Each is imported only when chosen: the
+    in-process one brings the worker and torch with it, which must not load before the engine
+    has set the OpenMP policy (``platforms.threads``); the multiprocess one the transport."""
     if config.parallel.world_size == 1:
+        from bladellm.executor.uniproc import UniProcExecutor
+
         return UniProcExecutor
     from bladellm.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor
 
 
-__all__ = ["Executor", "UniProcExecutor", "WorkerDiedError", "get_executor_class"]
+__all__ = ["Executor", "WorkerDiedError", "get_executor_class"]

@@ -7,8 +7,13 @@ token ``t`` is allowed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch  # at run time only where a mask is applied: the engine imports this module
+    # before it has set the OpenMP policy, which must precede torch (platforms.threads)
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -36,6 +41,8 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
     torch ops that wait for a second OpenMP thread, which on a loaded 2-vCPU machine cost
     ~20 ms a step at 32 rows (docs/benchmarks.md, Issue 10).
     """
+    import torch
+
     from bladellm.kernels import get_kernels
 
     get_kernels().apply_token_bitmask(logits, rows,

@@ -13,8 +13,10 @@ sleep at once (67 ms without the competitor; docs/cpu.md).
 
 libgomp reads ``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` once, when it is loaded, i.e. when torch
 is first imported in a process. So the engine-core process gets them in its environment before
-it starts (``engine_process_env``); a process that has already imported torch (the offline
-``LLM``) keeps whatever its shell set.
+it starts (``engine_process_env``); an engine that runs in the caller's process (the offline
+``LLM``) sets them when it starts, before it loads torch (``apply_engine_omp_policy``), which is
+why importing the engine must not import torch. A process that has already imported torch keeps
+whatever its shell set. Nothing here runs at import: the engine calls these at start-up.
 """
 
 from __future__ import annotations
