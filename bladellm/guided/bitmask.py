@@ -38,8 +38,8 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
     so are the allowed tokens. The packed words are applied as they are (the kernel set's
     ``apply_token_bitmask``: compiled, one thread, writing only banned tokens): unpacking to a
     [rows, vocab] mask and adding a -inf/0 bias took 3 full-vocabulary passes, two of them
-    torch ops that wait for a second OpenMP thread, which on a loaded 2-vCPU machine cost
-    ~20 ms a step at 32 rows (docs/benchmarks.md, Issue 10).
+    torch ops that wait for a second OpenMP thread, which a loaded machine makes slow
+    (docs/kernels.md).
     """
     import torch
 
