@@ -21,7 +21,7 @@ thread's CPU time instead, which a descheduled thread does not inflate.
 (what the engine ran before), oneDNN with a prepacked weight, MKL packed (fp32), the compiled
 small-M kernel alone, and ``Kernels.linear`` without / with ``pack_linear_weight``. The same
 weight is reused call after call, so the smaller ones run from cache (a decode step streams
-them from DRAM: expect ~10-15 GB/s on one core there).
+them from DRAM: ``benchmarks/linear_streamed.py`` measures that case).
 """
 
 from __future__ import annotations

@@ -10,11 +10,6 @@ __all__ = ["LLM", "AsyncLLM", "SamplingParams", "__version__"]
 def __getattr__(name: str):
     # Engine classes pull in torch and transformers; import them only when asked for.
     if name == "LLM":
-        # The offline engine runs in this process: give OpenMP the engine's wait policy while
-        # it still can (before torch loads it); a no-op if torch is already imported.
-        from bladellm.platforms.threads import apply_engine_omp_policy
-
-        apply_engine_omp_policy()
         from bladellm.engine.llm_engine import LLM
         return LLM
     if name == "AsyncLLM":

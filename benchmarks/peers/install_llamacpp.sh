@@ -5,7 +5,7 @@
 #   benchmarks/peers/install_llamacpp.sh            # -> /opt/peers/llamacpp
 #   PEERS_DIR=/somewhere benchmarks/peers/install_llamacpp.sh
 #
-# ~8 minutes of compiling on 2 cores. Run it under `nice -n 10` on a shared machine.
+# It compiles llama.cpp (minutes on a small machine): run it under `nice -n 10` on a shared one.
 set -euo pipefail
 
 PEERS_DIR=${PEERS_DIR:-/opt/peers}

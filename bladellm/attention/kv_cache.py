@@ -37,8 +37,8 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
                        quant: str = "no_quant") -> list[torch.Tensor]:
     """The per-layer KV tensors. Uninitialised on purpose: attention reads only positions
     < seq_len, which were written first, so no slot is read before it is stored. Zero-filling
-    GiBs cost ~1.5 s per GiB of start-up (8.8 s for the demo model's auto-sized pool), and
-    untouched pages stay uncommitted until a request reaches them."""
+    GiBs would lengthen every start (docs/cpu.md), and untouched pages stay uncommitted until a
+    request reaches them."""
     shape = (2, num_blocks, block_size, num_kv_heads, kv_row_elems(head_dim, quant))
     return [torch.empty(shape, dtype=kv_cache_dtype(dtype, quant), device=device)
             for _ in range(num_layers)]

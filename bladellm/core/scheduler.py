@@ -50,21 +50,9 @@ class Scheduler:
         # samples gets blocks for that many positions past its scheduled tokens.
         self.num_lookahead_slots = (speculative.gamma if speculative is not None
                                     and speculative.decode_algo == "sps" else 0)
-        # look_ahead: tokens one verified guess can add (what a tree step "proposes").
-        self.tree_guess_len = (speculative.look_ahead_gram_size - 1
-                               if speculative is not None else 0)
-        # look_ahead: tree tokens of the Jacobi window, and its rows that get logits.
-        self.tree_window = ((speculative.look_ahead_window_size
-                             * (speculative.look_ahead_gram_size - 1) - 1)
-                            if speculative is not None else 0)
-        self.tree_window_rows = speculative.look_ahead_window_size if speculative else 0
-        # The cost rule's constants (docs/speculative.md); without the models' shapes (a unit
-        # test's scheduler) the LM-head and draft shares are 0.
-        if spec_costs is None and speculative is not None and speculative.enabled:
-            spec_costs = spec_decode.SpecCosts(speculative.spec_step_overhead,
-                                               always=speculative.spec_policy == "always")
-        self.spec_costs = spec_costs
-        self.spec_rate = spec_decode.GlobalRate()
+        # The cost rule (core/spec_decode.py): which proposals run, which requests the draft
+        # proposes for.
+        self.spec_policy = spec_decode.SpecPolicy(speculative, spec_costs)
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -150,7 +138,7 @@ class Scheduler:
         self._finished_req_ids = set()
         budget = self.config.max_num_batched_tokens
         room = self.config.max_num_seqs if max_num_reqs is None else max_num_reqs
-        granted = self._choose_grants(budget, room, skip)
+        granted = self.spec_policy.choose_grants(self.running, budget, room, skip)
         i = 0
         while i < len(self.running) and budget > 0 and room > 0:
             req = self.running[i]
@@ -193,88 +181,10 @@ class Scheduler:
         if out.total_num_scheduled_tokens:
             self.num_steps += 1
         if self.num_lookahead_slots:
-            out.spec_propose = self._choose_proposers(out)
+            out.spec_propose = self.spec_policy.choose_proposers(
+                [self.requests[r] for r, n in out.num_scheduled_tokens.items()
+                 if self.requests[r].num_computed_tokens + n >= self.requests[r].num_tokens])
         return out
-
-    # --- the cost rule (core/spec_decode.py, docs/speculative.md) --------------------------------
-
-    def _tree_shape(self, size: int) -> tuple[int, int]:
-        """Guess tokens and LM-head rows of a look_ahead tree of ``size`` query tokens."""
-        guess = max(size - self.tree_window, 0)
-        return guess, guess + self.tree_window_rows
-
-    def _choose_grants(self, budget: int, room: int, skip: Collection[str]) -> set[str] | None:
-        """Requests whose proposal runs this step (None: all of them, --spec_policy always)."""
-        costs = self.spec_costs
-        if costs is None or costs.always:
-            return None
-        if not any(r.spec_token_ids or r.spec_tree_size for r in self.running):
-            return set()
-        s = costs.lm_head_share
-        prior = self.spec_rate.rate
-        emitting, base = 0, costs.step_overhead
-        cands = []
-        for req in self.running:
-            if budget <= 0 or room <= 0:
-                break
-            left = req.num_tokens - req.num_computed_tokens
-            n = min(left, budget)
-            if n <= 0 or req.request_id in skip:
-                continue
-            budget -= n
-            room -= 1
-            base += n * (1 - s)  # the step's own tokens; an LM-head row where one is sampled
-            if n < left:
-                continue
-            emitting += 1
-            base += s
-            max_accept = req.max_tokens - req.num_output_tokens - 1
-            if max_accept <= 0:
-                continue
-            p = spec_decode.estimate(req, prior)
-            if req.spec_tree_size:
-                guess, rows = self._tree_shape(req.spec_tree_size)
-                gain = p * min(guess, self.tree_guess_len, max_accept)
-                cost = req.spec_tree_size * (1 - s) + rows * s
-            elif req.spec_token_ids:
-                k = min(len(req.spec_token_ids), max_accept)
-                gain, cost = p * k, float(k)  # drafted already: only the target's tokens
-            else:
-                continue
-            cands.append(spec_decode.Candidate(req.request_id, gain, cost))
-        return {c.key for c in spec_decode.choose(cands, emitting, base)}
-
-    def _choose_proposers(self, out: SchedulerOutput) -> set[str]:
-        """sps: requests the draft runs for at the end of this step, priced for the next step
-        (about this step's decodes): per request its proposal's target tokens and draft
-        tokens (the catch-up, paid once, spread over the request's remaining steps), plus the
-        draft's fixed cost of ``gamma`` forwards if anyone proposes."""
-        gamma = self.num_lookahead_slots
-        sampling = [self.requests[r] for r, n in out.num_scheduled_tokens.items()
-                    if self.requests[r].num_computed_tokens + n >= self.requests[r].num_tokens]
-        costs = self.spec_costs
-        if costs is None or costs.always or not sampling:
-            return {r.request_id for r in sampling}
-        prior = self.spec_rate.rate
-        r_d = costs.draft_ratio
-        cands = []
-        for req in sampling:
-            remaining = req.max_tokens - req.num_output_tokens - 1  # after this step's token
-            k = min(gamma, remaining - 1)
-            if k <= 0:
-                continue
-            gain = spec_decode.estimate(req, prior) * k
-            catch_up = req.num_tokens + 1 - req.spec_stats.draft_known
-            per_step = 1 + gain  # tokens the draft sees per step once in step
-            spread = max(remaining / per_step, 1.0)
-            draft = r_d * (min(catch_up, per_step) + max(catch_up - per_step, 0) / spread
-                           + k - 1)
-            cands.append(spec_decode.Candidate(req, gain, k + draft))
-        chosen = spec_decode.choose(cands, len(sampling), costs.step_overhead + len(sampling),
-                                    fixed=gamma * r_d * costs.step_overhead)
-        for c in chosen:
-            c.key.spec_stats.draft_known = c.key.num_tokens + 1
-        return {c.key.request_id for c in chosen}
 
     def _allocate_or_preempt(self, req: Request, num_new: int,
                              preempted: set[str]) -> list[int] | None:
@@ -432,7 +342,8 @@ class Scheduler:
                 num_rolled_back = len(spec) + tree
                 if spec or tree:
                     num_accepted = max(len(tokens) - 1, 0)
-                    self._record_spec(req, len(spec) or self.tree_guess_len, num_accepted)
+                    self._record_spec(req, len(spec) or self.spec_policy.tree_guess_len,
+                                      num_accepted)
                     verified = True
                     if spec:
                         num_rolled_back -= min(num_accepted, len(new_tokens))
@@ -454,8 +365,8 @@ class Scheduler:
             if new_tokens or done:
                 outputs.append(self._make_output(req, new_tokens, out.logprobs.get(req_id), error,
                                                  error_kind))
-        if not verified and self.spec_costs is not None:
-            self.spec_rate.idle()
+        if not verified:
+            self.spec_policy.idle()
         self._remove_from_queues(finished)
         unscheduled_errors = [r for r in out.errored
                               if r not in sched.num_scheduled_tokens and r in self.requests]
@@ -466,7 +377,7 @@ class Scheduler:
 
     def _record_spec(self, req: Request, num_proposed: int, num_accepted: int) -> None:
         spec_decode.record(req, num_proposed, num_accepted)
-        self.spec_rate.record(num_proposed, num_accepted)
+        self.spec_policy.record(num_proposed, num_accepted)
         self.num_spec_drafts += 1
         self.num_spec_draft_tokens += num_proposed
         self.num_spec_accepted_tokens += num_accepted

@@ -1,5 +1,6 @@
 """The scheduler's side of speculative decoding: granting proposals, rolling back rejections,
-and the cost rule that decides, per step, which proposals run (docs/speculative.md).
+and the cost rule that decides, per step, which proposals run and which requests the sps draft
+proposes for (``SpecPolicy``, --spec_policy; docs/speculative.md).
 
 Pure Python, like the rest of ``core/``. The runner proposes (a chain of tokens for sps / n-gram
 lookup, or a look_ahead tree of query tokens) at the end of a step; the scheduler grants it the
@@ -10,8 +11,10 @@ and rolls ``num_computed_tokens`` back over the rest.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
+from bladellm.config import SpeculativeConfig
 from bladellm.request import Request
 
 # The cost rule (docs/speculative.md, "Cost rule").
@@ -140,6 +143,118 @@ class GlobalRate:
 
     def idle(self) -> None:
         _fade(self)
+
+
+class SpecPolicy:
+    """The cost rule applied to a step: which requests' proposals are verified (``choose_grants``)
+    and, for sps, which requests the draft proposes for at the end of it (``choose_proposers``).
+    Without ``costs`` (speculation off) or with --spec_policy always, everything runs."""
+
+    def __init__(self, speculative: SpeculativeConfig | None,
+                 costs: SpecCosts | None = None) -> None:
+        # Without the models' shapes (a unit test's scheduler) the LM-head and draft shares are 0.
+        if costs is None and speculative is not None and speculative.enabled:
+            costs = SpecCosts(speculative.spec_step_overhead,
+                              always=speculative.spec_policy == "always")
+        self.costs = costs
+        self.rate = GlobalRate()
+        self.gamma = (speculative.gamma if speculative is not None
+                      and speculative.decode_algo == "sps" else 0)
+        # look_ahead: tokens one verified guess can add (what a tree step "proposes").
+        self.tree_guess_len = (speculative.look_ahead_gram_size - 1
+                               if speculative is not None else 0)
+        # look_ahead: tree tokens of the Jacobi window, and its rows that get logits.
+        self.tree_window = ((speculative.look_ahead_window_size
+                             * (speculative.look_ahead_gram_size - 1) - 1)
+                            if speculative is not None else 0)
+        self.tree_window_rows = speculative.look_ahead_window_size if speculative else 0
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.rate.record(num_proposed, num_accepted)
+
+    def idle(self) -> None:
+        """A step in which no request verified anything: the engine-wide rate fades."""
+        if self.costs is not None:
+            self.rate.idle()
+
+    def _tree_shape(self, size: int) -> tuple[int, int]:
+        """Guess tokens and LM-head rows of a look_ahead tree of ``size`` query tokens."""
+        guess = max(size - self.tree_window, 0)
+        return guess, guess + self.tree_window_rows
+
+    def choose_grants(self, running: list[Request], budget: int, room: int,
+                      skip: Collection[str]) -> set[str] | None:
+        """Requests of ``running`` (in scheduling order) whose proposal runs this step, given
+        the step's token ``budget`` and request ``room`` (None: all of them)."""
+        costs = self.costs
+        if costs is None or costs.always:
+            return None
+        if not any(r.spec_token_ids or r.spec_tree_size for r in running):
+            return set()
+        s = costs.lm_head_share
+        prior = self.rate.rate
+        emitting, base = 0, costs.step_overhead
+        cands = []
+        for req in running:
+            if budget <= 0 or room <= 0:
+                break
+            left = req.num_tokens - req.num_computed_tokens
+            n = min(left, budget)
+            if n <= 0 or req.request_id in skip:
+                continue
+            budget -= n
+            room -= 1
+            base += n * (1 - s)  # the step's own tokens; an LM-head row where one is sampled
+            if n < left:
+                continue
+            emitting += 1
+            base += s
+            max_accept = req.max_tokens - req.num_output_tokens - 1
+            if max_accept <= 0:
+                continue
+            p = estimate(req, prior)
+            if req.spec_tree_size:
+                guess, rows = self._tree_shape(req.spec_tree_size)
+                gain = p * min(guess, self.tree_guess_len, max_accept)
+                cost = req.spec_tree_size * (1 - s) + rows * s
+            elif req.spec_token_ids:
+                k = min(len(req.spec_token_ids), max_accept)
+                gain, cost = p * k, float(k)  # drafted already: only the target's tokens
+            else:
+                continue
+            cands.append(Candidate(req.request_id, gain, cost))
+        return {c.key for c in choose(cands, emitting, base)}
+
+    def choose_proposers(self, sampling: list[Request]) -> set[str]:
+        """sps: of the requests that sample this step, those the draft runs for at its end,
+        priced for the next step (about this step's decodes): per request its proposal's
+        target tokens and draft tokens (the catch-up, paid once, spread over the request's
+        remaining steps), plus the draft's fixed cost of ``gamma`` forwards if anyone
+        proposes."""
+        gamma = self.gamma
+        costs = self.costs
+        if costs is None or costs.always or not sampling:
+            return {r.request_id for r in sampling}
+        prior = self.rate.rate
+        r_d = costs.draft_ratio
+        cands = []
+        for req in sampling:
+            remaining = req.max_tokens - req.num_output_tokens - 1  # after this step's token
+            k = min(gamma, remaining - 1)
+            if k <= 0:
+                continue
+            gain = estimate(req, prior) * k
+            catch_up = req.num_tokens + 1 - req.spec_stats.draft_known
+            per_step = 1 + gain  # tokens the draft sees per step once in step
+            spread = max(remaining / per_step, 1.0)
+            draft = r_d * (min(catch_up, per_step) + max(catch_up - per_step, 0) / spread
+                           + k - 1)
+            cands.append(Candidate(req, gain, k + draft))
+        chosen = choose(cands, len(sampling), costs.step_overhead + len(sampling),
+                        fixed=gamma * r_d * costs.step_overhead)
+        for c in chosen:
+            c.key.spec_stats.draft_known = c.key.num_tokens + 1
+        return {c.key.request_id for c in chosen}
 
 
 @dataclass

@@ -28,7 +28,7 @@ from bladellm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 
 # The API process imports this module to start the core (core_client), before it imports
 # anything heavy: nothing here may import torch at module level (the executor, the model), or
-# the core would start only after the API process spent ~2.5 s importing torch for nothing
+# the core would start only after the API process spent seconds importing torch for nothing
 # (tests/models/test_resolution_cache.py checks).
 
 logger = logging.getLogger(__name__)
@@ -36,10 +36,10 @@ logger = logging.getLogger(__name__)
 # How often each side checks that the other process is alive while it waits (ms).
 DEAD_POLL_MS = 500
 # How long a core told to SHUTDOWN may take to finish the step it is in before it is killed (s).
-# An idle core stops in milliseconds and a decode step of 64 requests on the demo model takes
-# ~0.15 s; a 64-request prefill step on a loaded 2-core machine took 6.6 s, all of it past the
-# server's grace period and computing results no one will read. Killed or not, the kernel then
-# needs ~0.5 s (loaded machine) to tear the process down, inside the same grace + 2 s budget.
+# An idle core stops in milliseconds and a decode step fits well within this; a large prefill
+# step on a loaded machine can take seconds, all of them past the server's grace period and
+# computing results no one will read. Killed or not, the kernel then needs time to tear the
+# process down, inside the same grace + 2 s budget (docs/cpu.md).
 SHUTDOWN_WAIT_S = 0.5
 
 
@@ -109,8 +109,8 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
         # serves no one: skip it (see entrypoints/cli/server.py).
         gc.freeze()
     # A clean stop. Interpreter finalization of a process holding torch and the model (module
-    # teardown, thread pools) took 0.8 s on a loaded 2-core machine, inside the server's
-    # shutdown budget (grace + 2 s); nothing is left to flush but the logs.
+    # teardown, thread pools) would spend the server's shutdown budget (grace + 2 s) on
+    # nothing: nothing is left to flush but the logs.
     exit_process_now(0)
 
 

@@ -7,7 +7,7 @@ answering. One thread, not a pool, because a transformers tokenizer may reconfig
 tokenizer (truncation/padding) inside a call, which is not safe from two threads at once.
 
 Grammar validation (``InputProcessor.validate_grammar``: a 100 000-option ``guided_choice``
-takes ~1.7 s) runs in a second, separate ``CpuOffload`` (``AsyncLLM.grammar_offload``, two
+takes seconds) runs in a second, separate ``CpuOffload`` (``AsyncLLM.grammar_offload``, two
 threads), never in the tokenizer's queue: one client's heavy constraint must not hold up the
 tokenization of every request behind it. llguidance drops the GIL while it validates, so the
 two validations run in parallel and the tokenizer thread and the event loop keep going.

@@ -59,8 +59,8 @@ class EngineCore:
                     if config.speculative.enabled else None),
                 max_loras=config.lora.max_loras if self.lora_enabled else None)
             self.num_blocks = num_blocks
-            if self.scheduler.spec_costs is not None:
-                c = self.scheduler.spec_costs
+            if self.scheduler.spec_policy.costs is not None:
+                c = self.scheduler.spec_policy.costs
                 logger.info("speculation: --spec_policy %s, step overhead %.1f tokens, LM-head "
                             "share %.2f, draft/target cost %.2f", config.speculative.spec_policy,
                             c.step_overhead, c.lm_head_share, c.draft_ratio)

@@ -24,6 +24,7 @@ from bladellm.lora.request import LoRARequest
 from bladellm.model.checkpoint import resolve_model
 from bladellm.model.pooling_config import pooling_config
 from bladellm.outputs import RequestOutput, TokenLogprob
+from bladellm.platforms.threads import apply_engine_omp_policy
 from bladellm.sampling_params import SamplingParams
 
 PromptType = str | list[int]
@@ -33,6 +34,9 @@ class LLMEngine:
     """Front-end processing + an in-process engine core, stepped by the caller."""
 
     def __init__(self, config: EngineConfig) -> None:
+        # The engine core runs in this process: its OpenMP policy must be set before anything
+        # loads torch (a no-op if the caller already imported it; platforms/threads.py).
+        apply_engine_omp_policy()
         self.config = config
         resolved = resolve_model(config.model, snapshot_config=True)
         self.model_info = model_info_for(resolved)

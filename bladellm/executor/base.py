@@ -71,12 +71,3 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stop the workers (no-op where they live in this process)."""
 
-
-def get_executor_class(config: EngineConfig) -> type[Executor]:
-    if config.parallel.world_size == 1:
-        from bladellm.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor
-    from bladellm.executor.multiproc import MultiprocExecutor
-
-    return MultiprocExecutor

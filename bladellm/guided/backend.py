@@ -29,8 +29,8 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class GrammarLimits:
     max_grammar_size: int = 500_000  # llguidance symbols
-    initial_lexer_fuel: int = 1_000_000  # regex-analysis work while building (~20 ms)
-    step_lexer_fuel: int = 200_000  # work per mask (~15 ms)
+    initial_lexer_fuel: int = 1_000_000  # regex-analysis work while building
+    step_lexer_fuel: int = 200_000  # work per mask
 
     def to_llguidance(self) -> Any:
         import llguidance
@@ -122,7 +122,7 @@ class LLGuidanceBackend:
 
         self.limits = limits
         self._ll_limits = limits.to_llguidance()
-        # ~0.4 s for a 49k vocabulary: built once per process.
+        # Costly for a large vocabulary: built once per process.
         self.tokenizer = llguidance.hf.from_tokenizer(
             hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
         self.vocab_size = vocab_size

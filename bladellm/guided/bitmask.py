@@ -7,8 +7,13 @@ token ``t`` is allowed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch  # at run time only where a mask is applied: the engine imports this module
+    # before it has set the OpenMP policy, which must precede torch (platforms.threads)
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -33,9 +38,11 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
     so are the allowed tokens. The packed words are applied as they are (the kernel set's
     ``apply_token_bitmask``: compiled, one thread, writing only banned tokens): unpacking to a
     [rows, vocab] mask and adding a -inf/0 bias took 3 full-vocabulary passes, two of them
-    torch ops that wait for a second OpenMP thread, which on a loaded 2-vCPU machine cost
-    ~20 ms a step at 32 rows (docs/benchmarks.md, Issue 10).
+    torch ops that wait for a second OpenMP thread, which a loaded machine makes slow
+    (docs/kernels.md).
     """
+    import torch
+
     from bladellm.kernels import get_kernels
 
     get_kernels().apply_token_bitmask(logits, rows,

@@ -139,10 +139,9 @@ class GuidedDecodingManager:
         self.cache = CompiledGrammarCache(cache_size)
         self.compile_timeout = compile_timeout
         self._clock = clock
-        # Two compile threads: llguidance drops the GIL while it builds (measured on its
-        # validation: two 100k-option choices take 1.9 s in parallel, 1.7 s alone, on 2
-        # cores), so one client's expensive
-        # grammar does not queue every other grammar behind it.
+        # Two compile threads: llguidance drops the GIL while it builds (two validations run in
+        # parallel in about the time of one; docs/structured_output.md), so one client's
+        # expensive grammar does not queue every other grammar behind it.
         self._compile_pool = ThreadPoolExecutor(compile_workers,
                                                 thread_name_prefix="bladellm-grammar")
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="bladellm-bitmask")
@@ -151,7 +150,7 @@ class GuidedDecodingManager:
 
     @property
     def backend(self) -> LLGuidanceBackend:
-        with self._backend_lock:  # built lazily (tokenizer bridge ~0.4 s) in the compile thread
+        with self._backend_lock:  # built lazily (the costly tokenizer bridge) in the compile thread
             if self._backend is None:
                 self._backend = self._backend_factory()
             return self._backend

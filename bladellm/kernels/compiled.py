@@ -18,21 +18,17 @@ from bladellm.kernels import kv_int8
 from bladellm.kernels.interface import Kernels
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# Largest M (rows of x) the small-M linear kernel takes, from benchmarks/kernels_cpu.py --gemm
-# (one thread, AMD EPYC Zen 4 class, 88M and SmolLM2-135M shapes): against F.linear the
-# kernel wins 2-3.4x (bf16) / 1.2-2.9x (fp32) at M <= 2, bf16 breaks even near M = 4 with the
-# weights in cache (1.3x ahead streamed from DRAM), fp32 stays ahead up to M = 16. Against a
-# weight prepacked for oneDNN (pack_linear_weight) the crossovers are lower.
+# Largest M (rows of x) the small-M linear kernel takes: its crossovers against F.linear, and,
+# lower, against a weight prepacked for oneDNN (pack_linear_weight), measured with
+# benchmarks/kernels_cpu.py --gemm (docs/kernels.md).
 LINEAR_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4}
 LINEAR_MAX_ROWS_PACKED = {torch.float32: 4, torch.bfloat16: 2}
 LINEAR_MAX_ROWS_BF16_NO_DPBF16 = 2  # bf16 widened to fp32 FMAs (AVX2 / AVX-512 without BF16)
-# AVX2 (8-lane FMAs, where oneDNN's fp32 GEMM is relatively weaker): with the weights streamed
-# from DRAM as in a decode step (SmolLM2-135M's 120 linears, 2 threads, AMD EPYC AVX2;
-# benchmarks/linear_streamed.py --mode crossover), the kernel beat the prepacked oneDNN GEMM
-# 1.3-1.7x at M = 8-16, 1.1-1.2x at M = 20 and 1.03-1.3x at M = 24 (three runs), tied at M = 28
-# (0.96-0.99x) and lost at M = 32 (0.8-0.87x). A limit of 24 sped up pure decode steps of 20-24
-# requests 1.3-1.45x in the engine, yet served shared-prefix throughput fell (1.33 -> 1.23 req/s
-# at rate 8, docs/benchmarks.md), so it stays at 16 until that is understood.
+# AVX2 (8-lane FMAs, where oneDNN's fp32 GEMM is relatively weaker): the crossover against the
+# prepacked oneDNN GEMM with the weights streamed from DRAM as in a decode step
+# (benchmarks/linear_streamed.py --mode crossover) lies past 24 rows, but a limit of 24, faster
+# on pure decode steps in the engine, made the served shared-prefix workload slower, so it
+# stays at 16 until that is understood (docs/kernels.md).
 LINEAR_MAX_ROWS_PACKED_AVX2_FP32 = 16
 # fp32 activations on the weight's exact bf16 copy (_PackedLinear.narrow): the fp32 kernel's
 # arithmetic on half its bytes, so at least as far as the fp32 kernel goes: 16 on AVX2 (as
@@ -43,10 +39,9 @@ LINEAR_MAX_ROWS_NARROW_DEFAULT = 8
 # Where fp32 weights are packed in panels (pack_panels / linear_panel) instead of keeping a
 # oneDNN copy, and the largest M the panel kernel takes. Since its broadcasts became plain
 # loads (vec.h splat) it matched or beat oneDNN's prepacked GEMM at every M measured, 1 to 2048
-# (1.0-1.2x at M = 96-2048 on the demo's shapes, 0.92-1.04x on an 8B model's; docs/kernels.md),
-# so it takes every step the scheduler can make and no oneDNN copy is kept (half the memory
-# and none of its load time); F.linear on the plain weight past the limit. AVX2 only, where it
-# was measured (benchmarks/linear_streamed.py --mode panel).
+# (docs/kernels.md), so it takes every step the scheduler can make and no oneDNN copy is kept
+# (half the memory and none of its load time); F.linear on the plain weight past the limit.
+# AVX2 only, where it was measured (benchmarks/linear_streamed.py --mode panel).
 LINEAR_PANEL_ISAS = ("avx2",)
 LINEAR_MAX_ROWS_PANEL = 1 << 16
 # Where bf16 weights are packed in pair panels (bl_linear_pack_pairs / bl_linear_pairs: pairs of
@@ -162,8 +157,8 @@ def exact_bf16_copy(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.dtype != torch.float32:
         return None
     # Most fp32 checkpoints fail on their first values: look at a head first, so a load pays
-    # the full round trip (three passes over the weight, 0.4 s of the demo's start-up on 2
-    # cores) only for weights that may be exact.
+    # the full round trip (three passes over the weight, a visible share of start-up) only for
+    # weights that may be exact.
     head = weight.reshape(-1)[:4096]
     if not torch.equal(head.to(torch.bfloat16).to(torch.float32), head):
         return None
@@ -514,8 +509,8 @@ class CompiledKernels(Kernels):
 
     def pack_linear_weight(self, weight: torch.Tensor) -> object | None:
         """The weight reordered for oneDNN (a second copy: the small-M kernel reads the
-        original), which runs M above the kernel's crossover 1.2-2x faster than F.linear
-        (bf16, M 4..32; about even from M = 64); and, for an fp32 weight of exact bf16 values,
+        original), which runs M above the kernel's crossover faster than F.linear (the gap
+        closes at large M; docs/kernels.md); and, for an fp32 weight of exact bf16 values,
         the bf16 copy the small-M kernel reads instead of the original; where
         ``linear_max_rows_panel`` > 0 (AVX2) and the weight is fp32, only the weight or that
         bf16 copy packed in panels, for every M up to that limit; where

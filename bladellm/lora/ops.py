@@ -8,9 +8,9 @@ reuses that grouping. ``LoRALinear`` calls ``lora_delta``, which runs one of:
 - the compiled CPU kernel (``Kernels.lora_sgmv``, ``bladellm/kernels/cpu/lora.cpp``; its
   plain-PyTorch twin ``kernels/ref.py:lora_sgmv`` is the oracle): one call per layer fuses
   shrink and expand over the unpadded segments, reads only each fused slice's diagonal block of
-  B, and adds into the base output in place; no gather, scatter or padding. On the demo model at
-  32 decode tokens over 8 adapters it costs ~6 ms per step (one thread) against ~26 ms for the
-  path below, and ~15x less on a step mixing decodes with a prefill chunk (no padding).
+  B, and adds into the base output in place; no gather, scatter or padding, which makes it
+  several times cheaper than the path below, most on a step mixing decodes with a prefill
+  chunk (docs/kernels.md).
 - ``sgmv_shrink_expand`` (where no kernel was compiled): segmented and padded, ``k`` active
   slots each a padded row of ``max_seg`` tokens; one ``index_select`` gathers the tokens into
   ``[k, max_seg, in]``, one ``bmm`` with the active slots' A (shrink), one with their

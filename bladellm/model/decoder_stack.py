@@ -1,9 +1,9 @@
 """The decoder stack of a Llama-layout model as one compiled call, for decode-sized batches.
 
 A decode step of a small model is mostly weight streaming, and the ~10 kernel calls per layer
-each cost tens of microseconds of Python around them (argument checks, ctypes structs, tensor
-allocations): 4 ms of a 25 ms step on the 12-layer 88M shape, which is what kept single-stream
-TBT behind llama.cpp's. ``CompiledDecoderStack`` describes every layer's weights to the kernel
+each pay Python around them (argument checks, ctypes structs, tensor allocations): a sizeable
+share of a small model's step (docs/kernels.md), which is what kept single-stream TBT behind
+llama.cpp's. ``CompiledDecoderStack`` describes every layer's weights to the kernel
 library once (``kernels/cpu/decoder.cpp``), and per step fills in only the step's tensors, so the
 whole stack is one call, the CPU counterpart of a captured CUDA graph.
 
@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 _INDEX_DTYPES = (torch.int64, torch.int32)  # positions and slots: the kernels take either
 # The most tokens a step may have to run as one call (its scratch holds that many rows of every
 # activation: 8.6 MB on the demo model, ~54 MB at an 8B model's widths). A busy server's steps
-# (a few dozen decodes and a prefill chunk) fit; a bigger step spends ~1 ms in the modules'
-# Python against a forward of hundreds of milliseconds.
+# (a few dozen decodes and a prefill chunk) fit; a bigger step's forward dwarfs the modules'
+# Python.
 STACK_MAX_ROWS = 256
 
 

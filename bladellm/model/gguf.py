@@ -299,8 +299,8 @@ class GGUFCheckpoint:
 
         transformers builds it (``convert_gguf_tokenizer``, the conversion ``AutoTokenizer`` uses
         for ``gguf_file=``). We call the fast-tokenizer class directly: ``AutoTokenizer`` would
-        first re-parse the whole file for a config only to pick the same class (~10-20 s for the
-        demo model on a busy 2-core machine, against ~1 s).
+        first re-parse the whole file for a config only to pick the same class (many times
+        slower; docs/cpu.md).
         """
         from transformers import PreTrainedTokenizerFast
 

@@ -1,8 +1,8 @@
 """A dense Hugging Face copy of each served GGUF file, made once, so later starts skip the GGUF.
 
 Reading a GGUF file is slow in Python where it does not need to be: ``gguf.GGUFReader`` builds a
-Python object per metadata array element (the demo's 49k-token vocabulary and merges: ~3-4 s on
-this project's 2-core machines), transformers converts its tokenizer, and every tensor is
+Python object per metadata array element (the demo's 49k-token vocabulary and merges: seconds;
+docs/cpu.md), transformers converts its tokenizer, and every tensor is
 dequantized with numpy. Both processes pay it (the API process for the tokenizer and config,
 the engine core for the weights). The first start therefore writes what it read as a plain model
 directory (``config.json``, ``model.safetensors`` at the file's dense dtype, tokenizer files,

@@ -5,16 +5,17 @@ process keeps torch to one thread so that tokenization and HTTP never compete wi
 cores.
 
 OpenMP wait policy: after a parallel region libgomp's worker threads spin (by default 300,000
-polls, about 10 ms on a 2-core EPYC VM) before they sleep. On a dedicated machine that saves a
-wake-up per region; on a shared one a spinning thread holds a core that a preempted team-mate
-needs, and every region ends waiting for the thread the scheduler set aside. With one competing
-process on 2 cores decode took 413-507 ms/token spinning vs 121-128 ms PASSIVE, whose threads
-sleep at once (67 ms without the competitor; docs/cpu.md).
+polls) before they sleep. On a dedicated machine that saves a wake-up per region; on a shared
+one a spinning thread holds a core that a preempted team-mate needs, and every region ends
+waiting for the thread the scheduler set aside. PASSIVE threads sleep at once, which keeps
+decode near its idle speed next to a competing process (docs/cpu.md has the measurements).
 
 libgomp reads ``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` once, when it is loaded, i.e. when torch
 is first imported in a process. So the engine-core process gets them in its environment before
-it starts (``engine_process_env``); a process that has already imported torch (the offline
-``LLM``) keeps whatever its shell set.
+it starts (``engine_process_env``); an engine that runs in the caller's process (the offline
+``LLM``) sets them when it starts, before it loads torch (``apply_engine_omp_policy``), which is
+why importing the engine must not import torch. A process that has already imported torch keeps
+whatever its shell set. Nothing here runs at import: the engine calls these at start-up.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def configure_engine_threads(num_threads: int | None) -> int:
 
 def configure_frontend_threads() -> None:
     """The API process does no tensor work and never imports torch itself (importing it would
-    add ~1-2 s and ~150 MB to the process). Where torch is loaded anyway (AsyncLLM embedded in
+    add seconds and a large heap to the process). Where torch is loaded anyway (AsyncLLM embedded in
     a program that uses it), its intra-op pool is kept to one thread, off the engine's CPUs."""
     torch = sys.modules.get("torch")
     if torch is not None:

@@ -84,7 +84,8 @@ class DequantLinear:
 
     def weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight in sorted-column order (the twin's values). Split halves and
-        in-place arithmetic: 6x faster than interleaved nibbles through torch.stack."""
+        in-place arithmetic, not interleaved nibbles through torch.stack (far slower;
+        docs/kernels.md)."""
         n, k = self.shape
         if self.bits == 4:
             half = self.group_size // 2

@@ -204,8 +204,8 @@ def _exp_weights(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     """exp((logits - row max) / temperature): softmax without the division by its sum.
 
     One new [R, V] tensor (a second one costs page faults on CPU), as 2 ** ((x - max) * log2(e)
-    / T): on CPU ``exp2_`` is ~1.5x faster than ``exp_``, which also splits rows as short as
-    8k tokens across threads (costly when the cores are shared).
+    / T): on CPU ``exp2_`` is faster than ``exp_`` (docs/kernels.md), which also splits rows as
+    short as 8k tokens across threads (costly when the cores are shared).
     """
     scale = (_LOG2E / temperature.to(logits.dtype)).unsqueeze(1)
     shift = logits.amax(dim=1, keepdim=True).mul_(scale).neg_()

@@ -26,8 +26,8 @@ from bladellm.attention.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from bladellm.config import EngineConfig, ModelConfig
 from bladellm.model.decoder_stack import attach_compiled_stack
 from bladellm.model.forward_context import ForwardContext
+from bladellm.sample.generators import step_generator
 from bladellm.sample.rejection import target_probs
-from bladellm.worker.sampling_rows import step_generator
 
 logger = logging.getLogger(__name__)
 

@@ -112,7 +112,7 @@ class ModelRunner:
 
     def _prepack_weights(self) -> int:
         """Let each linear layer and the LM head keep its kernels' load-time weight forms (on
-        CPU: a oneDNN reordered copy that runs batched GEMMs 1.2-2x faster, and for fp32
+        CPU: a oneDNN reordered copy that runs batched GEMMs faster, and for fp32
         weights that are exact bf16 values a bf16 copy that halves what a decode step streams;
         on AVX2 only that weight or its bf16 copy packed in panels, for every batch;
         ``CompiledKernels.pack_linear_weight``), when ``prepack_bound`` says they are made.

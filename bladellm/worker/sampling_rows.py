@@ -11,20 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from bladellm.sample.generators import step_generator
 from bladellm.sample.metadata import GREEDY_TEMPERATURE, SamplingMetadata
 from bladellm.sampling_params import SamplingParams
-
-_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: decorrelates (seed, step) pairs
-
-
-def step_generator(seed: int, num_output_tokens: int) -> torch.Generator:
-    """A generator that depends only on the request's seed and how many tokens it has made.
-
-    Sampling then does not depend on what else is in the batch, nor on preemption/recompute.
-    """
-    gen = torch.Generator()
-    gen.manual_seed((seed * _SEED_MIX + num_output_tokens) & ((1 << 63) - 1))
-    return gen
 
 
 class SamplingRows:

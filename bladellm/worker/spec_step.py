@@ -23,10 +23,11 @@ import torch
 
 from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from bladellm.sample import draw
+from bladellm.sample.generators import step_generator
 from bladellm.sample.rejection import rejection_sample, target_probs, walk
 from bladellm.sample.sampler import Sampler
 from bladellm.worker.input_batch import InputBatch, StepInputs
-from bladellm.worker.sampling_rows import attach_grammar_bitmask_rows, step_generator
+from bladellm.worker.sampling_rows import attach_grammar_bitmask_rows
 
 # Salt for the generator of a seeded request's acceptance test and residual draw, so it is
 # independent of the generator its normal draw at the same position uses.

@@ -75,9 +75,9 @@ def test_sps_quantized_copy_as_draft(tiny_llama, normal_greedy, tmp_path):
     sched = llm.engine.core.scheduler
     target_s, draft_s = llm.engine.core.executor.collective_rpc("spec_forward_times")[0]
     assert target_s > 0 and draft_s > 0
-    assert 0 < sched.spec_costs.draft_ratio < 10
+    assert 0 < sched.spec_policy.costs.draft_ratio < 10
     # Every request speculates every step (the rule would rightly decline a draft this poor).
-    sched.spec_costs = dataclasses.replace(sched.spec_costs, always=True)
+    sched.spec_policy.costs = dataclasses.replace(sched.spec_policy.costs, always=True)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs == expected
     assert sched.kv_cache_manager.pool.num_used_blocks == 0
@@ -109,7 +109,7 @@ def test_sps_cost_rule_greedy_identical(tiny_llama, tiny_model_factory, normal_g
     draft = tiny_model_factory("qwen2", seed=7, num_hidden_layers=1)
     llm = LLM(model=tiny_llama, **STRESS, decode_algo="sps", draft_model=draft, gamma=4)
     sched = llm.engine.core.scheduler
-    sched.spec_costs = dataclasses.replace(sched.spec_costs, draft_ratio=0.01)
+    sched.spec_policy.costs = dataclasses.replace(sched.spec_policy.costs, draft_ratio=0.01)
     history: dict[str, str] = {}  # per request and sampling step: d(rafted) or s(kipped)
     schedule = sched.schedule
 

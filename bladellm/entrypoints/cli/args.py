@@ -137,7 +137,7 @@ def make_parser(prog: str = "blade_llm_server", with_server: bool = True,
     same ``EngineConfig`` from the same flags but serves no HTTP)."""
     parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     # bladellm's own version, not the HTTP server module's helper: importing that module pulls
-    # in FastAPI and the serving stack (3.6 s on 2 cores) before blade_llm_server has started
+    # in FastAPI and the serving stack (seconds) before blade_llm_server has started
     # the engine core, which is what the early start is there to overlap.
     import bladellm
 

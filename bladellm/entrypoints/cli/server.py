@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
 def cli() -> None:
     """The ``blade_llm_server`` command. When the server has shut down (engine core joined,
     sockets closed, logs written), the process ends without interpreter finalization: tearing
-    down torch, the tokenizer and the HTTP stack took 0.5 s of a loaded 2-core machine, inside
-    the shutdown budget (grace + 2 s) that orchestrators wait for."""
+    down torch, the tokenizer and the HTTP stack would spend the shutdown budget (grace + 2 s)
+    that orchestrators wait for on nothing."""
     code = main()
     from bladellm.engine.core_proc import exit_process_now
 

@@ -145,7 +145,7 @@ def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
 
 async def _add_prompt_logprobs(req: CompletionRequest, prompts: list, ctx: ServingContext,
                                choices: list[_Choice]) -> None:
-    """One extra forward per prompt in the engine (see worker/pooling.py) before generating."""
+    """One extra forward per prompt in the engine (see worker/standalone_forwards.py) before generating."""
     echo_top = req.logprobs if (req.echo and req.logprobs is not None) else 0
     num_top = max(req.prompt_logprobs or 0, echo_top)
     for i, (ids, entries) in enumerate(await prompt_lp.fetch(prompts, ctx, num_top)):

@@ -116,8 +116,8 @@ static void run_item(const PagedAttentionArgs& a, const WorkItem& w, Scratch& sc
   const int32_t* table = a.block_tables + w.req * a.block_table_stride;
   const int first_pos = g.ctx_start + w.q_begin;  // the first token's position
   const int key_end = std::min(w.key_end, g.ctx_start + w.q_end);
-  // Lanes pay for VLEN rows whatever the count; from half full on they still win (decode
-  // 32 x 600 bf16, G=8: 7.8 -> 6.2 ms; 4-token verification, G=3: 10.0 -> 6.5 ms).
+  // Lanes pay for VLEN rows whatever the count; from half full on they still win, for decodes
+  // with large GQA groups and for short verifications alike (docs/kernels.md).
   if (tokens * G >= VLEN / 2)
     run_lanes<C, DC>(a, w, g, sc, table, first_pos, key_end);
   else
@@ -347,7 +347,8 @@ static Plan plan_work(const PagedAttentionArgs& a) {
           has_shared_slot[mu] = 1;
         }
         WorkItem w{r0, units[u].head_begin, units[u].head_end, 0, tokens, 0, keys, -1, 1,
-                   // lanes_step runs ~5x row_step's rate: cost in row_step units
+                   // lanes_step does several row_steps' work in the time of one (weighted
+                   // 1/4 here): cost in row_step units
                    int64_t(keys) * (int)sp.reqs.size() * tokens * G *
                        (units[u].head_end - units[u].head_begin) / 4 + 64, -1};
         w.shared = (int)plan.shared.size();

@@ -3,8 +3,7 @@
 //  - row_step: one query row at a time, keys in the lanes (scores by a transpose-sum). For
 //    fewer than VLEN/2 rows per kv head: decodes with small GQA groups.
 //  - lanes_step: VLEN query rows in the lanes, keys broadcast. No horizontal reductions, a
-//    vectorised softmax: a 512-token prefill chunk after 512 cached tokens went from 27 to
-//    15 ms on one EPYC core (80 GFLOP/s).
+//    vectorised softmax: much faster for prefill chunks (docs/kernels.md).
 #pragma once
 
 #include <algorithm>
@@ -141,8 +140,8 @@ static inline void load_kv_tile(const PagedAttentionArgs& a, const int32_t* tabl
 
 // Pull the next key tile's rows (all the item's heads) towards L2 while this tile computes:
 // blocks sit at random places, so the hardware prefetcher loses the stream at every block.
-// Into L2, not L1 (prefetcht2): L1-targeted prefetch evicts the tile in use and was slower;
-// this one took decode 32 x 600 bf16 from 3.2 to 2.8 ms on one EPYC core.
+// Into L2, not L1 (prefetcht2): L1-targeted prefetch evicts the tile in use and was slower
+// (docs/kernels.md).
 template <typename C>
 static inline void prefetch_kv_tile(const PagedAttentionArgs& a, const int32_t* table,
                                     const WorkItem& w, int kt, int n, const Geometry& g) {

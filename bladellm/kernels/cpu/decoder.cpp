@@ -1,7 +1,8 @@
 // A whole Llama-layout decoder stack in one call: for decode-sized batches (every linear within
 // the GEMV kernel's row limit) the model's ~10 kernel calls per layer run back to back here
 // instead of from Python, where each cost tens of microseconds of wrapper code (argument
-// checks, ctypes structs, tensor allocations): ~4 ms of a 25 ms step on a 12-layer model.
+// checks, ctypes structs, tensor allocations): a sizeable share of a small model's step
+// (docs/kernels.md).
 //
 // It calls the same entry points, with the same arguments, in the same order as the modules do
 // (model/models/llama.py), so its output is bit-identical to theirs; the Python side

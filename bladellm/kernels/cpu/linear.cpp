@@ -37,7 +37,7 @@ constexpr int MT = LINEAR_MT;  // activation rows per tile
 // Weight rows are streamed from memory once per call (a model's weights do not stay in cache
 // between decode steps): prefetch the rows kPrefetchRows ahead of those being multiplied, at
 // the same K offset, so several blocks' cache lines are in flight (the hardware prefetchers
-// alone keep too few, at ~5 GB/s from DRAM on one core). Prefetching past the end of w is harmless.
+// alone keep too few; docs/kernels.md). Prefetching past the end of w is harmless.
 #ifndef LINEAR_PF
 #define LINEAR_PF 8
 #endif
@@ -173,9 +173,8 @@ static void linear(T* out, int64_t out_stride, const T* x, int64_t xs, const TW*
 // ---- Panel-packed weights (fp32 activations): M = 1..64 on AVX2 ----
 // The weight repacked once at load as [ceil(N / P)][K][P] (P = kPanel outputs, the last panel
 // zero-padded): a thread then streams one contiguous run of memory per panel instead of R rows
-// at once, which the hardware prefetchers follow better (measured on an AVX2 EPYC, the 88M
-// shape's 49 linears: 1.08-1.14x the row kernel at M = 1, 1.15-1.3x oneDNN at M = 32;
-// benchmarks/linear_streamed.py --mode panel, docs/kernels.md), and the P outputs sit in the
+// at once, which the hardware prefetchers follow better (benchmarks/linear_streamed.py --mode
+// panel, docs/kernels.md), and the P outputs sit in the
 // vector lanes: no horizontal sums. Each output is one FMA chain along K in order, whatever M
 // and the tile: the result of a row does not depend on the other rows of the batch.
 //
@@ -185,7 +184,7 @@ static void linear(T* out, int64_t out_stride, const T* x, int64_t xs, const TW*
 // two halves of one 64-byte line per k) with up to 6 rows, which keeps 12 accumulators and the
 // 2 widened vectors within AVX2's 16 registers (3 rows over the whole panel need 17 and spill).
 // Halving does not pay for fp32, whose halves are different lines: each pass then streams
-// every other line (measured 1.6x slower at M = 4-16).
+// every other line (measured slower, docs/kernels.md).
 constexpr int kPanelVecs = 4;
 constexpr int kPanel = kPanelVecs * VLEN;
 constexpr int kHalfVecs = kPanelVecs / 2;
@@ -284,8 +283,8 @@ static void pack_panels(TW* dst, const TW* w, int64_t N, int64_t K, int num_thre
   const int64_t panels = (N + kPanel - 1) / kPanel;
   // Row by row within blocks of kPackK: each weight row's block is read once, in order, and
   // written down one lane of the panel's block (kPackK x kPanel: 32-64 KB, resident in L2 while
-  // it fills, whatever K). Reading k outer took kPanel rows K apart at once: 0.30 s of the
-  // demo's 0.5 GB of weights on one core against ~0.12 s this way.
+  // it fills, whatever K). Reading k outer took kPanel rows K apart at once, several times
+  // slower at load (docs/kernels.md).
   constexpr int64_t kPackK = 256;
 #pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && panels > 1)
   for (int64_t p = 0; p < panels; ++p) {

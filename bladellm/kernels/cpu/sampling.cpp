@@ -2,9 +2,9 @@
 // Semantics: kernels/ref.py apply_token_bitmask.
 //
 // One thread on purpose: the work is a few hundred KB of mask words and -inf stores for the
-// banned tokens only (~0.1 ms for 32 x 49152), less than what waking the OpenMP team costs on a
-// busy machine (a torch op that goes parallel waited up to a scheduler time slice, ~8 ms, for
-// its second thread while other processes held the other core).
+// banned tokens only, less than what waking the OpenMP team costs on a busy machine (a torch op
+// that goes parallel waited up to a scheduler time slice for its second thread while other
+// processes held the other core; docs/kernels.md).
 #include <cmath>
 #include <cstdint>
 #include <limits>

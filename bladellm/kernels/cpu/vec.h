@@ -38,7 +38,7 @@ static inline To bit_cast(const From& x) {
 
 // Every lane x. `vfloat{} + x` would say it without intrinsics, but 0 + x is not x for x = -0,
 // so GCC must emit the add: a scalar add and a register shuffle per broadcast, in the inner loop
-// of every tile (the panel linear kernel ran 1.2-1.7x slower for it, docs/kernels.md). The
+// of every tile (the panel linear kernel ran measurably slower for it, docs/kernels.md). The
 // intrinsic is one vbroadcastss from memory, a pure load.
 static inline vfloat splat(float x) {
 #if defined(__AVX512F__)

@@ -78,7 +78,7 @@ def _get_quant_method(quant_config: Any, layer: nn.Module, prefix: str) -> Linea
 
 
 class LinearBase(nn.Module):
-    """Common part: TP info, quant method, optional bias of ``bias_size`` rows."""
+    """Common part: TP info, quant method, optional bias over this rank's outputs."""
 
     def __init__(self, input_size: int, output_size: int, *, params_dtype: torch.dtype,
                  quant_config: Any = None, prefix: str = "") -> None:

@@ -76,7 +76,7 @@ def test_grants_in_a_step_are_summed():
             spec_decode.record(r, 7, 7)
         for r in reqs[2:]:
             spec_decode.record(r, 7, 3)
-    prior = sched.spec_rate.rate
+    prior = sched.spec_policy.rate.rate
     tree_cost = 13 * 0.79 + 8 * 0.21
     weak = spec_decode.estimate(reqs[2], prior) * 7 / tree_cost
     assert 4 / 18 < weak < (4 + 2 * 7 * spec_decode.estimate(reqs[0], prior)) / (18 + 2 * tree_cost)

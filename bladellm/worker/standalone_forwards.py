@@ -1,8 +1,11 @@
-"""Embeddings: one forward pass per prompt with no KV cache, pooled into one vector.
+"""Forward passes outside the generation step: no scheduler, no KV blocks, no sampler.
 
-Kept apart from the generation step on purpose (no scheduler, no KV blocks, no sampler): an
-embedding request reads its prompt once and keeps nothing, so it runs as a plain causal forward
-(``ForwardContext.no_cache``) between engine steps.
+- ``embed_prompts``: embeddings, one forward per prompt with no KV cache, pooled into one
+  vector. An embedding request reads its prompt once and keeps nothing, so it runs as a plain
+  causal forward (``ForwardContext.no_cache``) between engine steps.
+- ``prompt_logprobs``: the logprob of every prompt token, one extra prefill per prompt.
+- ``time_token_forward``: the cost of a one-token forward, timed at start-up (the sps cost
+  rule's draft/target ratio).
 """
 
 from __future__ import annotations
