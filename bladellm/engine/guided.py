@@ -15,7 +15,7 @@ from bladellm.core.interface import SchedulerOutput
 from bladellm.core.outputs import GRAMMAR_ERROR_PREFIX, EngineCoreOutput
 from bladellm.core.scheduler import Scheduler
 from bladellm.guided.manager import GrammarState, GuidedDecodingManager, StepBitmask
-from bladellm.model.checkpoint import ResolvedModel
+from bladellm.checkpoint.locate import ResolvedModel
 from bladellm.request import RequestStatus
 from bladellm.sampling_params import GuidedDecodingParams
 
@@ -56,7 +56,7 @@ class GuidedRequests:
         return self._manager
 
     def _vocab_size(self) -> int:
-        from bladellm.model.model_len import get_text_attr
+        from bladellm.checkpoint.model_len import get_text_attr
 
         return int(get_text_attr(self._resolved.hf_config, ("vocab_size",)))
 

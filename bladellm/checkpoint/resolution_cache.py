@@ -2,7 +2,7 @@
 
 transformers 5 pulls most of the library in to build a config or pick a tokenizer class:
 ``from transformers import LlamaConfig`` or ``AutoTokenizer`` imports accelerate,
-``torch.distributed.tensor``, ``torch._dynamo`` and sympy (6-8 s of a 2-core machine), in both
+``torch.distributed.tensor``, ``torch._dynamo`` and sympy (seconds: docs/benchmarks.md), in both
 processes, on the critical path of every start. What the engine takes from them is small and
 fixed for a given directory and transformers version:
 

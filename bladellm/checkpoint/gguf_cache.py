@@ -1,8 +1,8 @@
 """A dense Hugging Face copy of each served GGUF file, made once, so later starts skip the GGUF.
 
 Reading a GGUF file is slow in Python where it does not need to be: ``gguf.GGUFReader`` builds a
-Python object per metadata array element (the demo's 49k-token vocabulary and merges: ~3-4 s on
-this project's 2-core machines), transformers converts its tokenizer, and every tensor is
+Python object per metadata array element (the demo's 49k-token vocabulary and merges; see
+docs/benchmarks.md), transformers converts its tokenizer, and every tensor is
 dequantized with numpy. Both processes pay it (the API process for the tokenizer and config,
 the engine core for the weights). The first start therefore writes what it read as a plain model
 directory (``config.json``, ``model.safetensors`` at the file's dense dtype, tokenizer files,
@@ -69,7 +69,7 @@ def convert(ckpt) -> str | None:
     caching is off or the copy does not fit on the disk. Safe against a second process doing the
     same (the API process and the engine core both resolve the model): one converts under a lock,
     the other finds the finished entry."""
-    from bladellm.model.gguf import write_hf_dir
+    from bladellm.checkpoint.gguf import write_hf_dir
 
     if not envs.gguf_cache_enabled():
         return None
