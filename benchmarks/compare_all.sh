@@ -35,10 +35,10 @@ LLAMA88M=$("$PYTHON" -c "
 import sys; sys.path.insert(0, '$ROOT/benchmarks')
 from offline_throughput import make_model_dir, default_model_dir
 print(make_model_dir('llama-88m', default_model_dir('llama-88m')))" | tail -1)
-DEMO_GGUF=$("$PYTHON" -c "from bladellm.model.demo import demo_model_path; print(demo_model_path())")
+DEMO_GGUF=$("$PYTHON" -c "from bladellm.checkpoint.demo import demo_model_path; print(demo_model_path())")
 DEMO_HF=${DEMO_HF:-${TMPDIR:-/tmp}/smollm2-hf}
 [ -f "$DEMO_HF/config.json" ] || "$PYTHON" -c "
-from bladellm.model.gguf import save_as_hf_dir; save_as_hf_dir('$DEMO_GGUF', '$DEMO_HF')"
+from bladellm.checkpoint.gguf import save_as_hf_dir; save_as_hf_dir('$DEMO_GGUF', '$DEMO_HF')"
 
 model_dir() { case $1 in llama88m) echo "$LLAMA88M" ;; demo) echo "$DEMO_HF" ;; esac; }
 # llama.cpp: the 88M model converted at bf16 (compare.sh / offline_throughput.py convert it);

@@ -41,7 +41,7 @@ def make_core(shape: str, dtype: str, batch: int):
 
     from bladellm.config import EngineConfig
     from bladellm.engine.engine_core import EngineCore
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import resolve_model
 
     with tempfile.TemporaryDirectory() as tmp:
         LlamaConfig(**SHAPES[shape], max_position_embeddings=2048,

@@ -51,7 +51,7 @@ def _88m_dir(path: str, num_layers: int = 12) -> str:
 def _core(model_dir: str, **kwargs):
     from bladellm.config import EngineConfig
     from bladellm.engine.engine_core import EngineCore
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import resolve_model
 
     config = EngineConfig.from_kwargs(model=model_dir, load_format="dummy", **kwargs)
     return EngineCore(config, resolve_model(config.model))

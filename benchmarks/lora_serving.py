@@ -148,7 +148,7 @@ def main() -> None:
 
     from bladellm.config import ModelConfig
     from bladellm.lora.adapter import BaseShapes, load_adapter
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import resolve_model
 
     resolved = resolve_model(ModelConfig(model=args.model))
     with tempfile.TemporaryDirectory() as root:

@@ -48,8 +48,8 @@ def chapters(numbers) -> list[str]:
 
 
 def demo_hf_dir(work_dir: str) -> str:
-    from bladellm.model.demo import demo_model_path
-    from bladellm.model.gguf import save_as_hf_dir
+    from bladellm.checkpoint.demo import demo_model_path
+    from bladellm.checkpoint.gguf import save_as_hf_dir
 
     out = os.path.join(work_dir, "smollm2-135m-f32")
     if not os.path.isfile(os.path.join(out, "config.json")):

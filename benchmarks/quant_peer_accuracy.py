@@ -49,8 +49,8 @@ def bladellm_dequantized(qdir: str) -> tuple[dict[str, torch.Tensor], bool, str]
     name (fused layers split back), as BladeLLM's loader reads it; whether it is W8A8; the
     loader's description of the format."""
     from bladellm.attention import get_attn_backend
-    from bladellm.model.loader import build_model, find_weight_files, load_checkpoint_files, \
-        load_hf_config
+    from bladellm.checkpoint.hf_config import load_hf_config
+    from bladellm.model.loader import build_model, find_weight_files, load_checkpoint_files
     from bladellm.quantization import get_quant_config
     from bladellm.quantization.int_weight import dequantize
     from bladellm.quantization.method import QuantLinearMethod

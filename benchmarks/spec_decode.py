@@ -34,7 +34,7 @@ def make_draft(path: str, layers: int) -> str:
     from safetensors.torch import save_file
 
     from bladellm.config import ModelConfig
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import resolve_model
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -43,7 +43,7 @@ def make_draft(path: str, layers: int) -> str:
     tensors = {}
     if resolved.gguf is not None:
         weights = resolved.gguf.iter_hf_weights(torch.float32)
-    else:  # the GGUF's dense copy (model/gguf_cache.py) resolves as a safetensors directory
+    else:  # the GGUF's dense copy (checkpoint/gguf_cache.py) resolves as a safetensors directory
         from safetensors.torch import load_file
 
         weights = ((n, t.float()) for n, t in

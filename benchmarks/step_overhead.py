@@ -50,7 +50,7 @@ def measure(batch: int, steps: int, dtype: str, num_layers: int) -> dict:
     from bladellm.config import EngineConfig
     from bladellm.engine.engine_core import EngineCore
     from bladellm.engine.messages import EngineCoreRequest
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import resolve_model
     from bladellm.sampling_params import SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:

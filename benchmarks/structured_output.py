@@ -116,7 +116,7 @@ def compile_times(schema: dict, model: str) -> dict:
     from bladellm.engine.model_info import model_info_for
     from bladellm.guided.backend import LLGuidanceBackend, validate
     from bladellm.guided.manager import GuidedDecodingManager
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import resolve_model
     from bladellm.sampling_params import GuidedDecodingParams
 
     info = model_info_for(resolve_model(ModelConfig(model=model)))

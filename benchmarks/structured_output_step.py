@@ -27,7 +27,7 @@ from bladellm.engine.model_info import model_info_for  # noqa: E402
 from bladellm.guided.backend import LLGuidanceBackend  # noqa: E402
 from bladellm.guided.bitmask import apply_token_bitmask  # noqa: E402
 from bladellm.guided.manager import GuidedDecodingManager  # noqa: E402
-from bladellm.model.checkpoint import resolve_model  # noqa: E402
+from bladellm.model.loader import resolve_model  # noqa: E402
 from bladellm.sampling_params import GuidedDecodingParams  # noqa: E402
 
 ANSWER = {"employee_id": "E123456", "name": "Alice Chen", "age": 34,

@@ -32,8 +32,8 @@ NAME=$(curl -sf "http://127.0.0.1:$PORT/v1/models" | python -c "import json,sys;
 if [ -z "${TOKENIZER:-}" ]; then
     # The demo model is a GGUF; its dense copy (docs/gguf.md) has the HF tokenizer files.
     TOKENIZER=$(python -c "
-from bladellm.model.demo import resolve_model_path
-from bladellm.model.gguf_cache import lookup
+from bladellm.checkpoint.demo import resolve_model_path
+from bladellm.checkpoint.gguf_cache import lookup
 path = resolve_model_path('$MODEL')
 print(lookup(path) if path.endswith('.gguf') else path)")
 fi

@@ -10,12 +10,12 @@ a function at the moment it is needed, so tests can set it with ``monkeypatch.se
   other build artifacts.
 - ``BLADELLM_GGUF_CACHE`` (``1`` | ``0``, default ``1``): keep a dense Hugging Face copy of each
   served GGUF file so the next start skips parsing and dequantizing it
-  (``model/gguf_cache.py``); ``0`` always reads the GGUF file.
+  (``checkpoint/gguf_cache.py``); ``0`` always reads the GGUF file.
 - ``BLADELLM_GGUF_CACHE_DIR`` (a directory, default ``BLADELLM_CACHE_DIR/gguf``): where those
   copies are kept.
 - ``BLADELLM_RESOLUTION_CACHE`` (``1`` | ``0``, default ``1``): remember the config transformers
   builds for a model directory and the tokenizer class ``AutoTokenizer`` picks, so later starts
-  skip most of transformers' imports (``model/resolution_cache.py``); ``0`` asks transformers
+  skip most of transformers' imports (``checkpoint/resolution_cache.py``); ``0`` asks transformers
   every time.
 - ``BLADELLM_RESOLUTION_CACHE_DIR`` (a directory, default ``BLADELLM_CACHE_DIR/resolved``): where
   those entries are kept.

@@ -49,8 +49,8 @@ def fresh_cache_dir(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session", autouse=True)
 def _caches_in_tmp(tmp_path_factory):
-    """Dense copies of GGUF files (model/gguf_cache.py) and remembered configs and tokenizer
-    classes (model/resolution_cache.py) go to per-session directories, never the user's cache;
+    """Dense copies of GGUF files (checkpoint/gguf_cache.py) and remembered configs and tokenizer
+    classes (checkpoint/resolution_cache.py) go to per-session directories, never the user's cache;
     set in os.environ so server subprocesses inherit them."""
     names = ("BLADELLM_GGUF_CACHE_DIR", "BLADELLM_RESOLUTION_CACHE_DIR")
     old = {name: os.environ.get(name) for name in names}

@@ -24,7 +24,7 @@ from bladellm.platforms.cpu_defaults import (GiB, KVCacheSizeError, cgroup_memor
 if TYPE_CHECKING:
     import torch
 
-    from bladellm.model.checkpoint import ResolvedModel
+    from bladellm.checkpoint.locate import ResolvedModel
 
 TIGHT_FRACTION = 0.9  # needing more than this share of what is available is a warning
 
@@ -117,7 +117,7 @@ def _resolve_draft(config: EngineConfig, target: ResolvedModel) -> ResolvedModel
     """The sps draft as ``DraftModelProposer`` resolves it (and refuses it), else None."""
     if config.speculative.decode_algo != "sps":
         return None
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import resolve_model
     from bladellm.spec_decode.draft_model import check_draft_vocab, draft_model_config
 
     draft = resolve_model(draft_model_config(config, target.max_model_len, target.dtype), snapshot_config=True)
@@ -128,14 +128,14 @@ def _resolve_draft(config: EngineConfig, target: ResolvedModel) -> ResolvedModel
 def all_rank_memory(config: EngineConfig) -> tuple[ResolvedModel, list[RankMemory]]:
     """The resolved target and every rank's ``RankMemory``, in rank order."""
     from bladellm.distributed.parallel_state import tp_shape_for_split
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import resolve_model
 
     target = resolve_model(config.model)
     draft = _resolve_draft(config, target)
     par = config.parallel
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
     if par.world_size > 1:  # the multi-process executor's refusals, before any rank starts
-        from bladellm.executor.multiproc import check_pipeline_parallel, check_tensor_parallel
+        from bladellm.model.parallel_fit import check_pipeline_parallel, check_tensor_parallel
 
         check_tensor_parallel(target.hf_config, tp,
                               None if target.gguf is not None else target.path, pp)

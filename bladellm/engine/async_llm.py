@@ -27,9 +27,9 @@ from bladellm.engine.metrics import StatLogger
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
 from bladellm.lora.request import LoRARequest
-from bladellm.model.checkpoint import HUB_FLAGS, ResolvedModel, locate_model
-from bladellm.model.hub import download_model, is_model_id
-from bladellm.model.pooling_config import pooling_config
+from bladellm.checkpoint.locate import HUB_FLAGS, ResolvedModel, locate_model
+from bladellm.checkpoint.hub import download_model, is_model_id
+from bladellm.checkpoint.pooling_config import pooling_config
 from bladellm.engine import prompt_logprobs as prompt_lp
 from bladellm.engine.prompt_logprobs import to_token_logprobs
 from bladellm.outputs import RequestOutput, TokenLogprob

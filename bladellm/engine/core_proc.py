@@ -29,7 +29,7 @@ from bladellm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 # The API process imports this module to start the core (core_client), before it imports
 # anything heavy: nothing here may import torch at module level (the executor, the model), or
 # the core would start only after the API process spent seconds importing torch for nothing
-# (tests/models/test_resolution_cache.py checks).
+# (tests/unit/checkpoint/test_resolution_cache.py checks).
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
     parent = os.getppid()
     try:
         from bladellm.engine.engine_core import EngineCore
-        from bladellm.model.checkpoint import resolve_model
+        from bladellm.model.loader import resolve_model
 
         core = EngineCore(config, resolve_model(config.model, snapshot_config=True))
     except BaseException as exc:  # noqa: BLE001 - report any start-up failure to the parent

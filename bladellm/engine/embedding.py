@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bladellm.model.pooling_config import PoolingConfig
+from bladellm.checkpoint.pooling_config import PoolingConfig
 
 
 @dataclass

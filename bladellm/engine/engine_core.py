@@ -19,7 +19,7 @@ from bladellm.executor import WorkerDiedError, get_executor_class
 from bladellm.executor.base import StepHandle
 from bladellm.engine.guided import GuidedRequests
 from bladellm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from bladellm.model.checkpoint import ResolvedModel
+from bladellm.checkpoint.locate import ResolvedModel
 from bladellm.request import Request
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 def _check_draft(config: EngineConfig, resolved: ResolvedModel):
     """The sps draft's HF config, after checking that it shares the target's vocabulary."""
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import resolve_model
     from bladellm.spec_decode.draft_model import check_draft_vocab, draft_model_config
 
     draft = resolve_model(draft_model_config(config, resolved.max_model_len, resolved.dtype),

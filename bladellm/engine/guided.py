@@ -16,7 +16,7 @@ from bladellm.core.outputs import EngineCoreOutput
 from bladellm.core.scheduler import Scheduler
 from bladellm.errors import ErrorKind
 from bladellm.guided.manager import GrammarState, GuidedDecodingManager, StepBitmask
-from bladellm.model.checkpoint import ResolvedModel
+from bladellm.checkpoint.locate import ResolvedModel
 from bladellm.request import RequestStatus
 from bladellm.sampling_params import GuidedDecodingParams
 
@@ -57,7 +57,7 @@ class GuidedRequests:
         return self._manager
 
     def _vocab_size(self) -> int:
-        from bladellm.model.model_len import get_text_attr
+        from bladellm.checkpoint.model_len import get_text_attr
 
         return int(get_text_attr(self._resolved.hf_config, ("vocab_size",)))
 

@@ -21,8 +21,8 @@ from bladellm.engine.input_processor import InputProcessor
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
 from bladellm.lora.request import LoRARequest
-from bladellm.model.checkpoint import resolve_model
-from bladellm.model.pooling_config import pooling_config
+from bladellm.model.loader import resolve_model
+from bladellm.checkpoint.pooling_config import pooling_config
 from bladellm.outputs import RequestOutput, TokenLogprob
 from bladellm.platforms.threads import apply_engine_omp_policy
 from bladellm.sampling_params import SamplingParams

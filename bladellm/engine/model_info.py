@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from bladellm.model.checkpoint import ResolvedModel, default_served_name
-from bladellm.model.model_len import get_text_attr, resolve_max_model_len
+from bladellm.checkpoint.locate import ResolvedModel, default_served_name
+from bladellm.checkpoint.model_len import get_text_attr, resolve_max_model_len
 from bladellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,9 +69,9 @@ def load_model_info(model_dir: str, tokenizer_dir: str | None = None,
 
 def _load_tokenizer(tokenizer_dir: str, trust_remote_code: bool):
     """``AutoTokenizer``'s tokenizer; on later starts through the class it picked, where that
-    was proven to give the same tokenizer (``model/resolution_cache.py``: importing
+    was proven to give the same tokenizer (``checkpoint/resolution_cache.py``: importing
     ``AutoTokenizer`` costs seconds)."""
-    from bladellm.model.resolution_cache import remembered_tokenizer
+    from bladellm.checkpoint.resolution_cache import remembered_tokenizer
 
     def auto():
         from transformers import AutoTokenizer

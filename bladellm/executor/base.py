@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
-from bladellm.model.checkpoint import ResolvedModel
+from bladellm.checkpoint.locate import ResolvedModel
 
 
 class WorkerDiedError(RuntimeError):

@@ -60,7 +60,8 @@ from bladellm.executor.channel import (BadMessageError, MessageCodec, make_curve
 from bladellm.executor.worker_proc import (HEARTBEAT, HEARTBEAT_S, JOIN, SHUTDOWN, START,
                                            WorkerSpec, node_settings, settings_diff,
                                            worker_main)
-from bladellm.model.checkpoint import ResolvedModel
+from bladellm.checkpoint.locate import ResolvedModel
+from bladellm.model.parallel_fit import check_pipeline_parallel, check_tensor_parallel
 from bladellm.platforms.threads import engine_process_env, process_env
 
 logger = logging.getLogger(__name__)
@@ -179,41 +180,6 @@ class _RemoteRanks:
             if now - seen > REMOTE_SILENCE_S:
                 raise WorkerDiedError(f"worker {self.where(rank)} sent nothing for "
                                       f"{now - seen:.0f} s during {what} (dead or unreachable)")
-
-
-def check_tensor_parallel(hf_config: Any, tp_size: int, model_dir: str | None = None,
-                          pp_size: int = 1) -> None:
-    """Refuse a degree the model cannot be split into (a rank would hold no query head, no
-    intermediate column or no vocabulary row), or that differs from the degrees a
-    ``blade_llm_split`` checkpoint at ``model_dir`` was split for, before any worker process
-    starts."""
-    from bladellm.distributed.partition import attention_partitions, even_shard
-    from bladellm.model.loader import check_split_parallel, read_split_manifest
-
-    if model_dir is not None and os.path.isdir(model_dir):
-        manifest = read_split_manifest(model_dir)
-        if manifest is not None:
-            check_split_parallel(manifest, tp_size, pp_size, model_dir)
-
-    heads = hf_config.num_attention_heads
-    try:
-        attention_partitions(heads, getattr(hf_config, "num_key_value_heads", None) or heads,
-                             tp_size)
-        for what in ("intermediate_size", "vocab_size"):
-            if getattr(hf_config, what, None):
-                even_shard(getattr(hf_config, what), tp_size, 0, what)
-    except ValueError as exc:
-        raise ValueError(f"--tensor_parallel_size {tp_size}: {exc}") from None
-
-
-def check_pipeline_parallel(hf_config: Any, pp_size: int) -> None:
-    """Refuse more stages than the model has layers, before any worker process starts."""
-    from bladellm.distributed.partition import pipeline_stages
-
-    try:
-        pipeline_stages(hf_config.num_hidden_layers, pp_size)
-    except ValueError as exc:
-        raise ValueError(f"--pipeline_parallel_size {pp_size}: {exc}") from None
 
 
 class MultiprocExecutor(Executor):

@@ -7,7 +7,7 @@ from typing import Any
 from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.executor.base import Executor
-from bladellm.model.checkpoint import ResolvedModel
+from bladellm.checkpoint.locate import ResolvedModel
 from bladellm.worker.worker import Worker
 
 

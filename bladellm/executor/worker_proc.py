@@ -34,7 +34,7 @@ import zmq
 
 from bladellm.config import EngineConfig
 from bladellm.executor.channel import BadMessageError, MessageCodec, make_curve_client
-from bladellm.model.checkpoint import ResolvedModel
+from bladellm.checkpoint.locate import ResolvedModel
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,8 @@
-"""Model directory -> config, dtype and a model with its weights loaded.
+"""A located model -> its dtype, quantization config and a model with its weights loaded.
+
+``resolve_model`` takes what ``bladellm.checkpoint.locate_model`` found (path, config, context
+length) and adds what building the model needs (the quantization config checked, ``--dtype``
+resolved); ``load_resolved_model`` builds it and loads its weights.
 
 Checkpoint tensors are streamed one at a time (``safe_open``) into each parameter's
 ``weight_loader``, so a model never sits in memory twice. Every failure is a ``ValueError`` that
@@ -11,6 +15,7 @@ parameters (engine names and shard shapes), assigned by name with shape checks.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import logging
@@ -21,9 +26,9 @@ import torch
 from torch import nn
 
 from bladellm.attention.backend import AttentionBackend
+from bladellm.checkpoint.locate import ResolvedModel, locate_model
 from bladellm.config import ModelConfig
 from bladellm.model.registry import get_model_class
-from bladellm.model.hf_config import load_hf_config  # noqa: F401 - re-exported
 from bladellm.model.layers.rotary import RotaryEmbedding
 from bladellm.platforms.cpu import CpuInfo, detect_cpu
 from bladellm.platforms.cpu_defaults import choose_cpu_dtype
@@ -58,6 +63,37 @@ def resolve_dtype(hf_config: Any, dtype: str, device: str | torch.device = "cpu"
     if dtype == "auto":
         logger.info("dtype auto: %s (%s)", choice.dtype, choice.reason)
     return _DTYPES[choice.dtype]
+
+
+def resolve_model(model_config: ModelConfig, snapshot_config: bool = False) -> ResolvedModel:
+    """``locate_model``, then the quantization config checked and ``--dtype`` resolved: what
+    building the model needs."""
+    located = locate_model(model_config, snapshot_config)
+    # Validates quantization_config / --quantization before any weight is read.
+    get_quant_config(located.hf_config, model_config.quantization)
+    dtype = resolve_dtype(located.hf_config, model_config.dtype)
+    return dataclasses.replace(located, dtype=dtype)
+
+
+def load_resolved_model(resolved: ResolvedModel, device: torch.device,
+                        attn_backend: AttentionBackend | None) -> nn.Module:
+    """The model ``resolve_model`` described, on ``device`` with its weights: from its directory
+    (a GGUF file's dense copy included), from the GGUF file itself, or dummy weights."""
+    if resolved.dtype is None:
+        raise RuntimeError("load_model: the model was only located; resolve_model it")
+    model_config = resolved.model_config
+    if resolved.gguf is None:
+        if model_config.load_format == "gguf":  # the GGUF file's dense copy
+            model_config = dataclasses.replace(model_config, load_format="auto")
+        return load_model(model_config, resolved.hf_config, resolved.dtype, device,
+                          attn_backend, model_dir=resolved.path)
+    model = build_model(resolved.hf_config, resolved.dtype, device, attn_backend,
+                        resolved.max_model_len)
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model, model_config.seed or 0)
+    else:
+        check_all_loaded(model, model.load_weights(resolved.gguf.iter_hf_weights(resolved.dtype)))
+    return model.eval()
 
 
 def load_model(model_config: ModelConfig, hf_config: Any, dtype: torch.dtype,

@@ -41,7 +41,7 @@ def draft_model_config(config: EngineConfig, max_model_len: int,
     revision is the hub's default branch: ``--revision`` names a revision of ``--model``'s
     repository, not the draft's. ``--draft.dtype auto`` is the target's resolved dtype: the
     draft proposes what the target would, in the same arithmetic."""
-    from bladellm.model.hub import is_model_id
+    from bladellm.checkpoint.hub import is_model_id
 
     d = config.draft
     hub = {}
@@ -64,7 +64,7 @@ def check_draft_vocab(target_hf_config, draft_hf_config, draft_path: str) -> Non
 class DraftModelProposer:
     def __init__(self, config: EngineConfig, target_resolved, device: torch.device,
                  block_size: int) -> None:
-        from bladellm.model.checkpoint import resolve_model
+        from bladellm.model.loader import load_resolved_model, resolve_model
 
         self.gamma = config.speculative.gamma
         self.block_size = block_size
@@ -74,7 +74,8 @@ class DraftModelProposer:
                                                     target_resolved.dtype),
                                  snapshot_config=True)
         check_draft_vocab(target_resolved.hf_config, resolved.hf_config, resolved.path)
-        self.model = resolved.load_model(device, get_attn_backend(config.draft.attn_cls, device))
+        self.model = load_resolved_model(resolved, device,
+                                         get_attn_backend(config.draft.attn_cls, device))
         self.model.eval()
         if not config.model.enforce_eager:
             attach_compiled_stack(self.model)  # its decode steps in one call, as the target's

@@ -17,11 +17,12 @@ from bladellm.attention import AttentionMetadata, get_attn_backend
 from bladellm.attention.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
-from bladellm.model.checkpoint import ResolvedModel
+from bladellm.checkpoint.locate import ResolvedModel
 from bladellm.model.decoder_stack import attach_compiled_stack
 from bladellm.model.forward_context import ForwardContext
 from bladellm.model.layers.embedding import ParallelLMHead
 from bladellm.model.layers.linear import UnquantizedLinearMethod
+from bladellm.model.loader import load_resolved_model
 from bladellm.platforms.cpu_defaults import model_weight_bytes, total_memory_bytes
 from bladellm.sample.sampler import Sampler, SamplerOutput
 from bladellm.worker.input_batch import InputBatch, StepInputs
@@ -65,7 +66,7 @@ class ModelRunner:
         self.dtype = resolved.dtype
         self.attn_backend = get_attn_backend(config.model.attn_cls, device)
         start = time.perf_counter()
-        self.model = resolved.load_model(device, self.attn_backend)
+        self.model = load_resolved_model(resolved, device, self.attn_backend)
         self.model.eval()
         self.packed_weight_bytes = self._prepack_weights()
         logger.info("loaded %s (%s) in %.1f s; attention: %s", resolved.architecture,

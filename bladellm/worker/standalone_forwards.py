@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from bladellm.model.forward_context import ForwardContext
-from bladellm.model.pooling_config import POOLING_TYPES
+from bladellm.checkpoint.pooling_config import POOLING_TYPES
 
 
 @torch.inference_mode()

@@ -12,7 +12,7 @@ import torch
 
 from bladellm.config import EngineConfig, parse_size
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
-from bladellm.model.checkpoint import ResolvedModel
+from bladellm.checkpoint.locate import ResolvedModel
 from bladellm.platforms.cpu import detect_cpu
 from bladellm.platforms.cpu_defaults import (kv_cache_num_blocks, model_weight_bytes,
                                              total_memory_bytes)

@@ -40,8 +40,8 @@ def bladellm_dequantized(model_dir: str) -> tuple[dict[str, torch.Tensor], str]:
     """Every quantized linear's weight by checkpoint name as BladeLLM's loader reads it (the
     engine's model, TP-aware parameter loaders, the format's unpacker, ``dequantize``)."""
     from bladellm.attention import get_attn_backend
-    from bladellm.model.loader import build_model, find_weight_files, load_checkpoint_files, \
-        load_hf_config
+    from bladellm.checkpoint.hf_config import load_hf_config
+    from bladellm.model.loader import build_model, find_weight_files, load_checkpoint_files
     from bladellm.quantization import get_quant_config
     from bladellm.quantization.int_weight import dequantize
     from bladellm.quantization.method import QuantLinearMethod

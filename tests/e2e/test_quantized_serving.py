@@ -96,7 +96,7 @@ def test_server_serves_a_w8a8_checkpoint(quantized):
 
 def test_a_contradicting_quantization_flag_is_refused_before_any_process(quantized):
     from bladellm.config import ModelConfig
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import resolve_model
 
     model_dir, _ = quantized("awq", group_size=32)
     with pytest.raises(ValueError, match="--quantization gptq.*awq"):

@@ -13,7 +13,8 @@ from bladellm.kernels import get_kernels
 from bladellm.kernels.compiled import (LINEAR_MAX_ROWS_PANEL, LINEAR_PAIRS, LINEAR_PANEL_BF16,
                                        LINEAR_ROWS_BF16, CompiledKernels)
 from bladellm.model.decoder_stack import CompiledDecoderStack
-from bladellm.model.loader import load_hf_config, load_model
+from bladellm.checkpoint.hf_config import load_hf_config
+from bladellm.model.loader import load_model
 from tiny_paged_kv import PagedKV, Seq
 
 pytestmark = pytest.mark.skipif(not isinstance(get_kernels(), CompiledKernels),

@@ -12,9 +12,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from bladellm.attention import get_attn_backend
+from bladellm.checkpoint.hf_config import load_hf_config
 from bladellm.config import ModelConfig
-from bladellm.model.loader import (build_model, find_weight_files, load_hf_config, load_model,
-                                   resolve_dtype)
+from bladellm.model.loader import build_model, find_weight_files, load_model, resolve_dtype
 from bladellm.model.registry import get_model_class, supported_architectures
 from bladellm.platforms.cpu import CpuInfo
 

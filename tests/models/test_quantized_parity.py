@@ -11,7 +11,8 @@ import transformers
 
 from bladellm.attention import get_attn_backend
 from bladellm.config import ModelConfig
-from bladellm.model.loader import load_hf_config, load_model
+from bladellm.checkpoint.hf_config import load_hf_config
+from bladellm.model.loader import load_model
 from quant_checkpoints import quantize_checkpoint
 from tiny_paged_kv import PagedKV, Seq
 

@@ -146,8 +146,8 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
     returns the manifest. Every bad input is a ``ValueError`` naming the flag, raised before
     ``output_dir`` is made; a run that fails later removes what it made."""
     from bladellm.config import ModelConfig
-    from bladellm.executor.multiproc import check_pipeline_parallel, check_tensor_parallel
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.parallel_fit import check_pipeline_parallel, check_tensor_parallel
+    from bladellm.model.loader import resolve_model
     from bladellm.model.loader import SPLIT_MANIFEST, find_weight_files
     from bladellm.model.registry import get_model_class
     from bladellm.quantization import get_quant_config

@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         raise  # unreachable
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
-    from bladellm.executor.multiproc import check_pipeline_parallel, check_tensor_parallel
+    from bladellm.model.parallel_fit import check_pipeline_parallel, check_tensor_parallel
     from bladellm.executor.worker_proc import WorkerSpec, worker_main
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import resolve_model
 
     par = config.parallel
     resolved = resolve_model(config.model, snapshot_config=True)  # the model must be at the same path on every node

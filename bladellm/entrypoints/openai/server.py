@@ -228,8 +228,8 @@ def _configure_logging(server_config: ServerConfig) -> None:
 def _metrics_for(engine_config: EngineConfig, server_config: ServerConfig) -> PrometheusStatLogger:
     """The model_name label is the served name, named here as the engine will name it (from
     the --model text alone: no hub access, no file read)."""
-    from bladellm.model.checkpoint import default_served_name
-    from bladellm.model.demo import resolve_model_path
+    from bladellm.checkpoint.locate import default_served_name
+    from bladellm.checkpoint.demo import resolve_model_path
 
     name = engine_config.model.served_model_name
     if name is None:

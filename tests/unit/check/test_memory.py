@@ -14,7 +14,7 @@ import torch
 from bladellm.check.memory import all_rank_memory, check_memory, model_memory
 from bladellm.config import EngineConfig
 from bladellm.distributed.parallel_state import tp_shape_for_split
-from bladellm.model.checkpoint import resolve_model
+from bladellm.model.loader import load_resolved_model, resolve_model
 from bladellm.platforms.cpu_defaults import model_weight_bytes
 from bladellm.worker import model_runner, worker
 from quant_checkpoints import quantize_checkpoint
@@ -139,6 +139,6 @@ def test_quantized_checkpoint_counts_its_packed_tensors(tiny_llama, tmp_path):
                    if n.endswith(packed))
     assert meta_int == disk_int and rank.weights == model_weight_bytes(meta)
     assert rank.weights < 0.6 * dense.weights
-    real = target.load_model(torch.device("cpu"), get_attn_backend(None, "cpu"))
+    real = load_resolved_model(target, torch.device("cpu"), get_attn_backend(None, "cpu"))
     assert abs(model_weight_bytes(real) - rank.weights) < 0.05 * rank.weights
     assert check_memory(cfg, available=1 << 30).status == "PASS"

@@ -43,8 +43,8 @@ def _run_model(model_dir: str, ids: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     from safetensors.torch import load_file
 
     from bladellm.attention import get_attn_backend
-    from bladellm.model.loader import (build_model, check_all_loaded, find_weight_files,
-                                       load_hf_config)
+    from bladellm.checkpoint.hf_config import load_hf_config
+    from bladellm.model.loader import build_model, check_all_loaded, find_weight_files
     from tiny_paged_kv import PagedKV, Seq
 
     cfg = load_hf_config(model_dir, trust_remote_code=False)
@@ -193,7 +193,8 @@ def test_world_size_1_model_is_unchanged_by_partitioning(model_dirs):
     from safetensors.torch import load_file
 
     from bladellm.attention import get_attn_backend
-    from bladellm.model.loader import build_model, find_weight_files, load_hf_config
+    from bladellm.checkpoint.hf_config import load_hf_config
+    from bladellm.model.loader import build_model, find_weight_files
 
     arch, overrides, _ = CASES["llama-h12-k4-t3"]
     model_dir = model_dirs(arch, overrides)

@@ -79,7 +79,7 @@ def test_engine_config_accepts_node_fields_by_name():
 
 def test_node_settings_ignore_per_node_fields_only(tiny_llama):
     from bladellm.executor.worker_proc import node_settings
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import resolve_model
 
     def settings(**kw):
         cfg = EngineConfig.from_kwargs(model=tiny_llama, tensor_parallel_size=2, nnodes=2,

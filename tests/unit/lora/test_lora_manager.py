@@ -15,7 +15,8 @@ from bladellm.attention import get_attn_backend
 from bladellm.config import LoRAConfig, ModelConfig
 from bladellm.lora.manager import LoRAManager
 from bladellm.lora.request import LoRARequest
-from bladellm.model.loader import load_hf_config, load_model
+from bladellm.checkpoint.hf_config import load_hf_config
+from bladellm.model.loader import load_model
 
 
 def write_adapter(path, seed: int) -> str:

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from bladellm.attention import get_attn_backend
 from bladellm.config import ModelConfig
 from bladellm.model.layers.linear import ColumnParallelLinear, RowParallelLinear
-from bladellm.model.loader import load_hf_config, load_model
+from bladellm.checkpoint.hf_config import load_hf_config
+from bladellm.model.loader import load_model
 from bladellm.quantization import get_quant_config
 from quant_checkpoints import awq_config, ct_config, gptq_config, quantize_checkpoint, \
     set_config_field

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bladellm.attention import get_attn_backend
-from bladellm.model.loader import build_model, find_weight_files, load_checkpoint_files, \
-    load_hf_config
+from bladellm.checkpoint.hf_config import load_hf_config
+from bladellm.model.loader import build_model, find_weight_files, load_checkpoint_files
 from bladellm.quantization import get_quant_config, process_quantized_layers
 from bladellm.quantization.int_weight import dequantize
 from bladellm.quantization.method import QuantLinearMethod

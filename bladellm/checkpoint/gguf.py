@@ -9,6 +9,10 @@ exactly what a safetensors checkpoint would give them.
 llama.cpp's converter reorders the rows of the llama q/k projections (``LlamaModel.permute``:
 GPT-NeoX rotary halves -> interleaved pairs). ``iter_hf_weights`` undoes it; transformers'
 ``LlamaTensorProcessor._reverse_permute_weights`` is the reference and the tests compare with it.
+
+Reading the config, tokenizer and tensor list needs no torch (the API process locates a .gguf
+model through this module): torch is imported only where tensors are made, in
+``iter_hf_weights`` (and so ``hf_state_dict``) and ``write_hf_dir``.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,8 @@ _BLOCK_NAMES = {
 # Tensors that describe the config rather than a parameter (llama 3.1 rope factors).
 _CONFIG_TENSORS = {"rope_freqs.weight"}
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The serving dtypes ``iter_hf_weights`` takes by name.
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def supported_quant_types() -> tuple[str, ...]:
@@ -246,23 +253,22 @@ class GGUFCheckpoint:
         """llama.cpp stores llama-3.1-style rope scaling as a ``rope_freqs`` tensor of per-dim
         factors, not as metadata. Every llama 3.x release uses low/high freq factors 1 and 4 over
         8192 original positions; we check that the stored factors are exactly those."""
-        stored = torch.from_numpy(np.array(self.tensors["rope_freqs.weight"].data,
-                                           dtype=np.float32))
+        stored = np.array(self.tensors["rope_freqs.weight"].data, dtype=np.float32)
         factor = float(stored.max())
         params = {"rope_type": "llama3", "rope_theta": theta, "factor": factor,
                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
         head_dim = stored.shape[0] * 2
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
         expected = _llama3_factors(inv_freq, params)
-        if not torch.allclose(stored.double(), expected, rtol=1e-4):
+        if not np.allclose(stored.astype(np.float64), expected, rtol=1e-4):
             raise ValueError(f"{self.path}: rope_freqs tensor is not llama-3 rope scaling with "
                              "low/high freq factors 1/4 over 8192 positions; not supported")
         return params
 
     # -- weights ----------------------------------------------------------------------------
 
-    def iter_hf_weights(self, dtype: torch.dtype | str = torch.float32
+    def iter_hf_weights(self, dtype: torch.dtype | str = "float32"
                         ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` for every parameter, dequantized to ``dtype``.
 
@@ -270,9 +276,11 @@ class GGUFCheckpoint:
         Hugging Face order. ``lm_head.weight`` is absent when the file ties it to the embedding
         (``hf_config().tie_word_embeddings``).
         """
+        import torch
         from gguf.quants import dequantize
 
-        dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        if isinstance(dtype, str):
+            dtype = {name: getattr(torch, name) for name in _DTYPE_NAMES}[dtype]
         config = self._hf_config
         permute = _ARCHS[self.architecture].permute_qk
         for gguf_name, tensor in self.tensors.items():
@@ -289,7 +297,7 @@ class GGUFCheckpoint:
                 values = unpermute_qk(values, config.num_key_value_heads)
             yield name, values.contiguous()
 
-    def hf_state_dict(self, dtype: torch.dtype | str = torch.float32) -> dict[str, torch.Tensor]:
+    def hf_state_dict(self, dtype: torch.dtype | str = "float32") -> dict[str, torch.Tensor]:
         return dict(self.iter_hf_weights(dtype))
 
     # -- tokenizer --------------------------------------------------------------------------
@@ -313,7 +321,7 @@ class GGUFCheckpoint:
         return tokenizer
 
 
-def _llama3_factors(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+def _llama3_factors(inv_freq: np.ndarray, params: dict) -> np.ndarray:
     """llama.cpp's stored rope factors for llama-3 scaling (convert_hf_to_gguf.py)."""
     import math
 
@@ -330,7 +338,7 @@ def _llama3_factors(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
         else:
             smooth = (old_len / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(out, dtype=torch.float64)
+    return np.array(out, dtype=np.float64)
 
 
 def save_as_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,

@@ -69,7 +69,7 @@ def convert(ckpt) -> str | None:
     caching is off or the copy does not fit on the disk. Safe against a second process doing the
     same (the API process and the engine core both resolve the model): one converts under a lock,
     the other finds the finished entry."""
-    from bladellm.model.gguf import write_hf_dir
+    from bladellm.checkpoint.gguf import write_hf_dir
 
     if not envs.gguf_cache_enabled():
         return None

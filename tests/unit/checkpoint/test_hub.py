@@ -8,10 +8,10 @@ import sys
 import pytest
 import torch
 
+from bladellm.checkpoint.hub import is_model_id
 from bladellm.config import ModelConfig
 from bladellm.engine.model_info import model_info_for
-from bladellm.model.checkpoint import resolve_model
-from bladellm.model.hub import is_model_id
+from bladellm.model.loader import resolve_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -155,7 +155,7 @@ def test_api_process_hands_the_core_local_paths(tiny_llama, tmp_path, monkeypatc
     (spent on the fetch, refused on a local path)."""
     from bladellm.config import EngineConfig
     from bladellm.engine.async_llm import _local_model_config
-    from bladellm.model.checkpoint import locate_model
+    from bladellm.checkpoint.locate import locate_model
 
     draft_dir = str(tmp_path / "draft")
     shutil.copytree(tiny_llama, draft_dir)

@@ -1,24 +1,24 @@
-"""Resolve ``--model`` (a directory, a .gguf file, or 'demo') into config, dtype and loaders.
+"""Locate ``--model`` (a directory, a hub id, a .gguf file, or 'demo'): its path, config and
+context length.
 
-Both processes resolve the model: the API process only locates it (``locate_model``: paths,
-config, limits for ``model_info``; no torch), the engine core resolves it (``resolve_model``:
-also the quantization config and ``--dtype``) and loads the weights (``load_model``). Nothing
-here is read from the environment: all comes from ``ModelConfig``.
+Both processes locate the model. The API process stops here (paths, config, limits for
+``model_info``; no torch, no ``bladellm.model``); the engine core goes on in
+``bladellm.model.loader``: ``resolve_model`` adds the quantization config and ``--dtype``,
+``load_resolved_model`` builds the model and loads its weights. Nothing here is read from the
+environment: all comes from ``ModelConfig``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from bladellm.checkpoint.model_len import resolve_max_model_len
 from bladellm.config import ModelConfig
-from bladellm.model.model_len import resolve_max_model_len
 
 if TYPE_CHECKING:  # the API process locates the model without importing torch
     import torch
-    from torch import nn
 
 
 @dataclass
@@ -26,7 +26,8 @@ class ResolvedModel:
     model_config: ModelConfig
     path: str  # model directory or .gguf file
     hf_config: Any
-    # None when only located (``locate_model``: the API process, which never builds the model)
+    # None when only located (``locate_model``: the API process, which never builds the model);
+    # set by ``bladellm.model.loader.resolve_model``
     dtype: torch.dtype | None
     max_model_len: int
     gguf: Any = None  # GGUFCheckpoint when serving a .gguf file (not from its cached copy)
@@ -36,31 +37,11 @@ class ResolvedModel:
     def architecture(self) -> str:
         return (getattr(self.hf_config, "architectures", None) or ["?"])[0]
 
-    def load_model(self, device: torch.device, attn_backend: Any) -> nn.Module:
-        from bladellm.model.loader import build_model, check_all_loaded, load_model
-
-        if self.dtype is None:
-            raise RuntimeError("load_model: the model was only located; resolve_model it")
-        if self.gguf is None:
-            model_config = self.model_config
-            if model_config.load_format == "gguf":  # the GGUF file's dense copy
-                model_config = dataclasses.replace(model_config, load_format="auto")
-            return load_model(model_config, self.hf_config, self.dtype, device,
-                              attn_backend, model_dir=self.path)
-        model = build_model(self.hf_config, self.dtype, device, attn_backend, self.max_model_len)
-        if self.model_config.load_format == "dummy":
-            from bladellm.model.loader import init_dummy_weights
-
-            init_dummy_weights(model, self.model_config.seed or 0)
-        else:
-            check_all_loaded(model, model.load_weights(self.gguf.iter_hf_weights(self.dtype)))
-        return model.eval()
-
 
 def default_served_name(model: str, path: str) -> str:
     if model == "demo":
         return "SmolLM2-135M-Instruct"
-    from bladellm.model.hub import is_model_id
+    from bladellm.checkpoint.hub import is_model_id
 
     if is_model_id(model):  # served under its id, as vLLM does
         return model
@@ -71,12 +52,13 @@ def default_served_name(model: str, path: str) -> str:
 def locate_model(model_config: ModelConfig, snapshot_config: bool = False) -> ResolvedModel:
     """Find the checkpoint and read its config (cheap, torch-free): what the API process needs
     (paths, config, context length). Its ``dtype`` is None and the quantization config is not
-    checked: ``resolve_model`` does both, in the process that builds the model.
+    checked: ``bladellm.model.loader.resolve_model`` does both, in the process that builds
+    the model.
     ``snapshot_config``: the caller only reads the config's attributes, so a snapshot from an
     earlier start will do (``load_hf_config``)."""
-    from bladellm.model.demo import resolve_model_path
-    from bladellm.model.hf_config import load_hf_config
-    from bladellm.model.hub import download_model, is_model_id
+    from bladellm.checkpoint.demo import resolve_model_path
+    from bladellm.checkpoint.hf_config import load_hf_config
+    from bladellm.checkpoint.hub import download_model, is_model_id
 
     if model_config.model != "demo" and is_model_id(model_config.model):
         source = path = download_model(model_config.model, model_config.revision,
@@ -113,27 +95,14 @@ def check_hub_flags(model_config: ModelConfig) -> None:
                              f"(org/name); --model {model_config.model} is {what}")
 
 
-def resolve_model(model_config: ModelConfig, snapshot_config: bool = False) -> ResolvedModel:
-    """``locate_model``, then the quantization config checked and ``--dtype`` resolved: what
-    building the model needs."""
-    from bladellm.model.loader import resolve_dtype
-    from bladellm.quantization import get_quant_config
-
-    located = locate_model(model_config, snapshot_config)
-    # Validates quantization_config / --quantization before any weight is read.
-    get_quant_config(located.hf_config, model_config.quantization)
-    dtype = resolve_dtype(located.hf_config, model_config.dtype)
-    return dataclasses.replace(located, dtype=dtype)
-
-
 def _open_gguf(path: str) -> tuple[str, Any]:
     """``(model_dir, None)`` when a dense copy of the GGUF file is cached (or can be made now),
-    else ``(path, GGUFCheckpoint)`` to read the file itself (``model/gguf_cache.py``)."""
-    from bladellm.model import gguf_cache
+    else ``(path, GGUFCheckpoint)`` to read the file itself (``checkpoint/gguf_cache.py``)."""
+    from bladellm.checkpoint import gguf_cache
 
     if os.path.isfile(path) and (cached := gguf_cache.lookup(path)) is not None:
         return cached, None
-    from bladellm.model.gguf import GGUFCheckpoint  # imports torch: only to read the file
+    from bladellm.checkpoint.gguf import GGUFCheckpoint  # imports gguf-py: only to read the file
 
     gguf = GGUFCheckpoint(path)
     cached = gguf_cache.convert(gguf)

@@ -1,5 +1,5 @@
 """Reading a checkpoint's ``config.json``, torch-free: the API process resolves the model
-with it (``checkpoint.locate_model``) and never imports torch."""
+with it (``locate.locate_model``) and never imports torch."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 def load_hf_config(model_dir: str, trust_remote_code: bool, snapshot: bool = False) -> Any:
     """Read ``config.json`` as a transformers ``PretrainedConfig``; with ``snapshot``, callers
     that only read attributes may get a ``ConfigSnapshot`` of what transformers built for these
-    bytes at an earlier start instead (``model/resolution_cache.py``: the import of
+    bytes at an earlier start instead (``checkpoint/resolution_cache.py``: the import of
     transformers' config classes is most of a start-up)."""
     if snapshot:
-        from bladellm.model.resolution_cache import remembered_config
+        from bladellm.checkpoint.resolution_cache import remembered_config
 
         if not os.path.isdir(model_dir):
             raise ValueError(f"--model: model directory {model_dir!r} does not exist")
