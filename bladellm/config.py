@@ -128,7 +128,7 @@ class ModelConfig:
                           "device: auto (on a CPU the kernels compiled for its ISA, or the "
                           "PyTorch reference if they cannot be built; on CUDA, or with "
                           "--attn_cls triton, the Triton kernels), compiled (the compiled CPU "
-                          "kernels; an error if they cannot be built), ref (the plain-PyTorch "
+                          "kernels; an error if they cannot be built), ref (the PyTorch "
                           "reference twins; nothing is compiled) or triton (CUDA; on a CPU "
                           "only under TRITON_INTERPRET=1). See docs/kernels.md."})
     attn_cls: str = field(
