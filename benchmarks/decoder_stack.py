@@ -62,11 +62,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from bladellm.engine.messages import EngineCoreRequest
-    from bladellm.kernels import get_kernels
     from bladellm.sampling_params import SamplingParams
 
-    kernels = get_kernels()
     core = make_core(args.shape, args.dtype, args.batch)
+    kernels = core.executor.worker.kernels  # the set the worker resolved and built with
     model = core.executor.worker.model_runner.model
     stack = model.model.compiled_stack
     if stack is None:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from bladellm.kernels import Kernels, get_kernels
+from bladellm.kernels import Kernels, resolve_kernels
 from bladellm.platforms.cpu import detect_cpu
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HIDDEN, INTERMEDIATE = 12, 4, 64, 16, 768, 2048
@@ -274,7 +274,7 @@ def main() -> None:
         global CLOCK
         CLOCK = time.thread_time
     torch.set_num_threads(args.threads)
-    compiled = get_kernels()
+    compiled = resolve_kernels("auto", "cpu")
     if compiled.name != "compiled":
         raise SystemExit("compiled kernels unavailable (see the warning above)")
     print(f"CPU: {detect_cpu().describe()}; torch {torch.__version__}, {args.threads} threads; "

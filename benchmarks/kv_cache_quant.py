@@ -169,9 +169,9 @@ def decode(args) -> dict:
 
 
 def kernel(args) -> dict:
-    from bladellm.kernels import get_kernels, kv_int8
+    from bladellm.kernels import kv_int8, resolve_kernels
 
-    kernels = get_kernels()
+    kernels = resolve_kernels("auto", "cpu")  # what a CPU worker runs by default
     result: dict = {"kernels": kernels.describe(), "batch": args.batch}
     g = torch.Generator().manual_seed(0)
     for ctx in (int(c) for c in args.contexts.split(",")):

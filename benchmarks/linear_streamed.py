@@ -192,9 +192,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from bladellm.kernels import get_kernels
+    from bladellm.kernels import resolve_kernels
 
-    kernels = get_kernels()
+    kernels = resolve_kernels("auto", "cpu")
     if kernels.name != "compiled":
         raise SystemExit(f"needs the compiled CPU kernels, got {kernels.describe()}")
     print(kernels.describe(), f"{args.threads} threads")

@@ -50,6 +50,8 @@ def bladellm_dequantized(qdir: str) -> tuple[dict[str, torch.Tensor], bool, str]
     loader's description of the format."""
     from bladellm.attention import get_attn_backend
     from bladellm.checkpoint.hf_config import load_hf_config
+    from bladellm.kernels import resolve_kernels
+    from bladellm.kernels.scope import building_with
     from bladellm.model.loader import build_model, find_weight_files, load_checkpoint_files
     from bladellm.quantization import get_quant_config
     from bladellm.quantization.int_weight import dequantize
@@ -59,8 +61,10 @@ def bladellm_dequantized(qdir: str) -> tuple[dict[str, torch.Tensor], bool, str]
     quant = get_quant_config(hf_config)
     if quant is None:
         raise ValueError(f"{qdir}: not a quantized checkpoint")
-    model = build_model(hf_config, torch.float32, "cpu", get_attn_backend(None, "cpu"),
-                        quant_config=quant)
+    kernels = resolve_kernels("auto", "cpu")
+    with building_with(kernels):
+        model = build_model(hf_config, torch.float32, "cpu", get_attn_backend(None, kernels),
+                            quant_config=quant)
     load_checkpoint_files(model, find_weight_files(qdir))
     out: dict[str, torch.Tensor] = {}
     w8a8 = False

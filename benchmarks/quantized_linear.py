@@ -35,7 +35,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-from bladellm.kernels import get_kernels  # noqa: E402
+from bladellm.kernels import resolve_kernels  # noqa: E402
 from bladellm.quantization import cpu_kernels  # noqa: E402
 from bladellm.quantization.int_weight import IntWeight, default_g_idx  # noqa: E402
 
@@ -74,7 +74,7 @@ def _int_weight(w: torch.Tensor, bits: int, group: int, signed: bool) -> IntWeig
 
 
 def bench_kernels(reps: int, clock) -> None:
-    kernels = get_kernels()
+    kernels = resolve_kernels("auto", "cpu")
     print(f"kernels: {kernels.describe()}; fbgemm: {cpu_kernels.has_fbgemm()}; "
           f"threads {torch.get_num_threads()}")
     print("| layer (N x K) | M | fp32 µs | W8A8 µs | W4A16 engine µs | W4A16 dequant+GEMM µs "
@@ -86,10 +86,10 @@ def bench_kernels(reps: int, clock) -> None:
         packed = kernels.pack_linear_weight(w)
         w8a8 = cpu_kernels.Int8DynamicLinear(_int_weight(w, 8, k, signed=True))
         w4 = _int_weight(w, 4, 128, signed=False)
-        w4_engine = cpu_kernels.choose_weight_only_kernel(w4)
-        w4_dequant = cpu_kernels.DequantLinear(w4)
+        w4_engine = cpu_kernels.choose_weight_only_kernel(w4, kernels)
+        w4_dequant = cpu_kernels.DequantLinear(w4, kernels)
         w4_aten = cpu_kernels.AtenInt4Linear(w4, w4_dequant)
-        w8a16 = cpu_kernels.DequantLinear(_int_weight(w, 8, 128, signed=True))
+        w8a16 = cpu_kernels.DequantLinear(_int_weight(w, 8, 128, signed=True), kernels)
         for m in ROWS:
             x = torch.randn(m, k, generator=gen)
             aten_call = (lambda: torch._weight_int4pack_mm_for_cpu(

@@ -27,6 +27,7 @@ from bladellm.engine.model_info import model_info_for  # noqa: E402
 from bladellm.guided.backend import LLGuidanceBackend  # noqa: E402
 from bladellm.guided.bitmask import apply_token_bitmask  # noqa: E402
 from bladellm.guided.manager import GuidedDecodingManager  # noqa: E402
+from bladellm.kernels import resolve_kernels  # noqa: E402
 from bladellm.model.loader import resolve_model  # noqa: E402
 from bladellm.sampling_params import GuidedDecodingParams  # noqa: E402
 
@@ -77,7 +78,9 @@ def main() -> None:
         bitmask = manager.start_bitmask(entries).result().copy()
         fill = timed(lambda: manager.start_bitmask(entries).result(), args.repeat)
         # In place, as the model runner lets the sampler do (no logits copy since round 3).
-        apply = timed(lambda: apply_token_bitmask(logits, row_ids, bitmask), args.repeat)
+        kernels = resolve_kernels("auto", "cpu")  # what a CPU worker runs by default
+        apply = timed(lambda: apply_token_bitmask(logits, row_ids, bitmask, kernels),
+                      args.repeat)
         clone = timed(lambda: logits.clone(), args.repeat)
 
         def accept() -> None:

@@ -75,6 +75,16 @@ def _non_default(obj: Any, names: tuple[str, ...] | None = None) -> list[str]:
 
 
 ATTN_BACKENDS = ("auto", "paged", "torch", "triton")
+# bladellm.kernels.KERNEL_SETS (config.py imports nothing of the engine)
+KERNEL_SETS = ("auto", "compiled", "ref", "triton")
+
+
+def _check_attn_kernels(attn_flag: str, attn_cls: str, kernels: str) -> None:
+    """The Triton attention backend runs only on the Triton kernel set."""
+    if attn_cls == "triton" and kernels in ("compiled", "ref"):
+        raise ValueError(f"--{attn_flag} triton cannot run on --kernels {kernels}: the Triton "
+                         f"attention kernels need the Triton kernel set; pass --kernels triton "
+                         f"(or auto), or another --{attn_flag}")
 
 
 @dataclass
@@ -112,12 +122,21 @@ class ModelConfig:
                           "on the compiled CPU kernels run the whole decoder stack as one "
                           "compiled call: the CPU's counterpart of CUDA graph capture, with "
                           "bit identical results and without the Python of every layer."})
+    kernels: str = field(
+        default="auto",
+        metadata={"help": "Kernel set every layer runs on, chosen once per worker with its "
+                          "device: auto (on a CPU the kernels compiled for its ISA, or the "
+                          "PyTorch reference if they cannot be built; on CUDA, or with "
+                          "--attn_cls triton, the Triton kernels), compiled (the compiled CPU "
+                          "kernels; an error if they cannot be built), ref (the PyTorch "
+                          "reference twins; nothing is compiled) or triton (CUDA; on a CPU "
+                          "only under TRITON_INTERPRET=1). See docs/kernels.md."})
     attn_cls: str = field(
         default="auto",
-        metadata={"help": "Attention backend: auto / paged (paged-attention kernels compiled "
-                          "for this CPU's ISA; the PyTorch reference if they cannot be built), "
-                          "torch (the PyTorch reference twins) or triton (the Triton "
-                          "kernels: CUDA devices; on a CPU only under TRITON_INTERPRET=1)."})
+        metadata={"help": "Attention backend: auto / paged (the paged-attention kernels of "
+                          "--kernels), torch (the PyTorch reference twins, whatever "
+                          "--kernels) or triton (the Triton kernels; needs --kernels triton "
+                          "or auto)."})
     revision: str | None = field(
         default=None,
         metadata={"help": "For a hub model id: the branch, tag or commit to serve (default: "
@@ -149,9 +168,12 @@ class ModelConfig:
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len",
                f"must be positive, got {self.max_model_len}")
+        _check(self.kernels in KERNEL_SETS, "kernels",
+               f"must be one of {', '.join(KERNEL_SETS)}, got {self.kernels!r}")
         _check(self.attn_cls in ATTN_BACKENDS, "attn_cls",
                f"unknown attention backend {self.attn_cls!r}; supported: "
                f"{', '.join(ATTN_BACKENDS)}")
+        _check_attn_kernels("attn_cls", self.attn_cls, self.kernels)
         _check(self.model_hub in ("huggingface", "modelscope"), "model_hub",
                f"must be huggingface or modelscope, got {self.model_hub!r}")
         _check(self.load_format in ("auto", "safetensors", "pt", "gguf", "dummy"), "load_format",
@@ -597,6 +619,7 @@ class EngineConfig:
         _check(self.cache.max_gpu_memory_utilization == default_util,
                "max_gpu_memory_utilization",
                "applies to GPU devices; on CPU size the KV cache with --kv_cache_memory")
+        _check_attn_kernels("draft.attn_cls", self.draft.attn_cls, self.model.kernels)
         spec = self.speculative
         if spec.decode_algo == "sps":
             _check(self.draft.model is not None, "draft.model",

@@ -4,8 +4,6 @@ Behaviour belongs in validated config fields; a variable here is for what must b
 before any config exists (process-wide caches, escape hatches for debugging). Each one is read by
 a function at the moment it is needed, so tests can set it with ``monkeypatch.setenv``.
 
-- ``BLADELLM_KERNELS`` (``auto`` | ``ref``, default ``auto``): ``ref`` always uses the
-  plain-PyTorch kernels and never compiles.
 - ``BLADELLM_CACHE_DIR`` (a directory, default ``~/.cache/bladellm``): compiled kernels and
   other build artifacts.
 - ``BLADELLM_GGUF_CACHE`` (``1`` | ``0``, default ``1``): keep a dense Hugging Face copy of each
@@ -19,6 +17,8 @@ a function at the moment it is needed, so tests can set it with ``monkeypatch.se
   every time.
 - ``BLADELLM_RESOLUTION_CACHE_DIR`` (a directory, default ``BLADELLM_CACHE_DIR/resolved``): where
   those entries are kept.
+- ``TRITON_INTERPRET`` (Triton's own switch, ``1`` = on): Triton kernels run in its interpreter,
+  the only way they run on a CPU (tests); read here so that the engine's checks agree with it.
 - ``HF_HUB_OFFLINE`` (huggingface_hub's own switch): ``--model org/name`` uses only the local
   hub cache and never reaches the network.
 - OpenMP's own ``OMP_NUM_THREADS`` (the engine's thread count when ``--num_threads`` is not
@@ -31,18 +31,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-
-KERNELS_MODES = ("auto", "ref", "triton")
-
-
-def kernels_mode() -> str:
-    """``BLADELLM_KERNELS``: ``auto`` compiles the CPU kernels for this machine's ISA (falling
-    back to the reference if that fails), ``ref`` always uses the plain-PyTorch reference,
-    ``triton`` the Triton kernels (GPU; on a CPU only under ``TRITON_INTERPRET=1``)."""
-    value = os.environ.get("BLADELLM_KERNELS", "auto").strip().lower() or "auto"
-    if value not in KERNELS_MODES:
-        raise ValueError(f"BLADELLM_KERNELS={value!r} is not one of {', '.join(KERNELS_MODES)}")
-    return value
 
 
 def cache_dir() -> Path:
@@ -93,6 +81,11 @@ def omp_wait_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The OpenMP wait settings the user chose (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``)."""
     env = os.environ if env is None else env
     return {k: env[k] for k in OMP_WAIT_VARS if k in env}
+
+
+def triton_interpret() -> bool:
+    """``TRITON_INTERPRET``: whether Triton kernels run in Triton's interpreter (on a CPU)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip() == "1"
 
 
 def hf_hub_offline() -> bool:

@@ -62,3 +62,16 @@ def _caches_in_tmp(tmp_path_factory):
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture
+def layer_kernels():
+    """The kernel set a CPU worker resolves for ``--kernels auto`` (the compiled kernels, or the
+    reference where they cannot be built), handed to the layers and models this test builds
+    directly (``kernels.scope.building_with``), as the worker hands it to its model."""
+    from bladellm.kernels import resolve_kernels
+    from bladellm.kernels.scope import building_with
+
+    kernels = resolve_kernels("auto", "cpu")
+    with building_with(kernels):
+        yield kernels

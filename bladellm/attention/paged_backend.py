@@ -1,8 +1,9 @@
 """Paged attention over the flat batch: store this step's K/V, then one kernel call for all
 requests, whatever their query lengths (prefill chunks, decodes, verification tokens).
 
-The kernels come from ``bladellm.kernels``: the compiled CPU set chosen at start-up, or the
-plain-PyTorch reference twins (``--attn_cls torch``). Both read the KV blocks in place.
+The kernels come from ``bladellm.kernels``: the set the worker resolved from ``--kernels``
+(compiled CPU, reference or Triton), or the plain-PyTorch reference twins (``--attn_cls torch``).
+All read the KV blocks in place.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from bladellm.checkpoint.locate import ResolvedModel
+    from bladellm.kernels.interface import Kernels
 
 TIGHT_FRACTION = 0.9  # needing more than this share of what is available is a warning
 
@@ -58,19 +59,24 @@ class RankMemory:
         return self.weights + self.packed + self.draft
 
 
-def meta_model(resolved: ResolvedModel, attn_cls: str | None, device: torch.device) -> Any:
+def meta_model(resolved: ResolvedModel, attn_cls: str | None, kernels: Kernels,
+               attn_flag: str = "--attn_cls") -> Any:
     """``resolved``'s engine model as this process's parallel groups shape it, on the meta
-    device: the loader's parameters (quantized ones in the checkpoint's packed layout, the rest
-    at the resolved dtype) and buffers, with no memory behind them."""
+    device, built with the kernel set the worker would resolve (``kernels``): the loader's
+    parameters (quantized ones in the checkpoint's packed layout, the rest at the resolved
+    dtype) and buffers, with no memory behind them."""
     from bladellm.attention import get_attn_backend
+    from bladellm.kernels.scope import building_with
     from bladellm.model.loader import build_model
     from bladellm.quantization import get_quant_config
 
     # A .gguf read directly is dequantized into a dense model (ResolvedModel.load_model).
     quant = None if resolved.gguf is not None else get_quant_config(
         resolved.hf_config, resolved.model_config.quantization)
-    return build_model(resolved.hf_config, resolved.dtype, "meta",
-                       get_attn_backend(attn_cls, device), resolved.max_model_len, quant)
+    attn_backend = get_attn_backend(attn_cls, kernels, attn_flag)
+    with building_with(kernels):
+        return build_model(resolved.hf_config, resolved.dtype, "meta", attn_backend,
+                           resolved.max_model_len, quant)
 
 
 def rank_memory(config: EngineConfig, target: ResolvedModel,
@@ -79,12 +85,16 @@ def rank_memory(config: EngineConfig, target: ResolvedModel,
     import torch
 
     from bladellm.attention.kv_cache import kv_bytes_per_block
+    from bladellm.kernels import resolve_kernels
     from bladellm.platforms.cpu_defaults import model_weight_bytes
     from bladellm.worker.model_runner import packable_modules, prepack_bound
 
     device = torch.device(config.device)
     cache = config.cache
-    model = meta_model(target, config.model.attn_cls, device)
+    # The worker's choice (Worker.__init__), so the prepacked copies are counted for its set.
+    kernels = resolve_kernels(config.model.kernels, device,
+                              (config.model.attn_cls, config.draft.attn_cls))
+    model = meta_model(target, config.model.attn_cls, kernels)
     if config.lora.enable_lora:  # the runner's device slots: buffers of every adapted linear
         from bladellm.lora.layers import wrap_model
 
@@ -99,13 +109,13 @@ def rank_memory(config: EngineConfig, target: ResolvedModel,
     probe_device = "cpu" if device.type == "cpu" else "meta"
     probes = (torch.empty(m.weight.shape, dtype=m.weight.dtype, device=probe_device)
               for m in packable_modules(model))
-    packed, made = prepack_bound(probes, weights)
+    packed, made = prepack_bound(probes, weights, kernels)
     spec = model.get_kv_cache_spec()
     per_block = kv_bytes_per_block(spec.num_layers, cache.block_size, spec.num_kv_heads,
                                    spec.head_dim, target.dtype, cache.kv_cache_quant)
     draft_bytes = 0
     if draft is not None:  # DraftModelProposer: no prepacked copies, KV stored as the target's
-        dm = meta_model(draft, config.draft.attn_cls, device)
+        dm = meta_model(draft, config.draft.attn_cls, kernels, "--draft.attn_cls")
         draft_bytes = model_weight_bytes(dm)
         ds = dm.get_kv_cache_spec()
         per_block += kv_bytes_per_block(ds.num_layers, cache.block_size, ds.num_kv_heads,

@@ -1,5 +1,5 @@
 """Applying llguidance token bitmasks to logits (no llguidance import; the packed words go to
-the kernel set, ``bladellm.kernels``, as they are).
+the worker's kernel set, ``bladellm.kernels``, as they are).
 
 A bitmask row is ``ceil(V / 32)`` int32 words; bit ``t % 32`` of word ``t // 32`` set means
 token ``t`` is allowed.
@@ -14,6 +14,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch  # at run time only where a mask is applied: the engine imports this module
     # before it has set the OpenMP policy, which must precede torch (platforms.threads)
+
+from bladellm.kernels.interface import Kernels
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -30,12 +32,12 @@ def unpack_bitmask(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
     return bits[:, :vocab_size].view(np.bool_)
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
-                        bitmask: np.ndarray) -> torch.Tensor:
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: np.ndarray,
+                        kernels: Kernels) -> torch.Tensor:
     """Set ``logits[rows[i], t]`` to -inf for every token ``t`` row ``i`` of ``bitmask`` bans.
 
     ``logits`` (float) is modified in place and returned; rows not listed are untouched, and
-    so are the allowed tokens. The packed words are applied as they are (the kernel set's
+    so are the allowed tokens. The packed words are applied as they are (``kernels``'
     ``apply_token_bitmask``: compiled, one thread, writing only banned tokens): unpacking to a
     [rows, vocab] mask and adding a -inf/0 bias took 3 full-vocabulary passes, two of them
     torch ops that wait for a second OpenMP thread, which a loaded machine makes slow
@@ -43,8 +45,6 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor,
     """
     import torch
 
-    from bladellm.kernels import get_kernels
-
-    get_kernels().apply_token_bitmask(logits, rows,
-                                      torch.from_numpy(np.ascontiguousarray(bitmask, np.int32)))
+    kernels.apply_token_bitmask(logits, rows,
+                                torch.from_numpy(np.ascontiguousarray(bitmask, np.int32)))
     return logits

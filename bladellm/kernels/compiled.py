@@ -228,8 +228,9 @@ class CompiledKernels(Kernels):
     name = "compiled"
     int4_max_rows = INT4_MAX_ROWS
 
-    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str, cache_root: str = "") -> None:
         self.isa = isa
+        self.cache_root = cache_root  # where the library was loaded from (``__reduce__``)
         self.lanes: int = lib.bl_vector_lanes()
         self.sum_lanes = _torch_sum_lanes(lib)
         self._attention = self._bind(lib.bl_paged_attention, [POINTER(_PagedAttentionArgs)])
@@ -292,6 +293,12 @@ class CompiledKernels(Kernels):
 
     def describe(self) -> str:
         return f"compiled {self.isa} ({self.lanes}-lane vectors)"
+
+    def __reduce__(self) -> tuple:
+        # The ctypes library cannot be pickled: the receiving process loads the same build.
+        from bladellm.kernels import shared_cpu_kernels
+
+        return (shared_cpu_kernels, ("compiled", self.isa, self.cache_root))
 
     def _attention_args(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, block_tables: torch.Tensor,

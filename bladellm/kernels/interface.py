@@ -98,8 +98,4 @@ class Kernels:
         return self
 
     def __reduce__(self) -> tuple:
-        if self.name == "ref":
-            return (Kernels, ())
-        from bladellm.kernels import get_kernels
-
-        return (get_kernels, ())
+        return (Kernels, ())

@@ -3,8 +3,9 @@ they exist: paged attention, the KV store, RMSNorm (+ residual), rotary, SiLU-an
 reference methods elsewhere (``linear`` is ``F.linear``, i.e. cuBLAS on a GPU; LoRA and the
 grammar bitmask run as torch ops on the tensors' device).
 
-Selected with ``BLADELLM_KERNELS=triton``: on a CUDA device, or on a CPU under
-``TRITON_INTERPRET=1`` (tests: the whole model through the Triton kernels without a GPU).
+Selected by ``--kernels triton`` (or ``auto`` on CUDA, or ``auto`` with ``--attn_cls triton``):
+on a CUDA device, or on a CPU under ``TRITON_INTERPRET=1`` (tests: the whole model through the
+Triton kernels without a GPU).
 """
 
 from __future__ import annotations

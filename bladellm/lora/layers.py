@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from bladellm.lora.adapter import TARGETS
-from bladellm.kernels import get_kernels
 from bladellm.lora.ops import lora_delta
 from bladellm.model.utils import tp_all_reduce
 
@@ -54,7 +53,7 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(num_slots, width, sum(sizes), dtype=dtype),
                              persistent=False)
         self.sizes = sizes
-        self.kernels = get_kernels()
+        self.kernels = base.kernels  # the set the base layer was built with (--kernels)
         self.register_buffer("slice_offsets", torch.tensor([*self.offsets, sum(sizes)],
                                                            dtype=torch.int64), persistent=False)
 

@@ -154,6 +154,8 @@ class CompiledDecoderStack:
                     return f"{type(lin).__name__} layers (LoRA)"
                 if type(lin.quant_method) is not UnquantizedLinearMethod:
                     return "quantized linear layers"
+                if lin.kernels is not kernels:
+                    return "layers built with another kernel set"
                 if lin.tp_size != 1:
                     return "tensor parallelism"
                 if lin.weight.dtype != model.dtype:
@@ -228,15 +230,14 @@ class CompiledDecoderStack:
         return True
 
 
-def attach_compiled_stack(model: nn.Module) -> bool:
-    """Give ``model`` (a causal LM) its compiled decoder stack where it applies: decode-sized
-    steps then run every layer in one call. Call after the weights are loaded (and prepacked,
-    and wrapped for LoRA). Returns whether it did."""
-    from bladellm.kernels import get_kernels
+def attach_compiled_stack(model: nn.Module, kernels: Any) -> bool:
+    """Give ``model`` (a causal LM built with the kernel set ``kernels``) its compiled decoder
+    stack where it applies: decode-sized steps then run every layer in one call. Call after the
+    weights are loaded (and prepacked, and wrapped for LoRA). Returns whether it did."""
     from bladellm.model.models.llama import LlamaModel
 
     inner = getattr(model, "model", None)
     if not isinstance(inner, LlamaModel):
         return False
-    inner.compiled_stack = CompiledDecoderStack.build(inner, get_kernels())
+    inner.compiled_stack = CompiledDecoderStack.build(inner, kernels)
     return inner.compiled_stack is not None

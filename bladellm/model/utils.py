@@ -1,4 +1,5 @@
-"""Helpers shared by layers, models and the loader: TP world info, weight attributes, KV spec."""
+"""Helpers shared by layers, models and the loader: TP world info, checkpoint routing, KV spec
+(weight attributes: ``bladellm.quantization.weight_attrs``)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,6 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
     return get_tp_group().all_gather(x, dim, sizes)
 
 
-def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
-    for key, value in attrs.items():
-        setattr(param, key, value)
-
-
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy a checkpoint tensor into a parameter slice; a shape mismatch is a ValueError."""
     if tuple(dst.shape) != tuple(src.shape):
@@ -60,26 +56,18 @@ class KVCacheSpec:
     head_dim: int
 
 
-# (param name fragment, checkpoint name fragment, shard id) for fused layers.
-StackedMapping = list[tuple[str, str, Any]]
-
-LLAMA_STACKED_PARAMS: StackedMapping = [
-    ("qkv_proj", "q_proj", "q"),
-    ("qkv_proj", "k_proj", "k"),
-    ("qkv_proj", "v_proj", "v"),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
-]
-
-
 def load_weights_with_mapping(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                              stacked: StackedMapping,
+                              packed_modules_mapping: dict[str, list[str]],
                               skip: Callable[[str], bool] = lambda name: False) -> set[str]:
-    """Route HF checkpoint tensors to parameters, fusing q/k/v and gate/up via ``stacked``.
+    """Route HF checkpoint tensors to parameters, fusing the checkpoint modules the model's
+    ``packed_modules_mapping`` names (``{"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}``):
+    each part loads with its index in that list as the shard id.
 
     Returns the names of the parameters that received data. Tensors matching no parameter are
     skipped with one warning (e.g. stale buffers); missing parameters are the caller's check.
     """
+    stacked = [(fused, part, index) for fused, parts in packed_modules_mapping.items()
+               for index, part in enumerate(parts)]
     params = dict(module.named_parameters())
     loaded: set[str] = set()
     unknown: list[str] = []

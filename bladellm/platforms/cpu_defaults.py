@@ -39,7 +39,7 @@ def choose_cpu_dtype(requested: str, checkpoint_dtype: str | None, cpu: CpuInfo)
             warning = ("--dtype bfloat16 on a CPU without native bf16 (no AVX512_BF16 or AMX): "
                        "every bf16 product is widened to float32. The compiled AVX2 kernels "
                        "run that at float32 speed or better, but oneDNN's and torch's emulated "
-                       "bf16 GEMMs (other ISAs, or BLADELLM_KERNELS=ref) are several times "
+                       "bf16 GEMMs (other ISAs, or --kernels ref) are several times "
                        "slower than float32; --dtype auto picks float32 here (docs/cpu.md)")
         elif requested == "float16":
             warning = ("float16 on CPU is slow and overflow-prone; --dtype bfloat16 is "

@@ -1,14 +1,15 @@
 """What every format's config provides, and the mapping from engine layer names (fused
-``qkv_proj`` / ``gate_up_proj``) to the checkpoint's module names."""
+``qkv_proj`` / ``gate_up_proj``) to the checkpoint's module names: the model being built hands
+its own mapping in (``for_model``; families fuse differently), nothing here assumes Llama's."""
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from typing import Any
 
 from torch import nn
 
-from bladellm.model.utils import LLAMA_STACKED_PARAMS
 from bladellm.quantization.method import QuantLinearMethod, QuantScheme
 
 
@@ -16,6 +17,9 @@ class QuantConfig(ABC):
     """A checkpoint's ``quantization_config``, validated. ``name`` is the --quantization value."""
 
     name: str = ""
+    #: the model's fused layers: engine layer name -> the checkpoint modules it fuses, in shard
+    #: order (``{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``); empty: nothing is fused
+    packed_modules_mapping: dict[str, list[str]] = {}
 
     @classmethod
     @abstractmethod
@@ -27,18 +31,28 @@ class QuantConfig(ABC):
         """The scheme of a layer made of checkpoint modules ``module_names`` (None: the layer is
         stored unquantized)."""
 
+    def for_model(self, packed_modules_mapping: dict[str, list[str]]) -> "QuantConfig":
+        """This config for a model that fuses ``packed_modules_mapping`` (the model class's
+        attribute of that name); the loader calls it before building the model."""
+        config = copy.copy(self)
+        config.packed_modules_mapping = dict(packed_modules_mapping)
+        return config
+
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantLinearMethod | None:
-        scheme = self.scheme_for(layer, checkpoint_module_names(prefix))
+        names = checkpoint_module_names(prefix, self.packed_modules_mapping)
+        scheme = self.scheme_for(layer, names)
         return QuantLinearMethod(scheme) if scheme is not None else None
 
     def describe(self) -> str:
         return self.name
 
 
-def checkpoint_module_names(prefix: str) -> list[str]:
-    """``model.layers.0.self_attn.qkv_proj`` -> the q/k/v module names it fuses."""
+def checkpoint_module_names(prefix: str,
+                            packed_modules_mapping: dict[str, list[str]]) -> list[str]:
+    """``model.layers.0.self_attn.qkv_proj`` -> the q/k/v module names it fuses, by the model's
+    ``packed_modules_mapping``; a layer it does not name is its own checkpoint module."""
     parent, _, leaf = prefix.rpartition(".")
-    parts = [ckpt for fused, ckpt, _ in LLAMA_STACKED_PARAMS if fused == leaf]
+    parts = packed_modules_mapping.get(leaf, [])
     if not parts:
         return [prefix]
     return [f"{parent}.{p}" if parent else p for p in parts]

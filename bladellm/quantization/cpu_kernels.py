@@ -12,8 +12,10 @@
   (fbgemm, ``quantized::linear_dynamic``, exact integer sums), the per-channel weight scales
   and per-token x scales applied to the result. ``w8a8_reference`` is its twin.
 
-Which is used is decided once per process by ``choose_weight_only_kernel`` / ``choose_w8a8_kernel``
-from the measurements in docs/quantization.md (benchmarks/quantized_linear.py).
+Which is used is decided per layer at load time by ``choose_weight_only_kernel`` /
+``choose_w8a8_kernel`` from the measurements in docs/quantization.md
+(benchmarks/quantized_linear.py); the 4-bit decode path runs on the kernel set the layer was
+built with (``--kernels``), handed in.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from bladellm.kernels.interface import Kernels
 from bladellm.quantization.int_weight import IntWeight
 
 logger = logging.getLogger(__name__)
@@ -49,11 +52,12 @@ def _sorted_columns(w: IntWeight) -> tuple[IntWeight, torch.Tensor | None, int]:
 
 
 class DequantLinear:
-    """Weight-only: ``bits``-bit codes kept packed; dequantized per call, then one GEMM."""
+    """Weight-only: ``bits``-bit codes kept packed; dequantized per call, then one GEMM (at
+    decode sizes, ``kernels.linear_int4`` on the codes where that set has one)."""
 
     name = "dequant+gemm"
 
-    def __init__(self, w: IntWeight) -> None:
+    def __init__(self, w: IntWeight, kernels: Kernels) -> None:
         w, self.perm, self.group_size = _sorted_columns(w)
         n, k = w.q.shape
         zeros = w.zeros if w.zeros is not None else torch.zeros_like(w.scales, dtype=torch.int16)
@@ -74,11 +78,9 @@ class DequantLinear:
         self.bits, self.shape = w.bits, (n, k)
         self.scales = w.scales.reshape(n, groups, 1).contiguous()
         self.zeros = zeros.to(torch.float32).reshape(n, groups, 1).contiguous()
-        # Looked up once, not per call: the process's kernel set and the 2-D views of the
-        # codes, scales and zeros that its 4-bit kernel takes.
-        from bladellm.kernels import get_kernels
-
-        self.kernels = get_kernels()
+        # Made once, not per call: the 2-D views of the codes, scales and zeros that the
+        # kernel set's 4-bit kernel takes.
+        self.kernels = kernels
         self.int4_args = ((self.codes.view(n, k // 2), self.scales.view(n, groups),
                            self.zeros.view(n, groups)) if w.bits == 4 else ())
 
@@ -257,8 +259,8 @@ def choose_w8a8_kernel(w: IntWeight, flags: frozenset[str] | None = None):
     return Int8DynamicLinear(w, split=not int8_gemm_accumulates_in_32_bits(flags))
 
 
-def choose_weight_only_kernel(w: IntWeight):
-    dequant = DequantLinear(w)
+def choose_weight_only_kernel(w: IntWeight, kernels: Kernels):
+    dequant = DequantLinear(w, kernels)
     if ATEN_INT4_MAX_ROWS > 0 and AtenInt4Linear.unsupported(w) is None:
         return AtenInt4Linear(w, dequant)
     return dequant

@@ -1,6 +1,7 @@
 """The linear method shared by every format: a format's ``QuantScheme`` names its checkpoint
 tensors and unpacks them into an ``IntWeight``; this class registers them, unpacks them once
-after loading and runs the kernel chosen for this platform."""
+after loading and runs the kernel chosen for this platform (on a CPU, with the kernel set the
+layer was built with: ``layer.kernels``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from bladellm.model.layers.linear import LinearMethodBase
 from bladellm.quantization import cpu_kernels
 from bladellm.quantization.int_weight import IntWeight
+from bladellm.quantization.linear_method import LinearMethodBase
 from bladellm.quantization.params import ParamSpec, register_params
 
 
@@ -65,7 +66,7 @@ class QuantLinearMethod(LinearMethodBase):
         elif self.scheme.kind == "w8a8":
             kernel = cpu_kernels.choose_w8a8_kernel(w)
         else:
-            kernel = cpu_kernels.choose_weight_only_kernel(w)
+            kernel = cpu_kernels.choose_weight_only_kernel(w, layer.kernels)
         for name in names:
             delattr(layer, name)
         layer.quant_kernel = kernel

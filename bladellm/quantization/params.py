@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bladellm.model.utils import set_weight_attrs
+from bladellm.quantization.weight_attrs import set_weight_attrs
 
 _QKV = {"q": 0, "k": 1, "v": 2}
 

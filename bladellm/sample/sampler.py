@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from bladellm.guided.bitmask import apply_token_bitmask
+from bladellm.kernels.interface import Kernels
 from bladellm.sample import draw, ops
 from bladellm.sample.metadata import GREEDY_TEMPERATURE, SamplingMetadata
 
@@ -36,7 +37,13 @@ class Sampler(nn.Module):
     unless the caller passes ``inplace=True`` (it does not use ``logits`` afterwards). The model
     runner does: the copy is a full [rows, vocab] pass that a structured-output step would pay
     on top of an unconstrained one.
+
+    ``kernels``: the worker's kernel set, for the grammar bitmask (default: the reference).
     """
+
+    def __init__(self, kernels: Kernels | None = None) -> None:
+        super().__init__()
+        self.kernels = kernels if kernels is not None else Kernels()
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata, *,
                 inplace: bool = False) -> SamplerOutput:
@@ -59,10 +66,10 @@ class Sampler(nn.Module):
             return SamplerOutput(sampled, None, None, None)
         return _gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
 
-    @staticmethod
-    def _process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def _process_logits(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.grammar_rows is not None:
-            logits = apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
+            logits = apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask,
+                                         self.kernels)
         if md.logit_bias:
             logits = ops.apply_logit_bias(logits, md.logit_bias)
         if md.min_tokens_banned:

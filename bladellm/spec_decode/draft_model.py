@@ -24,6 +24,8 @@ from bladellm.attention import get_attn_backend
 from bladellm.attention.backend import AttentionMetadata
 from bladellm.attention.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from bladellm.config import EngineConfig, ModelConfig
+from bladellm.kernels.interface import Kernels
+from bladellm.kernels.scope import building_with
 from bladellm.model.decoder_stack import attach_compiled_stack
 from bladellm.model.forward_context import ForwardContext
 from bladellm.sample.generators import step_generator
@@ -49,7 +51,7 @@ def draft_model_config(config: EngineConfig, max_model_len: int,
         hub = {"download_dir": config.model.download_dir, "model_hub": config.model.model_hub}
     dtype = d.dtype if d.dtype != "auto" else str(target_dtype).removeprefix("torch.")
     return ModelConfig(model=d.model, dtype=dtype, attn_cls=d.attn_cls,
-                       max_model_len=max_model_len,
+                       kernels=config.model.kernels, max_model_len=max_model_len,
                        trust_remote_code=config.model.trust_remote_code, **hub)
 
 
@@ -63,7 +65,8 @@ def check_draft_vocab(target_hf_config, draft_hf_config, draft_path: str) -> Non
 
 class DraftModelProposer:
     def __init__(self, config: EngineConfig, target_resolved, device: torch.device,
-                 block_size: int) -> None:
+                 block_size: int, kernels: Kernels) -> None:
+        """``kernels``: the worker's kernel set, which the draft is built with too."""
         from bladellm.model.loader import load_resolved_model, resolve_model
 
         self.gamma = config.speculative.gamma
@@ -74,11 +77,13 @@ class DraftModelProposer:
                                                     target_resolved.dtype),
                                  snapshot_config=True)
         check_draft_vocab(target_resolved.hf_config, resolved.hf_config, resolved.path)
-        self.model = load_resolved_model(resolved, device,
-                                         get_attn_backend(config.draft.attn_cls, device))
+        attn_backend = get_attn_backend(config.draft.attn_cls, kernels, "--draft.attn_cls")
+        with building_with(kernels):
+            self.model = load_resolved_model(resolved, device, attn_backend)
         self.model.eval()
         if not config.model.enforce_eager:
-            attach_compiled_stack(self.model)  # its decode steps in one call, as the target's
+            # its decode steps in one call, as the target's
+            attach_compiled_stack(self.model, kernels)
         self.dtype = resolved.dtype
         spec = self.model.get_kv_cache_spec()
         self.num_layers, self.num_kv_heads, self.head_dim = (

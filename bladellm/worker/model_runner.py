@@ -18,6 +18,8 @@ from bladellm.attention.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from bladellm.checkpoint.locate import ResolvedModel
+from bladellm.kernels.interface import Kernels
+from bladellm.kernels.scope import building_with
 from bladellm.model.decoder_stack import attach_compiled_stack
 from bladellm.model.forward_context import ForwardContext
 from bladellm.model.layers.embedding import ParallelLMHead
@@ -40,23 +42,24 @@ def packable_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers + [m for m in model.modules() if isinstance(m, ParallelLMHead)]
 
 
-def prepack_bound(weights: Iterable[torch.Tensor], weight_bytes: int) -> tuple[int, bool]:
-    """(the most the kernels' load-time forms of ``weights`` can take, whether they are made):
+def prepack_bound(weights: Iterable[torch.Tensor], weight_bytes: int,
+                  kernels: Kernels) -> tuple[int, bool]:
+    """(the most ``kernels``' load-time forms of ``weights`` can take, whether they are made):
     made only while that bound (``packed_bytes_bound``: 1x the fp32 weights on AVX2, 1.5x
     elsewhere, 1x for bf16) is at most a quarter of the memory a model of ``weight_bytes``
     leaves. ``blade_llm_check`` counts the copies with this too, so the two cannot drift."""
-    from bladellm.kernels import get_kernels
-
-    kernels = get_kernels()
     extra = sum(kernels.packed_bytes_bound(w) for w in weights)
     return extra, extra <= (total_memory_bytes() - weight_bytes) // 4
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel,
-                 device: torch.device, is_driver: bool = True) -> None:
+                 device: torch.device, kernels: Kernels, is_driver: bool = True) -> None:
+        """``kernels``: the set the worker resolved from ``--kernels`` for ``device``; the
+        model's layers, attention, sampler and compiled stack all run on it."""
         self.config = config
         self.device = device
+        self.kernels = kernels
         # Only the driver (TP rank 0 of the last pipeline stage) samples; the other TP ranks run
         # the same forward and logits (their collectives need every rank), earlier stages their
         # layers; all learn the sampled tokens from the next step's scheduler diffs.
@@ -64,14 +67,15 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = resolved.max_model_len
         self.dtype = resolved.dtype
-        self.attn_backend = get_attn_backend(config.model.attn_cls, device)
+        self.attn_backend = get_attn_backend(config.model.attn_cls, kernels)
         start = time.perf_counter()
-        self.model = load_resolved_model(resolved, device, self.attn_backend)
+        with building_with(kernels):
+            self.model = load_resolved_model(resolved, device, self.attn_backend)
         self.model.eval()
         self.packed_weight_bytes = self._prepack_weights()
         logger.info("loaded %s (%s) in %.1f s; attention: %s", resolved.architecture,
                     self.dtype, time.perf_counter() - start, self.attn_backend.name)
-        self.sampler = Sampler()
+        self.sampler = Sampler(kernels)
         sched = config.scheduler
         self.input_batch = InputBatch(sched.max_num_seqs, self.max_model_len,
                                       sched.max_num_batched_tokens, self.block_size)
@@ -87,7 +91,7 @@ class ModelRunner:
             self.lora = LoRAManager(config.lora, self.model, resolved.hf_config, self.dtype)
         if not config.model.enforce_eager:
             # After prepacking and LoRA wrapping, which decide what the compiled stack may read.
-            attach_compiled_stack(self.model)
+            attach_compiled_stack(self.model, kernels)
 
     def _make_spec_decoder(self, resolved: ResolvedModel):
         """--decode_algo sps / look_ahead: the proposer and the verification step."""
@@ -99,12 +103,13 @@ class ModelRunner:
         if algo == "sps":
             from bladellm.spec_decode.draft_model import DraftModelProposer
 
-            proposer = DraftModelProposer(self.config, resolved, self.device, self.block_size)
+            proposer = DraftModelProposer(self.config, resolved, self.device, self.block_size,
+                                          self.kernels)
         else:
             from bladellm.spec_decode.lookahead import LookaheadProposer
 
             proposer = LookaheadProposer(self.config.speculative, self.block_size)
-        return SpecDecoder(proposer, self.input_batch)
+        return SpecDecoder(proposer, self.input_batch, self.sampler)
 
     @property
     def spec_bytes_per_block(self) -> int:
@@ -118,16 +123,15 @@ class ModelRunner:
         on AVX2 only that weight or its bf16 copy packed in panels, for every batch;
         ``CompiledKernels.pack_linear_weight``), when ``prepack_bound`` says they are made.
         Returns the bytes they added."""
-        from bladellm.kernels import get_kernels
-
         packable = packable_modules(self.model)
-        extra, made = prepack_bound([m.weight for m in packable], model_weight_bytes(self.model))
+        extra, made = prepack_bound([m.weight for m in packable], model_weight_bytes(self.model),
+                                    self.kernels)
         if not packable or not made:
             if packable:
                 logger.info("linear weights not prepacked: the copies (%.0f MiB) would exceed "
                             "a quarter of the spare memory", extra / (1 << 20))
             return 0
-        kernels = get_kernels()
+        kernels = self.kernels
         layers = [m for m in packable if not isinstance(m, ParallelLMHead)]
         heads = [m for m in packable if isinstance(m, ParallelLMHead)]
         for m in layers:

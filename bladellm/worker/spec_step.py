@@ -48,10 +48,10 @@ class VerifyPlan:
 
 
 class SpecDecoder:
-    def __init__(self, proposer, input_batch: InputBatch) -> None:
+    def __init__(self, proposer, input_batch: InputBatch, sampler: Sampler) -> None:
         self.proposer = proposer
         self.input_batch = input_batch
-        self.sampler = Sampler()
+        self.sampler = sampler  # the runner's (its kernel set applies grammar bitmasks)
 
     # ---- before the forward ---------------------------------------------------------------------
     def write_proposals(self, sched: SchedulerOutput) -> None:
@@ -154,7 +154,7 @@ class SpecDecoder:
                 if guesses and q is not None and not params.greedy:
                     if processed is None:
                         processed = (logits.float() if md.no_logits_processing else
-                                     Sampler._process_logits(logits.float().clone(), md))
+                                     self.sampler._process_logits(logits.float().clone(), md))
                     emitted, rows_used = self._rejection(processed, md, root, guess_rows[0],
                                                          guesses[0], q, params, plan)
                 else:

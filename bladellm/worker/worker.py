@@ -13,6 +13,7 @@ import torch
 from bladellm.config import EngineConfig, parse_size
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.checkpoint.locate import ResolvedModel
+from bladellm.kernels import resolve_kernels
 from bladellm.platforms.cpu import detect_cpu
 from bladellm.platforms.cpu_defaults import (kv_cache_num_blocks, model_weight_bytes,
                                              total_memory_bytes)
@@ -59,9 +60,13 @@ class Worker:
         self.device = torch.device(config.device)
         seed_process_rngs(config.model.seed)  # before anything draws from them
         configure_engine_threads(num_threads or config.parallel.num_threads)  # logs the choice
-        logger.info("worker %d on %s (%s)", rank, self.device, detect_cpu().describe())
+        # --kernels, resolved once with the device; everything below is handed this set.
+        self.kernels = resolve_kernels(config.model.kernels, self.device,
+                                       (config.model.attn_cls, config.draft.attn_cls))
+        logger.info("worker %d on %s (%s); kernels: %s", rank, self.device,
+                    detect_cpu().describe(), self.kernels.describe())
         # The driver samples and answers; the other ranks run their part of the forward.
-        self.model_runner = ModelRunner(config, resolved, self.device,
+        self.model_runner = ModelRunner(config, resolved, self.device, self.kernels,
                                         is_driver=rank == config.parallel.driver_rank)
 
     def determine_num_blocks(self) -> int:

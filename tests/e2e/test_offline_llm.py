@@ -217,14 +217,13 @@ def test_weights_are_prepacked_only_when_the_copies_fit(tiny_model_factory, monk
     """The runner packs the linear weights only while the most the copies can take (the
     kernels' ``packed_bytes_bound``) is at most a quarter of the memory the weights leave; the
     copies it makes stay within that bound, and unpacked weights give the same tokens."""
-    from bladellm.kernels import get_kernels
     from bladellm.worker import model_runner as runner_mod
 
-    kernels = get_kernels()
     model_dir = tiny_model_factory("llama")
     args = dict(model=model_dir, dtype="float32", block_size=4, max_num_seqs=4, num_kv_blocks=96,
                 max_model_len=160)
     llm = LLM(**args)
+    kernels = llm.engine.core.executor.worker.kernels  # the set the worker resolved
     runner = llm.engine.core.executor.worker.model_runner
     packable = [m for m in runner.model.modules() if hasattr(m, "packed_weight")]
     bound = sum(kernels.packed_bytes_bound(m.weight) for m in packable)

@@ -41,6 +41,8 @@ def bladellm_dequantized(model_dir: str) -> tuple[dict[str, torch.Tensor], str]:
     engine's model, TP-aware parameter loaders, the format's unpacker, ``dequantize``)."""
     from bladellm.attention import get_attn_backend
     from bladellm.checkpoint.hf_config import load_hf_config
+    from bladellm.kernels import resolve_kernels
+    from bladellm.kernels.scope import building_with
     from bladellm.model.loader import build_model, find_weight_files, load_checkpoint_files
     from bladellm.quantization import get_quant_config
     from bladellm.quantization.int_weight import dequantize
@@ -49,8 +51,10 @@ def bladellm_dequantized(model_dir: str) -> tuple[dict[str, torch.Tensor], str]:
     hf_config = load_hf_config(model_dir, False)
     quant = get_quant_config(hf_config)
     assert quant is not None
-    model = build_model(hf_config, torch.float32, "cpu", get_attn_backend(None, "cpu"),
-                        quant_config=quant)
+    kernels = resolve_kernels("auto", "cpu")
+    with building_with(kernels):
+        model = build_model(hf_config, torch.float32, "cpu", get_attn_backend(None, kernels),
+                            quant_config=quant)
     load_checkpoint_files(model, find_weight_files(model_dir))
     out = {}
     for layer in model.modules():

@@ -1,7 +1,7 @@
 """``--attn_cls triton``: the whole engine with the Triton KV store and paged attention (under
 ``TRITON_INTERPRET=1`` without a GPU, set by tests/conftest.py) gives the greedy tokens of the
 PyTorch reference backend, with chunked prefill and prompt-cache hits; without a GPU and without
-the interpreter the flag is refused naming itself."""
+the interpreter the flag (and ``--kernels triton``) is refused naming itself."""
 
 from __future__ import annotations
 
@@ -20,54 +20,40 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 
            [5, 6, 7, 8, 9, 10, 11, 12, 60, 61, 62, 63, 64]]
 
 
-def _greedy(model: str, attn_cls: str) -> tuple[list[list[int]], int]:
-    llm = LLM(model=model, attn_cls=attn_cls, **OPTS)
+def _greedy(model: str, attn_cls: str, **kwargs) -> tuple[list[list[int]], int, str]:
+    """Greedy tokens, prompt-cache hits and the name of the kernel set the worker resolved."""
+    llm = LLM(model=model, attn_cls=attn_cls, **OPTS, **kwargs)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6,
                                                     ignore_eos=True), use_tqdm=False)
         hits = llm.engine.core.scheduler.get_stats().prefix_cache_hits
-        return [list(o.outputs[0].token_ids) for o in outs], hits
+        kernels = llm.engine.core.executor.worker.kernels.name
+        return [list(o.outputs[0].token_ids) for o in outs], hits, kernels
     finally:
         llm.shutdown()
 
 
 def test_triton_backend_tokens_equal_the_reference(tiny_llama):
-    want, _ = _greedy(tiny_llama, "torch")
-    got, hits = _greedy(tiny_llama, "triton")
+    want, _, _ = _greedy(tiny_llama, "torch")
+    got, hits, kernels = _greedy(tiny_llama, "triton")
     assert got == want
     assert hits > 0
+    assert kernels == "triton"  # --kernels auto resolves to the set the backend needs
 
 
 def test_triton_backend_refused_on_cpu_without_the_interpreter(tiny_llama, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="--attn_cls triton"):
         LLM(model=tiny_llama, attn_cls="triton", dtype="float32")
+    with pytest.raises(ValueError, match="--kernels triton"):
+        LLM(model=tiny_llama, kernels="triton", dtype="float32")
 
 
 def test_whole_model_through_the_triton_kernel_set(tiny_llama):
-    """``BLADELLM_KERNELS=triton`` (chosen once per process, so in a subprocess): attention, KV
-    store, RMSNorm, rotary and SiLU-and-mul of every layer run as Triton kernels; greedy tokens
-    equal this process's (compiled CPU kernels)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    want, _ = _greedy(tiny_llama, "auto")
-    script = (
-        "import json, sys\n"
-        "from bladellm import LLM, SamplingParams\n"
-        "from bladellm.kernels import get_kernels\n"
-        f"llm = LLM(model={tiny_llama!r}, **{OPTS!r})\n"
-        f"outs = llm.generate({PROMPTS!r}, SamplingParams(temperature=0.0, max_tokens=6, "
-        "ignore_eos=True), use_tqdm=False)\n"
-        "llm.shutdown()\n"
-        "print(json.dumps({'kernels': get_kernels().name, "
-        "'tokens': [list(o.outputs[0].token_ids) for o in outs]}))\n")
-    env = {**os.environ, "BLADELLM_KERNELS": "triton", "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["kernels"] == "triton"
-    assert result["tokens"] == want
+    """``--kernels triton`` (chosen per worker, so in this process beside a compiled engine):
+    attention, KV store, RMSNorm, rotary and SiLU-and-mul of every layer run as Triton kernels;
+    greedy tokens equal those of ``--kernels auto`` (compiled CPU kernels)."""
+    want, _, _ = _greedy(tiny_llama, "auto")
+    got, _, kernels = _greedy(tiny_llama, "auto", kernels="triton")
+    assert kernels == "triton"
+    assert got == want

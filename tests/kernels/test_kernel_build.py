@@ -1,5 +1,5 @@
 """Building, caching and selecting the kernel set: the fallback to the reference, the cache
-hit, the env switch, one OpenMP runtime, and the other ISA builds."""
+hit, the ``--kernels`` choices, one OpenMP runtime, and the other ISA builds."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bladellm import envs
-from bladellm.kernels import Kernels, build, load_kernels, ref
+from bladellm.kernels import Kernels, build, load_kernels, ref, resolve_kernels
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 
@@ -77,26 +77,51 @@ def test_cache_key_separates_isas_and_compilers():
     assert build.cache_key("avx2", "g++:1", "") == build.cache_key("avx2", "g++:1", "")
 
 
-def test_env_selects_reference_without_building(monkeypatch):
-    monkeypatch.setenv("BLADELLM_KERNELS", "ref")
-
+def test_ref_selects_reference_without_building(monkeypatch):
+    """``--kernels ref``: the reference set, nothing compiled."""
     def no_build(*args, **kwargs):
-        raise AssertionError("built despite BLADELLM_KERNELS=ref")
+        raise AssertionError("built despite --kernels ref")
 
     monkeypatch.setattr("bladellm.kernels.build_library", no_build)
-    assert load_kernels().name == "ref"
+    assert load_kernels("ref").name == "ref"
+    assert resolve_kernels("ref", "cpu").name == "ref"
 
 
-def test_envs_validate_and_default(monkeypatch, tmp_path):
-    monkeypatch.setenv("BLADELLM_KERNELS", "fast")
-    with pytest.raises(ValueError, match="BLADELLM_KERNELS"):
-        envs.kernels_mode()
-    monkeypatch.delenv("BLADELLM_KERNELS")
-    assert envs.kernels_mode() == "auto"
+def test_kernels_mode_validated_and_cache_dir_default(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="--kernels"):
+        load_kernels("fast")
+    with pytest.raises(ValueError, match="--kernels"):
+        resolve_kernels("fast", "cpu")
     monkeypatch.delenv("BLADELLM_CACHE_DIR", raising=False)
     assert envs.cache_dir().parts[-2:] == (".cache", "bladellm")
     monkeypatch.setenv("BLADELLM_CACHE_DIR", str(tmp_path))
     assert envs.cache_dir() == tmp_path
+
+
+def test_compiled_that_cannot_build_is_an_error_naming_the_flag(monkeypatch, tmp_path):
+    """``--kernels compiled`` asks for the compiled set: no silent fallback to the reference."""
+    monkeypatch.setattr(build, "COMPILER", "no-such-compiler-bladellm")
+    with pytest.raises(ValueError, match="--kernels compiled"):
+        load_kernels("compiled", cache_root=tmp_path, isa="avx2")
+
+
+def test_resolve_follows_the_device_and_the_attention_backend(monkeypatch):
+    """``auto``: the CPU set on a CPU, the Triton set on CUDA or when an attention backend asks
+    for triton; the compiled set is for CPUs only; Triton off CUDA needs the interpreter."""
+    assert resolve_kernels("auto", "cpu").name in ("compiled", "ref")
+    assert resolve_kernels("auto", "cpu") is resolve_kernels("auto", "cpu")  # one build, shared
+    with pytest.raises(ValueError, match="--kernels compiled.*cuda"):
+        resolve_kernels("compiled", "cuda")
+    pytest.importorskip("triton")
+    assert resolve_kernels("auto", "cuda").name == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_kernels("auto", "cpu", ("auto", "triton")).name == "triton"
+    assert resolve_kernels("triton", "cpu").name == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="--attn_cls triton.*TRITON_INTERPRET"):
+        resolve_kernels("auto", "cpu", ("triton",))
+    with pytest.raises(ValueError, match="--kernels triton.*TRITON_INTERPRET"):
+        resolve_kernels("triton", "cpu")
 
 
 def test_one_openmp_runtime(compiled):

@@ -284,11 +284,10 @@ def test_linear_threads(compiled):
     assert torch.equal(one, two)
 
 
-def test_unquantized_linear_method_uses_kernels(compiled, monkeypatch):
+def test_unquantized_linear_method_uses_kernels(compiled):
     from bladellm.model.layers import linear as linear_mod
 
-    monkeypatch.setattr("bladellm.kernels.get_kernels", lambda: compiled)
-    method = linear_mod.UnquantizedLinearMethod()
+    method = linear_mod.UnquantizedLinearMethod(compiled)
     layer = torch.nn.Module()
     method.create_weights(layer, 64, [48, 16], torch.bfloat16, None)
     layer.weight.data.copy_(randn(64, 64, dtype=torch.bfloat16, seed=1))

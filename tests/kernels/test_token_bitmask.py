@@ -88,9 +88,12 @@ def test_row_out_of_range_raises(kernels, request):
 
 
 def test_numpy_entry_point_uses_the_packed_words():
-    """``bladellm.guided.bitmask.apply_token_bitmask`` (the sampler's) on a numpy bitmask."""
+    """``bladellm.guided.bitmask.apply_token_bitmask`` (the sampler's) on a numpy bitmask, with
+    the set a CPU worker resolves for ``--kernels auto``."""
     from bladellm.guided.bitmask import apply_token_bitmask
+    from bladellm.kernels import resolve_kernels
 
     logits, rows, bitmask = _case(100, 4, seed=3)
-    got = apply_token_bitmask(logits.clone(), rows, np.ascontiguousarray(bitmask.numpy()))
+    got = apply_token_bitmask(logits.clone(), rows, np.ascontiguousarray(bitmask.numpy()),
+                              resolve_kernels("auto", "cpu"))
     assert _same(got, _expected(logits, rows, bitmask))

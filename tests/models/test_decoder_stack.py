@@ -9,15 +9,18 @@ import torch
 
 from bladellm.attention import get_attn_backend
 from bladellm.config import ModelConfig
-from bladellm.kernels import get_kernels
+from bladellm.kernels import resolve_kernels
 from bladellm.kernels.compiled import (LINEAR_MAX_ROWS_PANEL, LINEAR_PAIRS, LINEAR_PANEL_BF16,
                                        LINEAR_ROWS_BF16, CompiledKernels)
+from bladellm.kernels.scope import building_with
 from bladellm.model.decoder_stack import CompiledDecoderStack
 from bladellm.checkpoint.hf_config import load_hf_config
 from bladellm.model.loader import load_model
 from tiny_paged_kv import PagedKV, Seq
 
-pytestmark = pytest.mark.skipif(not isinstance(get_kernels(), CompiledKernels),
+# What a CPU worker resolves for --kernels auto (one shared build per process).
+KERNELS = resolve_kernels("auto", "cpu")
+pytestmark = pytest.mark.skipif(not isinstance(KERNELS, CompiledKernels),
                                 reason="the compiled CPU kernels are not built here")
 
 
@@ -27,15 +30,16 @@ def layout(request, monkeypatch) -> str:
     rows with a oneDNN copy (elsewhere): the stack must mirror either, on every machine. Set
     before loading."""
     rows = LINEAR_MAX_ROWS_PANEL if request.param == "panel" else 0
-    monkeypatch.setattr(get_kernels(), "linear_max_rows_panel", rows)
-    monkeypatch.setattr(get_kernels(), "linear_max_rows_pairs", rows)
+    monkeypatch.setattr(KERNELS, "linear_max_rows_panel", rows)
+    monkeypatch.setattr(KERNELS, "linear_max_rows_pairs", rows)
     return request.param
 
 
 def load(model_dir: str, dtype: torch.dtype):
     cfg = load_hf_config(model_dir, trust_remote_code=False)
-    model = load_model(ModelConfig(model=model_dir), cfg, dtype, "cpu",
-                       get_attn_backend(None, "cpu"))
+    with building_with(KERNELS):
+        model = load_model(ModelConfig(model=model_dir), cfg, dtype, "cpu",
+                           get_attn_backend(None, KERNELS))
     prepack(model)
     return model
 
@@ -53,7 +57,7 @@ def run_both(model, steps: list[list[int]], dtype: torch.dtype, block_size: int 
     """Runs each step (query length per sequence) through the stack and through the modules on
     two identical caches; asserts equal outputs and caches. Returns the steps the stack took."""
     inner = model.model
-    stack = CompiledDecoderStack.build(inner, get_kernels())
+    stack = CompiledDecoderStack.build(inner, KERNELS)
     assert stack is not None
     spec = model.get_kv_cache_spec()
     kv_a = PagedKV(spec, num_blocks=num_blocks, block_size=block_size, dtype=dtype, seed=seed)
@@ -90,7 +94,7 @@ STEPS = [[5, 3], [1, 1], [2, 1], [1, 1], [1, 4], [1, 1], [9, 2]]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stack_matches_modules(tiny_model_factory, layout, arch, overrides, dtype):
     model = load(tiny_model_factory(arch, **overrides), dtype)
-    stack = CompiledDecoderStack.build(model.model, get_kernels())
+    stack = CompiledDecoderStack.build(model.model, KERNELS)
     if layout == "panel" and dtype == torch.bfloat16:
         assert stack.layer_args[0].qkv.kind == LINEAR_PAIRS
     taken = run_both(model, STEPS, dtype)
@@ -106,7 +110,7 @@ def test_stack_matches_modules_with_bf16_exact_fp32_weights(tiny_model_factory, 
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
     prepack(model)
-    stack = CompiledDecoderStack.build(model.model, get_kernels())
+    stack = CompiledDecoderStack.build(model.model, KERNELS)
     want = LINEAR_PANEL_BF16 if layout == "panel" else LINEAR_ROWS_BF16
     assert stack is not None and stack.layer_args[0].qkv.kind == want
     assert run_both(model, STEPS, torch.float32) >= 3
@@ -126,7 +130,7 @@ def test_busy_server_steps_run_in_the_stack(tiny_model_factory, layout, dtype):
 
 def test_steps_over_the_row_limit_run_the_modules(tiny_model_factory, layout):
     model = load(tiny_model_factory("llama"), torch.float32)
-    stack = CompiledDecoderStack.build(model.model, get_kernels())
+    stack = CompiledDecoderStack.build(model.model, KERNELS)
     calls = []
     real = stack.kernels.decoder_stack
     stack.kernels = type("Spy", (), {"decoder_stack": lambda self, a: (calls.append(a.tokens),
@@ -145,7 +149,7 @@ def test_steps_over_the_row_limit_run_the_modules(tiny_model_factory, layout):
 
 
 def test_layouts_it_does_not_take(tiny_model_factory):
-    kernels = get_kernels()
+    kernels = KERNELS
     qwen3 = load(tiny_model_factory("qwen3"), torch.float32)
     assert CompiledDecoderStack.build(qwen3.model, kernels) is None  # q/k norms
     llama = load(tiny_model_factory("llama"), torch.float32)

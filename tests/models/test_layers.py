@@ -12,6 +12,8 @@ from bladellm.model.layers import (ColumnParallelLinear, MergedColumnParallelLin
                                    UnquantizedLinearMethod, VocabParallelEmbedding)
 
 F32 = torch.float32
+# Layers take the kernel set of the model being built: the worker's, here --kernels auto's.
+pytestmark = pytest.mark.usefixtures("layer_kernels")
 
 
 def on_ranks(monkeypatch, tp_size, build):
@@ -111,7 +113,7 @@ def test_quant_method_hook():
 
     class QuantConfig:
         def get_quant_method(self, layer, prefix):
-            return Doubling() if prefix.endswith("qkv_proj") else None
+            return Doubling(layer.kernels) if prefix.endswith("qkv_proj") else None
 
     layer = QKVParallelLinear(4, 2, 2, 1, bias=False, params_dtype=F32,
                               quant_config=QuantConfig(), prefix="layers.0.qkv_proj")

@@ -14,15 +14,22 @@ from safetensors.torch import load_file, save_file
 from bladellm.attention import get_attn_backend
 from bladellm.checkpoint.hf_config import load_hf_config
 from bladellm.config import ModelConfig
+from bladellm.kernels import resolve_kernels
+from bladellm.kernels.scope import building_with
 from bladellm.model.loader import build_model, find_weight_files, load_model, resolve_dtype
 from bladellm.model.registry import get_model_class, supported_architectures
 from bladellm.platforms.cpu import CpuInfo
 
 
+# What a CPU worker resolves for --kernels auto and hands its model (one shared build).
+KERNELS = resolve_kernels("auto", "cpu")
+
+
 def load(model_dir, **model_kwargs):
     cfg = load_hf_config(str(model_dir), trust_remote_code=False)
-    return load_model(ModelConfig(model=str(model_dir), **model_kwargs), cfg, torch.float32,
-                      "cpu", get_attn_backend(None, "cpu"))
+    with building_with(KERNELS):
+        return load_model(ModelConfig(model=str(model_dir), **model_kwargs), cfg, torch.float32,
+                          "cpu", get_attn_backend(None, KERNELS))
 
 
 def copy_model(src: str, dst: Path) -> Path:
@@ -172,7 +179,8 @@ def test_resolve_dtype(llama_dir):
 
 def test_build_model_kv_spec(tiny_model_factory):
     cfg = load_hf_config(tiny_model_factory("qwen3"), trust_remote_code=False)
-    model = build_model(cfg, torch.float32, "cpu", get_attn_backend("torch", "cpu"))
+    with building_with(KERNELS):
+        model = build_model(cfg, torch.float32, "cpu", get_attn_backend("torch", KERNELS))
     spec = model.get_kv_cache_spec()
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 2, 128)
     assert model.num_layers == 2

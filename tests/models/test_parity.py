@@ -14,6 +14,8 @@ from bladellm.attention import get_attn_backend
 from bladellm.model.forward_context import ForwardContext
 from bladellm.config import ModelConfig
 from bladellm.checkpoint.hf_config import load_hf_config
+from bladellm.kernels import resolve_kernels
+from bladellm.kernels.scope import building_with
 from bladellm.model.loader import load_model
 from tiny_paged_kv import PagedKV, Seq
 from tiny_models import make_tiny_model
@@ -24,8 +26,10 @@ NUM_DECODE_STEPS = 8
 
 def load_both(model_dir: str, dtype: torch.dtype = torch.float32):
     cfg = load_hf_config(model_dir, trust_remote_code=False)
-    ours = load_model(ModelConfig(model=model_dir), cfg, dtype, "cpu",
-                      get_attn_backend(None, "cpu"))
+    kernels = resolve_kernels("auto", "cpu")  # what a CPU worker hands its model by default
+    with building_with(kernels):
+        ours = load_model(ModelConfig(model=model_dir), cfg, dtype, "cpu",
+                          get_attn_backend(None, kernels))
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     return ours, ref
 

@@ -52,10 +52,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, w8a8: bool) -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 @torch.no_grad()
-def test_logits_match_the_fake_quantized_model(tiny_llama, tmp_path, case):
+def test_logits_match_the_fake_quantized_model(tiny_llama, tmp_path, case, layer_kernels):
     fake = quantize_checkpoint(tiny_llama, tmp_path, **CASES[case])
     ours = load_model(ModelConfig(model=str(tmp_path)), load_hf_config(str(tmp_path), False),
-                      torch.float32, "cpu", get_attn_backend(None, "cpu"))
+                      torch.float32, "cpu", get_attn_backend(None, layer_kernels))
     w8a8 = CASES[case]["fmt"] == "ct-w8a8"
     ref = _reference(tiny_llama, fake, w8a8)
     ids = torch.randint(3, ref.config.vocab_size, (13,), generator=torch.Generator().manual_seed(0))

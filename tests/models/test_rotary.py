@@ -11,6 +11,9 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from bladellm.model.layers.rotary import get_rope, rope_parameters_from_config
 
+# The rotary layer takes the kernel set of the model being built: --kernels auto's here.
+pytestmark = pytest.mark.usefixtures("layer_kernels")
+
 SCALINGS = {
     "default": None,
     "linear": {"rope_type": "linear", "factor": 4.0},

@@ -28,9 +28,6 @@ LINT_IMPORTS = "import sys; from importlinter.cli import lint_imports_command as
 # expression -> whose change removes it.
 KNOWN_BREAKS: dict[str, dict[str, str]] = {
     "layers": {
-        "bladellm.quantization.** -> bladellm.model.**":
-            "linear-method interface and weight attributes move into quantization/ (item 3, "
-            "quantization + kernel switch branch)",
         "bladellm.core.scheduler -> bladellm.guided.grammar":
             "the scheduler builds two grammar error messages with guided.grammar helpers "
             "(unsatisfiable_error, failed_mid_output_error); they move below core/ (errors.py or "

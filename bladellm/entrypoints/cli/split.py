@@ -218,14 +218,20 @@ def _write_split(model: str, src_dir: str, output_dir: str, files: list[str], hf
 
     from bladellm.attention import get_attn_backend
     from bladellm.distributed.parallel_state import tp_shape_for_split
+    from bladellm.kernels import Kernels
+    from bladellm.kernels.scope import building_with
     from bladellm.model.loader import (SPLIT_FORMAT, SPLIT_FORMAT_VERSION, SPLIT_MANIFEST,
                                        load_checkpoint_files, split_rank_dir, split_state_dict)
 
-    attn_backend = get_attn_backend("torch", "cpu")  # construction only: nothing runs
+    reference = Kernels()  # construction only: nothing runs
+    attn_backend = get_attn_backend("torch", reference)
+    if quant_config is not None:
+        quant_config = quant_config.for_model(model_cls.packed_modules_mapping)
     ranks = []
     for rank in range(tp * pp):  # the workers' rank order: pp_rank * tp + tp_rank
         start = time.perf_counter()
-        with tp_shape_for_split(rank % tp, tp, rank // tp, pp), torch.device("cpu"):
+        with tp_shape_for_split(rank % tp, tp, rank // tp, pp), torch.device("cpu"), \
+                building_with(reference):
             shard = model_cls(hf_config, torch_dtype, attn_backend, quant_config)
             load_checkpoint_files(shard, files)
         state = split_state_dict(shard)

@@ -3,16 +3,15 @@
 from bladellm.model.layers.activation import SiluAndMul
 from bladellm.model.layers.attention import Attention
 from bladellm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from bladellm.model.layers.linear import (ColumnParallelLinear, LinearMethodBase,
-                                          MergedColumnParallelLinear, QKVParallelLinear,
-                                          ReplicatedLinear, RowParallelLinear,
+from bladellm.model.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+                                          QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
                                           UnquantizedLinearMethod)
 from bladellm.model.layers.missing import PPMissingLayer
 from bladellm.model.layers.norm import RMSNorm
 from bladellm.model.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
 
 __all__ = [
-    "Attention", "ColumnParallelLinear", "LinearMethodBase", "MergedColumnParallelLinear",
+    "Attention", "ColumnParallelLinear", "MergedColumnParallelLinear",
     "PPMissingLayer", "ParallelLMHead", "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RotaryEmbedding",
     "RowParallelLinear", "SiluAndMul", "UnquantizedLinearMethod", "VocabParallelEmbedding",
     "get_rope", "rope_parameters_from_config",

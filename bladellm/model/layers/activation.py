@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bladellm.kernels import get_kernels
+from bladellm.kernels.scope import kernels_for
 
 
 class SiluAndMul(nn.Module):
@@ -13,7 +13,7 @@ class SiluAndMul(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.kernels = get_kernels()
+        self.kernels = kernels_for("SiluAndMul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.silu_and_mul(x)

@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from bladellm.distributed.partition import even_shard, split_evenly
-from bladellm.model.utils import (copy_checked, get_tp_rank_and_size, set_weight_attrs,
-                                  tp_all_gather, tp_all_reduce)
+from bladellm.kernels.scope import kernels_for
+from bladellm.model.utils import copy_checked, get_tp_rank_and_size, tp_all_gather, tp_all_reduce
+from bladellm.quantization.weight_attrs import set_weight_attrs
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -60,6 +61,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, params_dtype: torch.dtype,
                  bias: bool = False, prefix: str = "") -> None:
         super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype, prefix=prefix)
+        self.kernels = kernels_for(prefix or "ParallelLMHead")
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.num_embeddings_per_partition,
                                                  dtype=params_dtype), requires_grad=False)
@@ -83,15 +85,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     def process_weights_after_loading(self) -> None:
         """Once, after every weight is loaded (and tied): what the linear layers keep too
         (``UnquantizedLinearMethod.process_weights_after_loading``)."""
-        from bladellm.kernels import get_kernels
-
-        self.packed_weight = get_kernels().pack_linear_weight(self.weight)
+        self.packed_weight = self.kernels.pack_linear_weight(self.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 [N, vocab] (matmul in the model dtype, like transformers)."""
-        from bladellm.kernels import get_kernels
-
-        logits = get_kernels().linear(hidden, self.weight, self.bias, self.packed_weight)
+        logits = self.kernels.linear(hidden, self.weight, self.bias, self.packed_weight)
         if self.tp_size > 1:
             logits = tp_all_gather(logits, -1, self.shard_sizes)
         return logits[..., :self.num_embeddings].float()

@@ -6,8 +6,9 @@ that shard, so the loader never needs to know about TP. Shards may be uneven (an
 tensor_parallel_size; ``bladellm.distributed.partition``): column-parallel layers know each output's
 ``(start, size)`` (``output_shards``), row-parallel ones their input ``(start, size)``.
 
-The matmul goes through ``layer.quant_method.apply(layer, x, bias)``: quantization swaps the
-method (its ``create_weights`` registers e.g. qweight/scales instead of ``weight``).
+The matmul goes through ``layer.quant_method.apply(layer, x, bias)`` (the interface,
+``LinearMethodBase``, lives in ``bladellm.quantization``): quantization swaps the method (its
+``create_weights`` registers e.g. qweight/scales instead of ``weight``).
 LoRA hook: every ``forward(x, ctx)`` receives the step's ``ForwardContext``; a LoRA-wrapped layer
 (``bladellm/lora``) wraps a base layer and adds ``x @ A[ctx.lora...] @ B[...]`` per token to
 ``base.quant_method.apply(base, x, bias)``; ``output_partition_sizes`` tells it where the q/k/v or
@@ -16,40 +17,25 @@ gate/up slices of a fused output start. Base layers ignore ``ctx``.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
 from torch import nn
 
 from bladellm.distributed.partition import attention_partition, even_shard, split_evenly
-from bladellm.model.utils import (copy_checked, get_tp_rank_and_size, set_weight_attrs,
-                                  tp_all_gather, tp_all_reduce)
-
-
-class LinearMethodBase(ABC):
-    """How a linear layer stores its weights and runs its matmul."""
-
-    @abstractmethod
-    def create_weights(self, layer: nn.Module, input_size_per_partition: int,
-                       output_partition_sizes: list[int], params_dtype: torch.dtype,
-                       weight_loader: Any) -> None:
-        ...
-
-    @abstractmethod
-    def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
-        ...
+from bladellm.kernels import Kernels
+from bladellm.kernels.scope import kernels_for
+from bladellm.model.utils import copy_checked, get_tp_rank_and_size, tp_all_gather, tp_all_reduce
+from bladellm.quantization.linear_method import LinearMethodBase
+from bladellm.quantization.weight_attrs import set_weight_attrs
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """``x @ weight.T + bias`` through ``Kernels.linear``: the compiled small-M kernel at decode
     sizes (fp32 accumulation, within GEMM rounding of F.linear), F.linear otherwise."""
 
-    def __init__(self) -> None:
-        from bladellm.kernels import get_kernels
-
-        self.kernels = get_kernels()
+    def __init__(self, kernels: Kernels) -> None:
+        self.kernels = kernels
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Once, after every weight is loaded: the kernels' load-time form of the weight
@@ -69,16 +55,17 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return self.kernels.linear(x, layer.weight, bias, getattr(layer, "packed_weight", None))
 
 
-def _get_quant_method(quant_config: Any, layer: nn.Module, prefix: str) -> LinearMethodBase:
+def _get_quant_method(quant_config: Any, layer: "LinearBase", prefix: str) -> LinearMethodBase:
     if quant_config is not None:
         method = quant_config.get_quant_method(layer, prefix)
         if method is not None:
             return method
-    return UnquantizedLinearMethod()
+    return UnquantizedLinearMethod(layer.kernels)
 
 
 class LinearBase(nn.Module):
-    """Common part: TP info, quant method, optional bias over this rank's outputs."""
+    """Common part: TP info, quant method, optional bias over this rank's outputs, and the kernel
+    set of the model being built (``kernels.scope``), which the linear methods run on."""
 
     def __init__(self, input_size: int, output_size: int, *, params_dtype: torch.dtype,
                  quant_config: Any = None, prefix: str = "") -> None:
@@ -88,6 +75,7 @@ class LinearBase(nn.Module):
         self.params_dtype = params_dtype
         self.prefix = prefix
         self.tp_rank, self.tp_size = get_tp_rank_and_size()
+        self.kernels = kernels_for(prefix or type(self).__name__)
         self.quant_method = _get_quant_method(quant_config, self, prefix)
 
     def _create(self, input_size_per_partition: int, output_partition_sizes: list[int],
@@ -206,7 +194,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q/k/v projection; shard_id in {"q", "k", "v"}.
+    """Fused q/k/v projection; shard_id 0, 1, 2 (or "q", "k", "v").
 
     Heads are split by ``attention_partition`` (any tensor_parallel_size up to the number of
     query heads): ``num_heads`` / ``num_kv_heads`` are this rank's, starting at the full model's
@@ -236,7 +224,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         if shard_id is None:
             raise ValueError("fused qkv checkpoint tensors are not supported; expected separate "
                              "q_proj/k_proj/v_proj")
-        self._load_shard(param, loaded_weight, {"q": 0, "k": 1, "v": 2}[shard_id])
+        # The loader passes the part's index (0, 1, 2); "q" / "k" / "v" name the same parts.
+        index = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else shard_id
+        self._load_shard(param, loaded_weight, index)
 
 
 class RowParallelLinear(LinearBase):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bladellm.kernels import get_kernels
+from bladellm.kernels.scope import kernels_for
 
 
 class RMSNorm(nn.Module):
     """Rounds as transformers does (normalize in fp32, cast back, then scale); the kernels
-    (``bladellm.kernels``, compiled or reference) reproduce that bit for bit."""
+    (the set the model is built with, ``bladellm.kernels``) reproduce that bit for bit."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *,
                  params_dtype: torch.dtype = torch.float32) -> None:
@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype),
                                    requires_grad=False)
-        self.kernels = get_kernels()
+        self.kernels = kernels_for("RMSNorm")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bladellm.kernels import get_kernels
+from bladellm.kernels.scope import kernels_for
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -148,7 +148,7 @@ class RotaryEmbedding(nn.Module):
             pos = torch.arange(num_positions, dtype=torch.float32)
             freqs = pos[:, None] * inv_freq[None, :]
         self.max_position = num_positions
-        self.kernels = get_kernels()
+        self.kernels = kernels_for("RotaryEmbedding")
         # Kept in the model dtype: transformers casts cos/sin to the activation dtype too.
         self.register_buffer("cos_cache", (freqs.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin_cache", (freqs.sin() * scaling).to(dtype), persistent=False)

@@ -15,7 +15,7 @@ from bladellm.distributed.pipeline import StageChannel
 from bladellm.model.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead,
                                    PPMissingLayer, QKVParallelLinear, RMSNorm, RotaryEmbedding,
                                    RowParallelLinear, SiluAndMul, VocabParallelEmbedding, get_rope)
-from bladellm.model.utils import LLAMA_STACKED_PARAMS, KVCacheSpec, load_weights_with_mapping
+from bladellm.model.utils import KVCacheSpec, load_weights_with_mapping
 
 
 def get_head_dim(hf_config: Any) -> int:
@@ -167,7 +167,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    stacked_params = LLAMA_STACKED_PARAMS
+    # The engine's fused layers and the checkpoint modules each fuses, in shard order: read by
+    # ``load_weights`` and handed to the quantization config (``QuantConfig.for_model``).
+    packed_modules_mapping: dict[str, list[str]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  quant_config: Any = None, prefix: str = "") -> None:
@@ -232,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
                 return not stage.is_last_stage
             return name.startswith("model.") and not stage.holds(name[len("model."):])
 
-        return load_weights_with_mapping(self, renamed(weights), self.stacked_params,
+        return load_weights_with_mapping(self, renamed(weights), self.packed_modules_mapping,
                                          skip=other_stage)
 
 

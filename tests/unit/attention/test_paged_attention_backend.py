@@ -13,6 +13,10 @@ import torch
 from bladellm.attention import get_attn_backend
 from bladellm.attention.backend import AttentionMetadata
 from bladellm.attention.paged_backend import PagedAttentionBackend
+from bladellm.kernels import Kernels, resolve_kernels
+
+# The set a CPU worker resolves for --kernels auto (compiled, or the reference where it cannot).
+KERNELS = resolve_kernels("auto", "cpu")
 
 
 def build_case(reqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
@@ -84,7 +88,7 @@ MIXED = [(1, 1), (13, 13), (1, 9), (6, 30), (1, 37), (3, 40), (1, 16), (5, 17), 
 @pytest.fixture(params=["torch", "paged"])
 def backend(request):
     """Both kernel sets: the reference twins and what this CPU compiled (or fell back to)."""
-    return get_attn_backend(request.param, "cpu")
+    return get_attn_backend(request.param, KERNELS)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -138,11 +142,22 @@ def test_padding_tokens_beyond_actual_tokens_are_ignored(backend):
 
 
 def test_selector():
-    assert get_attn_backend(None, "cpu").name == "paged"
-    assert get_attn_backend("torch", torch.device("cpu")).name == "torch"
-    assert isinstance(get_attn_backend("torch", "cpu"), PagedAttentionBackend)
+    assert get_attn_backend(None, KERNELS).name == "paged"
+    assert get_attn_backend(None, KERNELS).kernels is KERNELS  # the worker's set, handed down
+    assert get_attn_backend("torch", KERNELS).name == "torch"
+    assert isinstance(get_attn_backend("torch", KERNELS), PagedAttentionBackend)
+    assert get_attn_backend("torch", KERNELS).kernels.name == "ref"
     with pytest.raises(ValueError, match="--attn_cls.*torch"):
-        get_attn_backend("flashinfer", "cpu")
+        get_attn_backend("flashinfer", KERNELS)
+
+
+def test_triton_backend_needs_the_triton_kernel_set():
+    """``--attn_cls triton`` over a set that is not Triton's is refused naming both flags."""
+    for flag in ("--attn_cls", "--draft.attn_cls"):
+        with pytest.raises(ValueError, match=f"{flag} triton.*--kernels"):
+            get_attn_backend("triton", Kernels(), flag)
+        with pytest.raises(ValueError, match=f"{flag} triton.*--kernels"):
+            get_attn_backend("triton", KERNELS, flag)
 
 
 # Decode seq_lens around block boundaries (block_size 4): exact multiples, one past, one short.

@@ -124,6 +124,8 @@ def test_quantized_checkpoint_counts_its_packed_tensors(tiny_llama, tmp_path):
 
     from bladellm.attention import get_attn_backend
     from bladellm.check.memory import meta_model
+    from bladellm.kernels import resolve_kernels
+    from bladellm.kernels.scope import building_with
 
     qdir = tmp_path / "gptq"
     quantize_checkpoint(tiny_llama, qdir, "gptq", bits=4, group_size=32)
@@ -134,11 +136,13 @@ def test_quantized_checkpoint_counts_its_packed_tensors(tiny_llama, tmp_path):
     with safe_open(str(qdir / "model.safetensors"), framework="pt") as f:
         disk_int = sum(torch.Size(f.get_slice(n).get_shape()).numel() * 4 for n in f.keys()
                        if n.endswith(packed))
-    meta = meta_model(target, None, torch.device("cpu"))
+    kernels = resolve_kernels("auto", "cpu")  # as the worker (and the check) resolve it
+    meta = meta_model(target, None, kernels)
     meta_int = sum(p.numel() * p.element_size() for n, p in meta.named_parameters()
                    if n.endswith(packed))
     assert meta_int == disk_int and rank.weights == model_weight_bytes(meta)
     assert rank.weights < 0.6 * dense.weights
-    real = load_resolved_model(target, torch.device("cpu"), get_attn_backend(None, "cpu"))
+    with building_with(kernels):
+        real = load_resolved_model(target, torch.device("cpu"), get_attn_backend(None, kernels))
     assert abs(model_weight_bytes(real) - rank.weights) < 0.05 * rank.weights
     assert check_memory(cfg, available=1 << 30).status == "PASS"

@@ -564,6 +564,7 @@ def gguf_cache_dir(fresh_cache_dir):
     return fresh_cache_dir("BLADELLM_GGUF_CACHE_DIR", "BLADELLM_GGUF_CACHE")
 
 
+@pytest.mark.usefixtures("layer_kernels")  # the models built here take its kernel set
 def test_gguf_cache_second_resolve_reads_no_gguf(tiny_llama, tmp_path, gguf_cache_dir,
                                                  monkeypatch):
     from bladellm.engine.model_info import model_info_for
@@ -689,6 +690,7 @@ def test_gguf_refuses_other_load_formats(tiny_gguf, load_format):
         _resolve(tiny_gguf(), load_format=load_format)
 
 
+@pytest.mark.usefixtures("layer_kernels")  # the models built here take its kernel set
 @pytest.mark.parametrize("cache", ["0", "1"])
 def test_gguf_load_formats_honoured(tiny_llama, tmp_path, gguf_cache_dir, monkeypatch, cache):
     """dummy: random weights (seeded by --seed), whether the file is read itself or through its

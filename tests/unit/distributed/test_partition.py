@@ -13,6 +13,8 @@ from bladellm.model.layers import (MergedColumnParallelLinear, ParallelLMHead, Q
                                    RowParallelLinear, VocabParallelEmbedding)
 
 F32 = torch.float32
+# Layers take the kernel set of the model being built: the worker's, here --kernels auto's.
+pytestmark = pytest.mark.usefixtures("layer_kernels")
 
 
 @pytest.mark.parametrize("total,parts,want", [

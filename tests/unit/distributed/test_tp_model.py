@@ -44,11 +44,15 @@ def _run_model(model_dir: str, ids: torch.Tensor) -> tuple[torch.Tensor, tuple]:
 
     from bladellm.attention import get_attn_backend
     from bladellm.checkpoint.hf_config import load_hf_config
+    from bladellm.kernels import resolve_kernels
+    from bladellm.kernels.scope import building_with
     from bladellm.model.loader import build_model, check_all_loaded, find_weight_files
     from tiny_paged_kv import PagedKV, Seq
 
     cfg = load_hf_config(model_dir, trust_remote_code=False)
-    model = build_model(cfg, torch.float32, "cpu", get_attn_backend(None, "cpu"))
+    kernels = resolve_kernels("auto", "cpu")  # what each rank's worker resolves by default
+    with building_with(kernels):
+        model = build_model(cfg, torch.float32, "cpu", get_attn_backend(None, kernels))
 
     def weights():
         for f in find_weight_files(model_dir):
@@ -188,7 +192,7 @@ def test_tp_logits_match_single_rank(model_dirs, case):
                                    msg=lambda m, r=rank: f"rank {r}: {m}")
 
 
-def test_world_size_1_model_is_unchanged_by_partitioning(model_dirs):
+def test_world_size_1_model_is_unchanged_by_partitioning(model_dirs, layer_kernels):
     """At T=1 the layers hold the full tensors (same shapes as the checkpoint)."""
     from safetensors.torch import load_file
 
@@ -202,7 +206,7 @@ def test_world_size_1_model_is_unchanged_by_partitioning(model_dirs):
     for f in find_weight_files(model_dir):
         ckpt.update(load_file(f))
     model = build_model(load_hf_config(model_dir, False), torch.float32, "cpu",
-                        get_attn_backend(None, "cpu"))
+                        get_attn_backend(None, layer_kernels))
     params = dict(model.named_parameters())
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert params["model.embed_tokens.weight"].shape == ckpt["model.embed_tokens.weight"].shape

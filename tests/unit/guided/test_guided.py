@@ -16,6 +16,7 @@ from bladellm.guided.bitmask import apply_token_bitmask, unpack_bitmask
 from bladellm.guided.cache import CompiledGrammarCache
 from bladellm.guided.grammar import ascii_regex, cache_key, to_grammar
 from bladellm.guided.manager import GuidedDecodingManager
+from bladellm.kernels import resolve_kernels
 from bladellm.sampling_params import GuidedDecodingParams as G
 from bladellm.sampling_params import SamplingParams
 from tiny_models import train_tokenizer
@@ -194,7 +195,7 @@ def test_batched_bitmask_matches_each_matcher_and_masks_logits(backend, tokenize
     assert digits and {int(t) for t in np.flatnonzero(allowed[1])} == digits
     logits = torch.randn(3, vocab)
     original = logits.clone()
-    apply_token_bitmask(logits, torch.tensor([0, 2]), bitmask)
+    apply_token_bitmask(logits, torch.tensor([0, 2]), bitmask, resolve_kernels("auto", "cpu"))
     assert torch.equal(logits[1], original[1])  # an unconstrained row is untouched
     assert torch.isinf(logits[0][~torch.from_numpy(allowed[0])]).all()
     assert torch.equal(logits[2][torch.from_numpy(allowed[1])],

@@ -13,6 +13,8 @@ from safetensors.torch import save_file
 
 from bladellm.attention import get_attn_backend
 from bladellm.config import LoRAConfig, ModelConfig
+from bladellm.kernels import resolve_kernels
+from bladellm.kernels.scope import building_with
 from bladellm.lora.manager import LoRAManager
 from bladellm.lora.request import LoRARequest
 from bladellm.checkpoint.hf_config import load_hf_config
@@ -40,8 +42,10 @@ def adapters(tmp_path_factory):
 
 def make_manager(tiny_llama, max_loras: int, max_cpu_loras: int) -> LoRAManager:
     cfg = load_hf_config(tiny_llama, trust_remote_code=False)
-    model = load_model(ModelConfig(model=tiny_llama), cfg, torch.float32, "cpu",
-                       get_attn_backend(None, "cpu"))
+    kernels = resolve_kernels("auto", "cpu")  # what a CPU worker hands its model by default
+    with building_with(kernels):
+        model = load_model(ModelConfig(model=tiny_llama), cfg, torch.float32, "cpu",
+                           get_attn_backend(None, kernels))
     config = LoRAConfig(enable_lora=True, max_loras=max_loras, max_cpu_loras=max_cpu_loras)
     return LoRAManager(config, model, cfg, torch.float32)
 

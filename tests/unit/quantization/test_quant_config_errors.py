@@ -13,10 +13,13 @@ from safetensors.torch import load_file, save_file
 
 from bladellm.attention import get_attn_backend
 from bladellm.config import ModelConfig
+from bladellm.kernels import resolve_kernels
+from bladellm.kernels.scope import building_with
 from bladellm.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from bladellm.checkpoint.hf_config import load_hf_config
 from bladellm.model.loader import load_model
 from bladellm.quantization import get_quant_config
+from bladellm.quantization.base import checkpoint_module_names
 from quant_checkpoints import awq_config, ct_config, gptq_config, quantize_checkpoint, \
     set_config_field
 
@@ -105,6 +108,26 @@ def test_ignore_and_modules_to_not_convert_keep_layers_in_float():
     assert awq.scheme_for(layer, ["model.layers.0.mlp.down_proj"]) is None
 
 
+def test_fused_names_come_from_the_model():
+    """A fused layer's checkpoint modules are the model's ``packed_modules_mapping`` (handed in
+    by ``for_model``), not Llama's: a family that fuses other names gets its own."""
+    llama = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    other = {"wqkv": ["wq", "wk", "wv"]}
+    prefix = "model.layers.0.self_attn"
+    assert checkpoint_module_names(f"{prefix}.qkv_proj", llama) == \
+        [f"{prefix}.{p}_proj" for p in "qkv"]
+    assert checkpoint_module_names(f"{prefix}.wqkv", other) == [f"{prefix}.w{p}" for p in "qkv"]
+    assert checkpoint_module_names(f"{prefix}.qkv_proj", other) == [f"{prefix}.qkv_proj"]
+    partly = get_quant_config(_cfg(_with(CT, "ignore", [f"{prefix}.wk"])))
+    assert partly.packed_modules_mapping == {}  # nothing fused until a model hands its names
+    layer = types.SimpleNamespace()
+    assert partly.get_quant_method(layer, f"{prefix}.wqkv") is not None
+    with pytest.raises(ValueError, match="fused"):
+        partly.for_model(other).get_quant_method(layer, f"{prefix}.wqkv")
+    assert partly.packed_modules_mapping == {}  # for_model leaves the shared config alone
+
+
+@pytest.mark.usefixtures("layer_kernels")
 def test_tp_shards_off_group_boundaries_are_refused():
     gptq = get_quant_config(_cfg(GPTQ))  # group 32
     with pytest.raises(ValueError, match="--tensor_parallel_size.*boundaries"):
@@ -128,8 +151,10 @@ def test_tp_shards_off_group_boundaries_are_refused():
 
 def _load(model_dir: str, **kwargs):
     cfg = load_hf_config(model_dir, False)
-    return load_model(ModelConfig(model=model_dir, **kwargs), cfg, torch.float32, "cpu",
-                      get_attn_backend(None, "cpu"))
+    kernels = resolve_kernels("auto", "cpu")  # what a CPU worker hands its model by default
+    with building_with(kernels):
+        return load_model(ModelConfig(model=model_dir, **kwargs), cfg, torch.float32, "cpu",
+                          get_attn_backend(None, kernels))
 
 
 def test_missing_or_wrong_tensors_are_refused(tiny_llama, tmp_path):

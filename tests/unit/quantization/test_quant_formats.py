@@ -49,13 +49,13 @@ def checkpoints(tiny_llama, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_dequantized_weights_equal_the_reference_exactly(checkpoints, name):
+def test_dequantized_weights_equal_the_reference_exactly(checkpoints, name, layer_kernels):
     model_dir, fake = checkpoints(name)
     hf_config = load_hf_config(model_dir, False)
     quant = get_quant_config(hf_config)
     assert quant is not None and quant.name == VARIANTS[name]["fmt"].replace(
         "ct-pack", "compressed-tensors").replace("ct-w8a8", "compressed-tensors")
-    model = build_model(hf_config, torch.float32, "cpu", get_attn_backend(None, "cpu"),
+    model = build_model(hf_config, torch.float32, "cpu", get_attn_backend(None, layer_kernels),
                         quant_config=quant)
     load_checkpoint_files(model, find_weight_files(model_dir))
     layers = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None),
@@ -79,13 +79,13 @@ def test_dequantized_weights_equal_the_reference_exactly(checkpoints, name):
     assert not any(hasattr(layer, n) for n in layer.quant_param_names)
 
 
-def test_quantized_checkpoint_is_smaller_in_memory(checkpoints):
+def test_quantized_checkpoint_is_smaller_in_memory(checkpoints, layer_kernels):
     from bladellm.platforms.cpu_defaults import model_weight_bytes
 
     model_dir, _ = checkpoints("awq-g32")
     hf_config = load_hf_config(model_dir, False)
     quant = get_quant_config(hf_config)
-    model = build_model(hf_config, torch.float32, "cpu", get_attn_backend(None, "cpu"),
+    model = build_model(hf_config, torch.float32, "cpu", get_attn_backend(None, layer_kernels),
                         quant_config=quant)
     load_checkpoint_files(model, find_weight_files(model_dir))
     process_quantized_layers(model)
@@ -96,7 +96,7 @@ def test_quantized_checkpoint_is_smaller_in_memory(checkpoints):
     assert model_weight_bytes(layer) == buffers
 
 
-def test_w8a8_packed_weights_are_counted(checkpoints):
+def test_w8a8_packed_weights_are_counted(checkpoints, layer_kernels):
     """fbgemm's packed int8 weight is an opaque object, not a tensor: the memory accounting
     (``model_weight_bytes``, which sizes the auto KV pool) must still count its int8 codes."""
     from bladellm.platforms.cpu_defaults import model_weight_bytes
@@ -104,7 +104,7 @@ def test_w8a8_packed_weights_are_counted(checkpoints):
 
     model_dir, _ = checkpoints("ct-w8a8")
     hf_config = load_hf_config(model_dir, False)
-    model = build_model(hf_config, torch.float32, "cpu", get_attn_backend(None, "cpu"),
+    model = build_model(hf_config, torch.float32, "cpu", get_attn_backend(None, layer_kernels),
                         quant_config=get_quant_config(hf_config))
     load_checkpoint_files(model, find_weight_files(model_dir))
     process_quantized_layers(model)

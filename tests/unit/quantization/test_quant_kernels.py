@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bladellm.kernels import resolve_kernels
 from bladellm.quantization import cpu_kernels
 from bladellm.quantization.cpu_kernels import (AtenInt4Linear, DequantLinear, Int8DynamicLinear,
                                                choose_w8a8_kernel,
@@ -14,6 +15,9 @@ from bladellm.quantization.cpu_kernels import (AtenInt4Linear, DequantLinear, In
                                                choose_weight_only_kernel, has_fbgemm,
                                                quantize_per_token, w8a8_reference)
 from bladellm.quantization.int_weight import IntWeight, dequantize, unpack_int32
+
+# The kernel set a CPU worker resolves for --kernels auto (the layers hand theirs in).
+KERNELS = resolve_kernels("auto", "cpu")
 
 
 def _weight(n: int, k: int, bits: int, group: int, zeros: bool, signed: bool = False,
@@ -50,9 +54,9 @@ def test_weight_only_kernels_match_the_twin(case, rows):
     x = torch.randn(rows, 128)
     bias = torch.randn(48)
     want = F.linear(x, dequantize(w), bias)
-    dequant = DequantLinear(w)
+    dequant = DequantLinear(w, KERNELS)
     torch.testing.assert_close(dequant(x, bias), want, atol=1e-5, rtol=1e-5)
-    kernel = choose_weight_only_kernel(w)
+    kernel = choose_weight_only_kernel(w, KERNELS)
     torch.testing.assert_close(kernel(x, bias), want, atol=1e-5, rtol=1e-5)
     # 3-D activations (batch, tokens, features) keep their leading shape.
     torch.testing.assert_close(dequant(x.view(1, rows, 128), None),
@@ -63,7 +67,7 @@ def test_weight_only_kernels_match_the_twin(case, rows):
 def test_aten_int4_matches_the_twin_where_it_applies():
     w = _weight(64, 256, bits=4, group=64, zeros=True)
     assert AtenInt4Linear.unsupported(w) is None
-    kernel = AtenInt4Linear(w, DequantLinear(w))
+    kernel = AtenInt4Linear(w, DequantLinear(w, KERNELS))
     x = torch.randn(1, 256)
     got = torch._weight_int4pack_mm_for_cpu(x, kernel.packed, 64, kernel.scales_and_zeros)
     torch.testing.assert_close(got, x @ dequantize(w).t(), atol=1e-4, rtol=1e-4)
@@ -74,12 +78,12 @@ def test_aten_int4_matches_the_twin_where_it_applies():
                                               act_order=True))
     # On AVX2 the engine picks dequant + GEMM (measured faster at every M).
     if cpu_kernels.ATEN_INT4_MAX_ROWS == 0:
-        assert isinstance(choose_weight_only_kernel(w), DequantLinear)
+        assert isinstance(choose_weight_only_kernel(w, KERNELS), DequantLinear)
 
 
 def test_dequant_layout_is_4_bits_per_weight():
     w = _weight(64, 256, bits=4, group=32, zeros=True)
-    kernel = DequantLinear(w)
+    kernel = DequantLinear(w, KERNELS)
     assert kernel.codes.dtype == torch.uint8 and kernel.codes.numel() == 64 * 128
     torch.testing.assert_close(kernel.weight(torch.float32), dequantize(w), atol=0, rtol=0)
 
