@@ -90,5 +90,3 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # a chain to verify
     spec_tree_sizes: dict[str, int] = field(default_factory=dict)  # look_ahead tree query tokens
 
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

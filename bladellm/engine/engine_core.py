@@ -87,7 +87,7 @@ class EngineCore:
         request = Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_ids=tuple(req.eos_token_ids), max_model_len=self.max_model_len,
-            arrival_time=req.arrival_time or None, cache_salt=req.cache_salt,
+            arrival_time=req.arrival_time or None,
             lora_request=req.lora_request)
         if req.sampling_params.guided_decoding is not None:
             request.grammar = self.guided.grammar_for(req.sampling_params.guided_decoding)

@@ -24,7 +24,6 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defa
     sampling_params: SamplingParams
     eos_token_ids: list[int] = []
     arrival_time: float = 0.0
-    cache_salt: str | None = None
     lora_request: LoRARequest | None = None
 
 
