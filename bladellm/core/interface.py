@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from bladellm.core.outputs import Logprobs
 from bladellm.sampling_params import SamplingParams
 
 
@@ -68,21 +69,12 @@ class SchedulerOutput:
 
 
 @dataclass
-class SampleLogprobs:
-    """Logprobs of each sampled token: row i is [sampled token, top-1, ..., top-k]."""
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]  # rank of the sampled token in the full distribution (1 = most likely)
-
-
-@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
     # Aligned with req_ids; [] for a request whose step was a prefill chunk that did not reach the
     # end of its tokens (nothing to sample yet).
     sampled_token_ids: list[list[int]]
-    logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)  # of the sampled tokens
     # Requests whose step failed (e.g. a bad logit_bias id): finish with an error, not the engine.
     errored: dict[str, str] = field(default_factory=dict)
     # Speculative decoding: sampled_token_ids holds the accepted proposals then one token from

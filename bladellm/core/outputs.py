@@ -17,11 +17,23 @@ GRAMMAR_ERROR_PREFIX = "invalid grammar: "
 
 
 class Logprobs(msgspec.Struct, array_like=True):
-    """For each new token: [sampled, top-1..top-k] ids and logprobs, and the sampled rank."""
+    """Logprobs of consecutive positions of one request: per position, [chosen token, top-1,
+    ..., top-k] ids and their logprobs, and the chosen token's rank (1 = most likely).
+
+    The one shape of logprobs inside the engine: the runner makes it (``sample/logprobs.py``)
+    for sampled tokens and prompt tokens alike, the scheduler forwards it, the output processor
+    renders it (token text) for the user."""
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     ranks: list[int]
+
+    def head(self, num_positions: int) -> "Logprobs":
+        """The first ``num_positions`` positions (all of them: this object)."""
+        if num_positions >= len(self.ranks):
+            return self
+        return Logprobs(self.token_ids[:num_positions], self.logprobs[:num_positions],
+                        self.ranks[:num_positions])
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):

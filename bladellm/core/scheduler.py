@@ -30,7 +30,7 @@ from bladellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from bladellm.core import spec_decode
 from bladellm.core.block_pool import _require
 from bladellm.core.interface import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                     SampleLogprobs, SchedulerOutput)
+                                     SchedulerOutput)
 from bladellm.core.kv_cache_manager import KVCacheManager, cdiv
 from bladellm.core.outputs import (GRAMMAR_ERROR_PREFIX, QUEUE_TIMEOUT_ERROR, EngineCoreOutput,
                                    Logprobs, SchedulerStats)
@@ -555,15 +555,12 @@ class Scheduler:
         self._finished_req_ids.add(req.request_id)
 
     def _make_output(self, req: Request, new_token_ids: list[int],
-                     logprobs: SampleLogprobs | None = None,
+                     logprobs: Logprobs | None = None,
                      error: str | None = None) -> EngineCoreOutput:
         output = EngineCoreOutput(request_id=req.request_id, new_token_ids=new_token_ids,
                                   error=error)
         if logprobs is not None and new_token_ids:
-            k = len(new_token_ids)
-            output.new_logprobs = Logprobs(token_ids=logprobs.token_ids[:k],
-                                           logprobs=logprobs.logprobs[:k],
-                                           ranks=logprobs.ranks[:k])
+            output.new_logprobs = logprobs.head(len(new_token_ids))
         if req.is_finished:
             output.finish_reason = req.status.finish_reason
             output.stop_reason = req.stop_reason

@@ -230,7 +230,8 @@ class AsyncLLM:
         """For each token-id prompt: per token after the first, the token's logprob and rank
         given the tokens before it, then the ``num_top`` most likely tokens there."""
         raw = await self._core_call("prompt_logprobs", prompts, num_top)
-        return await self.cpu_offload.run(to_token_logprobs, raw, self.model_info.tokenizer)
+        return await self.cpu_offload.run(to_token_logprobs, raw,
+                                          self.output_processor.logprob_renderer)
 
     async def _core_call(self, method: str, *args) -> list:
         reply = await self.call_utility(method, *args)

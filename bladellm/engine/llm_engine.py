@@ -65,7 +65,7 @@ class LLMEngine:
         if num_top is not None:  # one forward over the prompt, before it is queued
             raw = self.core.prompt_logprobs([core_reqs[0].prompt_token_ids], num_top)
             self._prompt_logprobs[request_id] = prompt_lp.with_first(
-                prompt_lp.to_token_logprobs(raw, self.model_info.tokenizer)[0])
+                prompt_lp.to_token_logprobs(raw, self.output_processor.logprob_renderer)[0])
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None,
             core_reqs[0].prompt_token_ids, params, [r.request_id for r in core_reqs],

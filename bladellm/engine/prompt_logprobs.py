@@ -3,28 +3,20 @@ first (with its rank), then the top-k ranked 1..k, one list per prompt token aft
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
+from bladellm.core.outputs import Logprobs
+from bladellm.engine.output_processor import LogprobRenderer
 from bladellm.outputs import TokenLogprob
 from bladellm.sampling_params import SamplingParams
 
 
-def to_token_logprobs(raw: list[list[Any]], tokenizer: Any) -> list[list[list[TokenLogprob]]]:
-    @lru_cache(maxsize=None)
-    def text(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False)
-
-    result = []
-    for prompt in raw:
-        entries = []
-        for ids, lps, rank in prompt:
-            entry = [TokenLogprob(ids[0], lps[0], rank, text(ids[0]))]
-            entry.extend(TokenLogprob(t, v, r, text(t))
-                         for r, (t, v) in enumerate(zip(ids[1:], lps[1:]), start=1))
-            entries.append(entry)
-        result.append(entries)
-    return result
+def to_token_logprobs(raw: list[list[Any]],
+                      renderer: LogprobRenderer) -> list[list[list[TokenLogprob]]]:
+    """The worker's per-prompt (ids, logprobs, rank) positions, rendered like sampled ones."""
+    return [renderer.render(Logprobs([ids for ids, _, _ in prompt], [lps for _, lps, _ in prompt],
+                                     [rank for _, _, rank in prompt]))
+            for prompt in raw]
 
 
 def wanted(params: SamplingParams, lora_request: Any) -> int | None:

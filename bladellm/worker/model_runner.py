@@ -16,7 +16,8 @@ import torch
 from bladellm.attention import AttentionMetadata, get_attn_backend
 from bladellm.attention.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from bladellm.config import EngineConfig
-from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
+from bladellm.core.outputs import Logprobs
 from bladellm.model.checkpoint import ResolvedModel
 from bladellm.model.decoder_stack import attach_compiled_stack
 from bladellm.model.forward_context import ForwardContext
@@ -197,7 +198,7 @@ class ModelRunner:
         if self.spec is not None:
             return self.spec.verify(self.model, hidden, sched, inputs)
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
-        logprobs: dict[str, SampleLogprobs] = {}
+        logprobs: dict[str, Logprobs] = {}
         if inputs.sampling is not None:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if not self.is_driver:
@@ -212,16 +213,16 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs)
 
-    def _logprobs(self, inputs: StepInputs, out: SamplerOutput) -> dict[str, SampleLogprobs]:
+    def _logprobs(self, inputs: StepInputs, out: SamplerOutput) -> dict[str, Logprobs]:
+        """Each request's own share (1 + its ``logprobs``) of the step's widest top-k."""
         ids, lps = out.logprobs_token_ids.tolist(), out.logprobs.tolist()
         ranks = out.sampled_ranks.tolist()
         params = self.input_batch.sampling.params
-        result: dict[str, SampleLogprobs] = {}
+        result: dict[str, Logprobs] = {}
         for s, i in enumerate(inputs.sample_indices.tolist()):
             req_id = inputs.req_ids[i]
             num = params[self.input_batch.row_of[req_id]].logprobs
             if num is not None:
                 k = 1 + num
-                result[req_id] = SampleLogprobs(token_ids=[ids[s][:k]], logprobs=[lps[s][:k]],
-                                                ranks=[ranks[s]])
+                result[req_id] = Logprobs([ids[s][:k]], [lps[s][:k]], [ranks[s]])
         return result

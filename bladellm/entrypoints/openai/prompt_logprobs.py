@@ -7,21 +7,17 @@ from typing import Any
 
 from bladellm.entrypoints.openai.errors import bad_request
 from bladellm.entrypoints.openai.protocol import CompletionLogprobs
-from bladellm.entrypoints.openai.serving_common import ServingContext, legacy_top_logprobs
+from bladellm.entrypoints.openai.serving_common import (ServingContext, completion_logprobs,
+                                                       json_logprob)
 from bladellm.outputs import TokenLogprob
 
 MAX_PROMPT_LOGPROBS = 20
-_MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
 def check(value: int | None) -> None:
     if value is not None and not 0 <= value <= MAX_PROMPT_LOGPROBS:
         raise bad_request(f"prompt_logprobs: must be in [0, {MAX_PROMPT_LOGPROBS}], got {value}",
                           "prompt_logprobs")
-
-
-def _lp(value: float) -> float:
-    return max(value, _MIN_LOGPROB) if value == value else _MIN_LOGPROB
 
 
 async def fetch(prompts: list[str | list[int]], ctx: ServingContext,
@@ -40,22 +36,15 @@ def vllm_format(entries: list[list[TokenLogprob]]) -> list[dict[str, Any] | None
     decoded_token}} with the prompt token and the top-k."""
     out: list[dict[str, Any] | None] = [None]
     for entry in entries:
-        out.append({str(t.token_id): {"logprob": _lp(t.logprob), "rank": t.rank,
+        out.append({str(t.token_id): {"logprob": json_logprob(t.logprob), "rank": t.rank,
                                       "decoded_token": t.decoded} for t in entry})
     return out
 
 
 def echo_logprobs(ids: list[int], entries: list[list[TokenLogprob]],
                   ctx: ServingContext, num_top: int) -> CompletionLogprobs:
+    """OpenAI's echo with logprobs: the prompt's tokens, the first one with null logprobs."""
     first = ctx.tokenizer.decode([ids[0]], skip_special_tokens=False)
     result = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None],
                                 text_offset=[0])
-    offset = len(first)
-    for entry in entries:
-        token, top = entry[0], entry[1:1 + num_top]
-        result.tokens.append(token.decoded)
-        result.token_logprobs.append(_lp(token.logprob))
-        result.top_logprobs.append(legacy_top_logprobs(token, top))
-        result.text_offset.append(offset)
-        offset += len(token.decoded)
-    return result
+    return completion_logprobs([e[:1 + num_top] for e in entries], len(first), result)

@@ -277,7 +277,8 @@ class UsageCounter:
                              cached_tokens=sum(self.cached_tokens.values())))
 
 
-def _lp(value: float) -> float:
+def json_logprob(value: float) -> float:
+    """A logprob JSON can carry (no -inf, no NaN)."""
     return max(value, _MIN_LOGPROB) if not math.isnan(value) else _MIN_LOGPROB
 
 
@@ -285,9 +286,9 @@ def legacy_top_logprobs(token: TokenLogprob, top: list[TokenLogprob]) -> dict[st
     """A legacy-completions ``top_logprobs`` entry: the ``top`` alternatives plus the chosen
     ``token`` itself when it is not among them (so up to ``logprobs + 1`` entries, and
     ``{token: logprob}`` for ``logprobs: 0``), as OpenAI and vLLM do."""
-    result = {t.decoded: _lp(t.logprob) for t in top}
+    result = {t.decoded: json_logprob(t.logprob) for t in top}
     if token.decoded not in result:
-        result[token.decoded] = _lp(token.logprob)
+        result[token.decoded] = json_logprob(token.logprob)
     return result
 
 
@@ -299,7 +300,7 @@ def completion_logprobs(entries: list[list[TokenLogprob]], text_offset: int,
     for token in entries:
         sampled, top = token[0], token[1:]
         into.tokens.append(sampled.decoded)
-        into.token_logprobs.append(_lp(sampled.logprob))
+        into.token_logprobs.append(json_logprob(sampled.logprob))
         into.top_logprobs.append(legacy_top_logprobs(sampled, top))
         into.text_offset.append(offset)
         offset += len(sampled.decoded)
@@ -310,7 +311,7 @@ def _top(t: TokenLogprob) -> TopLogprob:
     # ``bytes``: the token's raw bytes (a piece of a multi-byte character for a token whose
     # ``token`` string is U+FFFD), so consecutive tokens' bytes concatenate to the text's UTF-8.
     raw = t.token_bytes if t.token_bytes is not None else t.decoded.encode("utf-8")
-    return TopLogprob(token=t.decoded, logprob=_lp(t.logprob), bytes=list(raw))
+    return TopLogprob(token=t.decoded, logprob=json_logprob(t.logprob), bytes=list(raw))
 
 
 def chat_logprobs(entries: list[list[TokenLogprob]]) -> ChatLogprobs:

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bladellm.config import CacheConfig, SchedulerConfig
-from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
+from bladellm.core.outputs import Logprobs
 from bladellm.core.scheduler import Scheduler
 from bladellm.request import Request
 from bladellm.sampling_params import SamplingParams
@@ -132,9 +133,9 @@ class FakeRunner:
                 if self.propose is not None:
                     proposals[req_id] = self.propose(req_id)
                 if logprobs:
-                    lps[req_id] = SampleLogprobs(token_ids=[[t, t] for t in toks],
-                                                 logprobs=[[-0.5, -0.5] for _ in toks],
-                                                 ranks=[1 for _ in toks])
+                    lps[req_id] = Logprobs(token_ids=[[t, t] for t in toks],
+                                           logprobs=[[-0.5, -0.5] for _ in toks],
+                                           ranks=[1 for _ in toks])
             else:
                 sampled.append([])
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=lps,
