@@ -63,8 +63,7 @@ def _add(core, req_id: str, prompt: list[int], max_tokens: int) -> None:
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     core.add_request(EngineCoreRequest(request_id=req_id, prompt_token_ids=prompt,
-                                       sampling_params=params, eos_token_ids=[],
-                                       arrival_time=time.time()))
+                                       sampling_params=params, arrival_time=time.time()))
 
 
 # ---- accuracy ---------------------------------------------------------------------------------

@@ -88,9 +88,9 @@ def make_metadata(case: str, rows: int, vocab: int, gen: torch.Generator) -> Sam
         generators = {i: torch.Generator().manual_seed(i) for i in range(0, rows, 2)}
     prompts = [torch.randint(0, vocab, (256,), generator=gen).tolist() for _ in range(rows)]
     outputs = [torch.randint(0, vocab, (64,), generator=gen).tolist() for _ in range(rows)]
-    sampling = SamplingRows(rows)
+    sampling = SamplingRows(rows, eos_token_ids=[0])
     for i, p in enumerate(params):
-        sampling.set_row(i, p, [0])
+        sampling.set_row(i, p)
     token_ids = np.array([p + o for p, o in zip(prompts, outputs)], np.int64)
     md = sampling.metadata(np.arange(rows), token_ids, np.full(rows, 256 + 64),
                            np.full(rows, 256))

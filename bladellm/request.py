@@ -82,7 +82,6 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_ids: tuple[int, ...] = (),
         max_model_len: int | None = None,
         arrival_time: float | None = None,
         lora_request: Any = None,
@@ -90,7 +89,6 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         # The LoRA adapter (``bladellm.lora.LoRARequest``) or None; 0 = the base model.
         self.lora_request = lora_request

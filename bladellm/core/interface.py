@@ -25,8 +25,6 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prompt-cache hit (or 0)
-    # EOS ids of the model/request: the sampler bans them (and stop_token_ids) below min_tokens.
-    eos_token_ids: list[int] = field(default_factory=list)
     lora_id: int = 0  # LoRA adapter (0: the base model)
 
 

@@ -44,8 +44,11 @@ class Scheduler:
                  clock: Callable[[], float] = time.time,
                  speculative: SpeculativeConfig | None = None,
                  spec_costs: spec_decode.SpecCosts | None = None,
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None,
+                 eos_token_ids: Iterable[int] = ()) -> None:
         self.config = scheduler_config
+        # The model's end-of-sequence ids (``EngineCore.set_eos_token_ids``, once at start-up).
+        self.eos_token_ids = frozenset(eos_token_ids)
         # sps: the draft writes its KV for the proposals at the end of a step, so a request that
         # samples gets blocks for that many positions past its scheduled tokens.
         self.num_lookahead_slots = (speculative.gamma if speculative is not None
@@ -347,7 +350,7 @@ class Scheduler:
             out.scheduled_new_reqs.append(NewRequestData(
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
                 req.sampling_params, list(kv.get_block_ids(req.request_id)), num_hit,
-                eos_token_ids=sorted(req.eos_token_ids), lora_id=req.lora_id))
+                lora_id=req.lora_id))
             if req.lora_id:
                 running_loras.add(req.lora_id)
             self._runner_num_tokens[req.request_id] = req.num_tokens
@@ -527,7 +530,7 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token_id
                 return True
-            if not params.ignore_eos and token_id in req.eos_token_ids:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = None
                 return True

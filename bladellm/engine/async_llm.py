@@ -79,7 +79,7 @@ class AsyncLLM:
                 from bladellm.lora.registry import LoRARegistry
 
                 self.lora_registry = LoRARegistry(config.lora, resolved.hf_config)
-            self.client.wait_ready()
+            self.client.wait_ready(self.model_info.eos_token_ids)
         except BaseException:
             if self.client is not None:
                 self.client.close()

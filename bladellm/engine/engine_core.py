@@ -83,10 +83,18 @@ class EngineCore:
         """Stop the workers (world size > 1: their processes)."""
         self.executor.shutdown()
 
+    def set_eos_token_ids(self, eos_token_ids: list[int]) -> None:
+        """The model's end-of-sequence ids (``ModelInfo.eos_token_ids``: generation config and
+        tokenizer), handed once at start-up, before any request: the scheduler stops on them,
+        the runner bans them below ``min_tokens``. The front end knows them (it loads the
+        tokenizer, which this process never does)."""
+        self.scheduler.eos_token_ids = frozenset(eos_token_ids)
+        self.executor.collective_rpc("set_eos_token_ids", (list(eos_token_ids),))
+
     def add_request(self, req: EngineCoreRequest) -> None:
         request = Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
-            eos_token_ids=tuple(req.eos_token_ids), max_model_len=self.max_model_len,
+            max_model_len=self.max_model_len,
             arrival_time=req.arrival_time or None,
             lora_request=req.lora_request)
         if req.sampling_params.guided_decoding is not None:

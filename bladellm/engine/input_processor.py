@@ -57,14 +57,13 @@ class InputProcessor:
         self._validate(prompt_token_ids, params)
         if validate_grammar and params.guided_decoding is not None:
             self.validate_grammar(params)
-        eos = list(self.model_info.eos_token_ids)
         if params.n == 1:
             return [EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                      sampling_params=params, eos_token_ids=eos,
-                                      arrival_time=arrival_time, lora_request=lora_request)]
+                                      sampling_params=params, arrival_time=arrival_time,
+                                      lora_request=lora_request)]
         return [
             EngineCoreRequest(request_id=child_id, prompt_token_ids=prompt_token_ids,
-                              sampling_params=_child_params(params, i), eos_token_ids=eos,
+                              sampling_params=_child_params(params, i),
                               arrival_time=arrival_time, lora_request=lora_request)
             for i, child_id in enumerate(child_request_ids(request_id, params.n))
         ]

@@ -39,6 +39,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.model_info, config.guided.guided_max_grammar_size)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
         self.core = EngineCore(config, resolved)
+        self.core.set_eos_token_ids(self.model_info.eos_token_ids)
         self.lora_registry = None
         if config.lora.enable_lora:
             from bladellm.lora.registry import LoRARegistry

@@ -1,7 +1,7 @@
 """What the sampler needs to know about the rows it samples this step.
 
-The runner builds one ``SamplingMetadata`` per step (``worker/sampling_rows.SamplingRows``). Row ``i`` is the
-``i``-th request that samples this step. Every optional field is ``None`` (or empty) when no row
+The runner builds one ``SamplingMetadata`` per step (``worker/sampling_rows.SamplingRows``).
+Row ``i`` is the ``i``-th request that samples this step. Every optional field is ``None`` (or empty) when no row
 uses it, so that the sampler can skip the whole step: an all-greedy batch without penalties,
 biases or ``min_tokens`` builds almost nothing and samples with a single ``argmax``.
 """

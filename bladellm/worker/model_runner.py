@@ -167,6 +167,11 @@ class ModelRunner:
         return ForwardContext(attn_metadata=AttentionMetadata.single_prefill(
             num_tokens, self.block_size), kv_caches=caches)
 
+    def set_eos_token_ids(self, eos_token_ids: list[int]) -> None:
+        """The model's EOS ids, once at start-up (``EngineCore.set_eos_token_ids``): banned
+        below ``min_tokens`` unless a request ignores EOS."""
+        self.input_batch.sampling.eos_token_ids = list(eos_token_ids)
+
     def drop_requests(self, req_ids: list[str]) -> None:
         """Forget requests without a scheduler diff (their step failed)."""
         for req_id in req_ids:

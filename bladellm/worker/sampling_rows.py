@@ -28,8 +28,10 @@ def step_generator(seed: int, num_output_tokens: int) -> torch.Generator:
 
 
 class SamplingRows:
-    def __init__(self, max_num_reqs: int) -> None:
+    def __init__(self, max_num_reqs: int, eos_token_ids: list[int] | tuple[int, ...] = ()) -> None:
         n = max_num_reqs
+        # The model's EOS ids, banned below min_tokens unless ignore_eos (set once at start-up).
+        self.eos_token_ids = list(eos_token_ids)
         self.temperature = np.ones(n, np.float32)
         self.top_p = np.ones(n, np.float32)
         self.top_k = np.zeros(n, np.int64)
@@ -44,7 +46,7 @@ class SamplingRows:
         self.params: list[SamplingParams | None] = [None] * n
         self.banned: list[list[int]] = [[] for _ in range(n)]  # ids banned below min_tokens
 
-    def set_row(self, row: int, params: SamplingParams, eos_token_ids: list[int]) -> None:
+    def set_row(self, row: int, params: SamplingParams) -> None:
         self.params[row] = params
         self.temperature[row] = params.temperature
         self.top_p[row] = params.top_p
@@ -56,7 +58,7 @@ class SamplingRows:
         self.min_tokens[row] = params.min_tokens
         banned = set(params.stop_token_ids or ())
         if not params.ignore_eos:
-            banned |= set(eos_token_ids)
+            banned |= set(self.eos_token_ids)
         self.banned[row] = sorted(banned) if params.min_tokens > 0 else []
         self.needs_python[row] = bool(
             params.repetition_penalty != 1.0 or params.presence_penalty != 0.0

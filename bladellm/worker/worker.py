@@ -111,6 +111,9 @@ class Worker:
         with self._pipeline_call(0 if sched.is_empty else 1):
             return self.model_runner.execute_model(sched)
 
+    def set_eos_token_ids(self, eos_token_ids: list[int]) -> None:
+        self.model_runner.set_eos_token_ids(eos_token_ids)
+
     def drop_requests(self, req_ids: list[str]) -> None:
         self.model_runner.drop_requests(req_ids)
 

@@ -23,13 +23,12 @@ EOS = 2
 
 
 def make_request(req_id: str, prompt: list[int] | int, *, max_tokens: int | None = 8,
-                 eos: tuple[int, ...] = (EOS,),
                  arrival_time: float | None = 0.0, max_model_len: int | None = None,
                  **params) -> Request:
     if isinstance(prompt, int):
         prompt = [10 + i for i in range(prompt)]
     sp = SamplingParams(max_tokens=max_tokens, **params)
-    return Request(req_id, prompt, sp, eos_token_ids=eos, max_model_len=max_model_len,
+    return Request(req_id, prompt, sp, max_model_len=max_model_len,
                    arrival_time=arrival_time)
 
 
@@ -37,7 +36,7 @@ def make_scheduler(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: i
                    max_num_batched_tokens: int = 64, max_model_len: int = 64,
                    disable_prompt_cache: bool = False, max_queue_time: float | None = None,
                    clock: Callable[[], float] | None = None,
-                   speculative=None) -> Scheduler:
+                   speculative=None, eos_token_ids: tuple[int, ...] = (EOS,)) -> Scheduler:
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 max_queue_time=max_queue_time)
@@ -45,7 +44,8 @@ def make_scheduler(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: i
     kwargs = {"clock": clock} if clock is not None else {}
     if speculative is not None:
         kwargs["speculative"] = speculative
-    return Scheduler(sched_cfg, cache_cfg, num_blocks, max_model_len, **kwargs)
+    return Scheduler(sched_cfg, cache_cfg, num_blocks, max_model_len,
+                     eos_token_ids=eos_token_ids, **kwargs)
 
 
 @dataclass

@@ -19,10 +19,10 @@ def build_md(params: list[SamplingParams], *, prompts=None, outputs=None, eos=0,
     outputs = outputs if outputs is not None else [[] for _ in range(n)]
     width = max([len(p) + len(o) for p, o in zip(prompts, outputs)] + [1])
     token_ids = np.zeros((n, width), np.int64)
-    rows = SamplingRows(n)
+    rows = SamplingRows(n, [eos])
     for i, (p, o) in enumerate(zip(prompts, outputs)):
         token_ids[i, :len(p) + len(o)] = list(p) + list(o)
-        rows.set_row(i, params[i], [eos])
+        rows.set_row(i, params[i])
     num_prompt = np.array([len(p) for p in prompts], np.int64)
     num_tokens = num_prompt + np.array([len(o) for o in outputs], np.int64)
     md = rows.metadata(np.arange(n), token_ids, num_tokens, num_prompt)

@@ -59,9 +59,9 @@ def test_penalty_token_lists_only_for_rows_that_use_them():
 
 def test_min_tokens_bans_every_eos_id_of_the_model():
     params = [SamplingParams(min_tokens=2), SamplingParams(min_tokens=2, stop_token_ids=[5])]
-    rows = SamplingRows(2)
+    rows = SamplingRows(2, eos_token_ids=[0, 2])
     for i, p in enumerate(params):
-        rows.set_row(i, p, [0, 2])
+        rows.set_row(i, p)
     token_ids = np.array([[1, 3, 0], [1, 3, 4]], np.int64)
     md = rows.metadata(np.arange(2), token_ids, np.array([2, 3]), np.array([1, 1]))
     assert md.min_tokens_banned == {0: [0, 2]}  # row 1 already has 2 tokens
