@@ -56,9 +56,6 @@ class LLMEngine:
                     arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None) -> None:
         arrival_time = time.time() if arrival_time is None else arrival_time
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params: must be a SamplingParams, "
-                            f"got {type(params).__name__}")
         lora_request = self.check_lora(lora_request)
         num_top = prompt_lp.wanted(params, lora_request)
         core_reqs = self.input_processor.process(request_id, prompt, params, arrival_time,

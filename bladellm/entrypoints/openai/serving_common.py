@@ -113,12 +113,6 @@ def reject_unsupported(req: SamplingRequest) -> None:
         raise bad_request(f"n: must be in [1, {MAX_N}], got {req.n}", "n")
 
 
-def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    for tok in ids:
-        if not 0 <= tok < vocab_size:
-            raise bad_request(f"{param}: token id {tok} is out of range [0, {vocab_size})", param)
-
-
 def build_sampling_params(req: SamplingRequest, ctx: ServingContext, *, max_tokens: int | None,
                           logprobs: int | None,
                           forced_constraint: tuple[str, dict[str, Any]] | None = None,
@@ -146,9 +140,6 @@ def build_sampling_params(req: SamplingRequest, ctx: ServingContext, *, max_toke
         except ValueError:
             raise bad_request("logit_bias: keys must be token ids (integers as strings)",
                               "logit_bias") from None
-        check_token_ids(list(logit_bias), ctx.vocab_size, "logit_bias")
-    if req.stop_token_ids:
-        check_token_ids(req.stop_token_ids, ctx.vocab_size, "stop_token_ids")
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     return SamplingParams(
         n=req.n, max_tokens=max_tokens, stop=stop or None, seed=req.seed,

@@ -18,7 +18,7 @@ from bladellm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse)
 from bladellm.entrypoints.openai.serving_common import (
     SSE_DONE, SSE_HEADERS, ServingContext, UsageCounter, build_sampling_params, check_output,
-    check_token_ids, completion_logprobs, context_length_error, merge_streams,
+    completion_logprobs, context_length_error, merge_streams,
     naming_context_errors,
     reject_unsupported, sse, stream_usage_flags, until_disconnect)
 from bladellm.outputs import RequestOutput
@@ -48,12 +48,7 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[str | list[int
         prompts: list[str | list[int]] = [list(prompt)]  # type: ignore[arg-type]
     else:
         prompts = list(prompt)  # type: ignore[arg-type]
-    for p in prompts:
-        if isinstance(p, list):
-            if not p:
-                raise bad_request("prompt: a token-id prompt must not be empty", "prompt")
-            check_token_ids(p, ctx.vocab_size, "prompt")
-    return prompts
+    return prompts  # their tokens and lengths: InputProcessor's checks, in the engine
 
 
 def _check(req: CompletionRequest) -> None:
