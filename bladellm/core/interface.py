@@ -73,6 +73,9 @@ class ModelRunnerOutput:
     # end of its tokens (nothing to sample yet).
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)  # of the sampled tokens
+    # Requests with SamplingParams.prompt_logprobs: the prompt tokens after this step's chunk
+    # positions (from num_computed_tokens + 1 on; see ModelRunner._prompt_logprobs).
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
     # Requests whose step failed (e.g. a bad logit_bias id): finish with an error, not the engine.
     errored: dict[str, str] = field(default_factory=dict)
     # Speculative decoding: sampled_token_ids holds the accepted proposals then one token from

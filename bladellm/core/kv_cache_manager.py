@@ -62,8 +62,10 @@ class KVCacheManager:
         return (req.num_tokens - 1) // self.block_size
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
-        """Longest cached prefix of a request that holds no blocks: (block ids, num tokens)."""
-        if not self.enable_caching:
+        """Longest cached prefix of a request that holds no blocks: (block ids, num tokens).
+        None for a request that wants prompt logprobs: the runner computes them from the
+        request's own prefill, which must then run every prompt position (as vLLM does)."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = self.block_hashes(req)
         blocks = []

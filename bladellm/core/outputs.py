@@ -50,6 +50,9 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     # Speculative decoding, sent with the final output: proposed tokens verified, and accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # SamplingParams.prompt_logprobs: every prompt token after the first, computed during the
+    # request's own prefill; sent once, with its first token (engine/prompt_logprobs.py).
+    prompt_logprobs: Logprobs | None = None
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):

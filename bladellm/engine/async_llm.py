@@ -31,9 +31,7 @@ from bladellm.lora.request import LoRARequest
 from bladellm.model.checkpoint import HUB_FLAGS, ResolvedModel, locate_model
 from bladellm.model.hub import download_model, is_model_id
 from bladellm.model.pooling_config import pooling_config
-from bladellm.engine import prompt_logprobs as prompt_lp
-from bladellm.engine.prompt_logprobs import to_token_logprobs
-from bladellm.outputs import RequestOutput, TokenLogprob
+from bladellm.outputs import RequestOutput
 from bladellm.sampling_params import SamplingParams
 from bladellm.platforms.threads import configure_frontend_threads
 
@@ -154,9 +152,7 @@ class AsyncLLM:
         arrival = time.time()
         # Counted as waiting from here: requests being tokenized take their queue slot at once.
         self._not_started.add(request_id)
-        prompt_logprobs = None
         try:
-            num_top = prompt_lp.wanted(sampling_params, lora_request)
             core_reqs = await self.cpu_offload.run(
                 self.input_processor.process, request_id, prompt, sampling_params, arrival,
                 lora_request=lora_request, validate_grammar=False)
@@ -164,9 +160,6 @@ class AsyncLLM:
                 # Not in the tokenizer's queue; a client gone before its turn never starts it.
                 await self.grammar_offload.run(self.input_processor.validate_grammar,
                                                sampling_params)
-            if num_top is not None:  # one forward over the prompt, before it is queued
-                prompt_logprobs = prompt_lp.with_first((await self.prompt_logprobs(
-                    [core_reqs[0].prompt_token_ids], num_top))[0])
         except BaseException:
             self._not_started.discard(request_id)
             raise
@@ -189,8 +182,6 @@ class AsyncLLM:
                 # A failure before any output is an error response; after, a finish_reason.
                 if item.error is not None and (not yielded or item.error == QUEUE_TIMEOUT_ERROR):
                     raise request_error(item.error)  # `finally` aborts any siblings
-                if prompt_logprobs is not None and not (delta and yielded):
-                    item.prompt_logprobs = prompt_logprobs
                 finished, yielded = item.finished, True
                 yield item
                 if finished:
@@ -224,14 +215,6 @@ class AsyncLLM:
         vectors = await self._core_call("embed", ids, self.pooling.pooling)
         return [embedding.EmbeddingOutput(embedding.finish(v, self.pooling, dimensions), p)
                 for v, p in zip(vectors, ids)]
-
-    async def prompt_logprobs(self, prompts: list[list[int]],
-                              num_top: int) -> list[list[list[TokenLogprob]]]:
-        """For each token-id prompt: per token after the first, the token's logprob and rank
-        given the tokens before it, then the ``num_top`` most likely tokens there."""
-        raw = await self._core_call("prompt_logprobs", prompts, num_top)
-        return await self.cpu_offload.run(to_token_logprobs, raw,
-                                          self.output_processor.logprob_renderer)
 
     async def _core_call(self, method: str, *args) -> list:
         reply = await self.call_utility(method, *args)

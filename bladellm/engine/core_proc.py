@@ -200,7 +200,7 @@ def _utility(core: Any, method: str, args: list) -> Any:
     if method == "remove_lora":
         core.remove_lora(int(args[0]))
         return True
-    if method in ("embed", "prompt_logprobs"):  # one extra forward per prompt, between steps
+    if method == "embed":  # one extra forward per prompt, between steps
         from bladellm.executor import WorkerDiedError
 
         try:

@@ -1,7 +1,8 @@
 """API-process side of results: engine-core outputs → ``RequestOutput``s, stats for loggers.
 
 Per child request (one per sample, see ``input_processor``): incremental detokenization, stop
-strings, logprob conversion, finish reasons. Per parent request: fan-in of its children, metrics.
+strings, logprobs (``LogprobRenderer``: the engine's ``Logprobs`` with token text), finish
+reasons; prompt logprobs per parent (with the first output only when ``delta``). Per parent request: fan-in of its children, metrics.
 
 Contract with the caller (``LLMEngine`` / ``AsyncLLM``):
 
@@ -108,6 +109,10 @@ class _ParentState:
         self.num_cached_tokens = 0
         self.error: str | None = None
         self.aborted = False  # by abort_request (client gone), not by the core
+        # SamplingParams.prompt_logprobs: None first (nothing precedes the first token), then
+        # one entry per prompt token; from the core with the first token of any child.
+        self.prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+        self.prompt_logprobs_sent = False  # delta mode: only the first output carries them
 
     @property
     def finished(self) -> bool:
@@ -210,6 +215,9 @@ class OutputProcessor:
         return result
 
     def _apply(self, child: _ChildState, out: EngineCoreOutput, reqs_to_abort: list[str]) -> None:
+        if out.prompt_logprobs is not None and child.parent.prompt_logprobs is None:
+            child.parent.prompt_logprobs = [None,
+                                            *self.logprob_renderer.render(out.prompt_logprobs)]
         if out.num_draft_tokens:
             child.num_draft_tokens = out.num_draft_tokens
             child.num_accepted_tokens = out.num_accepted_tokens
@@ -272,11 +280,15 @@ class OutputProcessor:
             completions = [self._delta_completion(c) for c in sorted(news, key=lambda c: c.index)]
         else:
             completions = [self._cumulative_completion(c) for c in parent.children]
+        prompt_logprobs = parent.prompt_logprobs
+        if parent.delta and prompt_logprobs is not None:
+            prompt_logprobs = None if parent.prompt_logprobs_sent else prompt_logprobs
+            parent.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=completions,
             finished=parent.finished, num_cached_tokens=parent.num_cached_tokens,
-            metrics=parent.metrics, error=parent.error)
+            metrics=parent.metrics, error=parent.error, prompt_logprobs=prompt_logprobs)
 
     def _delta_completion(self, child: _ChildState) -> CompletionOutput:
         detok = child.detokenizer

@@ -4,6 +4,8 @@ speculative verification) and prompt logprobs, and the one type they travel in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from bladellm.core.outputs import Logprobs
@@ -38,3 +40,19 @@ def to_logprobs(ids: torch.Tensor, values: torch.Tensor, ranks: torch.Tensor) ->
 def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:
     """``gather_logprobs`` of one request's positions, as the wire type."""
     return to_logprobs(*gather_logprobs(logprobs, token_ids, num_top))
+
+
+_LOGITS_CHUNK = 256  # prompt positions per logits matmul: bounds the [chunk, vocab] buffer
+
+
+def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                    hidden: torch.Tensor, next_token_ids: torch.Tensor, num_top: int) -> Logprobs:
+    """Logprobs of ``next_token_ids[j]`` given the prefix whose last hidden state is
+    ``hidden[j]`` (consecutive prompt positions of one request), from the model's raw logits."""
+    parts = []
+    for start in range(0, len(next_token_ids), _LOGITS_CHUNK):
+        end = start + _LOGITS_CHUNK
+        logprobs = compute_logits(hidden[start:end]).float().log_softmax(dim=-1)
+        parts.append(gather_logprobs(logprobs, next_token_ids[start:end], num_top))
+    ids, values, ranks = (torch.cat(columns) for columns in zip(*parts))
+    return to_logprobs(ids, values, ranks)

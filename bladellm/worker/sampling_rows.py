@@ -44,10 +44,16 @@ class SamplingRows:
         # min_tokens, logprobs or a seed. Most steps have none, and skip the per-row Python below.
         self.needs_python = np.zeros(n, np.bool_)
         self.params: list[SamplingParams | None] = [None] * n
+        # Prompt logprobs: top-k per row (-1: none wanted), and how many rows want them.
+        self.prompt_logprobs = np.full(n, -1, np.int64)
+        self.num_prompt_logprobs_rows = 0
         self.banned: list[list[int]] = [[] for _ in range(n)]  # ids banned below min_tokens
 
     def set_row(self, row: int, params: SamplingParams) -> None:
         self.params[row] = params
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs[row] = params.prompt_logprobs
+            self.num_prompt_logprobs_rows += 1
         self.temperature[row] = params.temperature
         self.top_p[row] = params.top_p
         self.top_k[row] = params.top_k
@@ -67,6 +73,9 @@ class SamplingRows:
 
     def clear_row(self, row: int) -> None:
         self.params[row] = None
+        if self.prompt_logprobs[row] >= 0:
+            self.prompt_logprobs[row] = -1
+            self.num_prompt_logprobs_rows -= 1
         self.needs_python[row] = False
 
     def metadata(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,

@@ -1,5 +1,6 @@
-"""Prompt logprobs on /v1/completions: vLLM's ``prompt_logprobs`` field and OpenAI's ``echo``
-with ``logprobs`` (the prompt's tokens lead the choice's logprobs, the first one with null)."""
+"""Prompt logprobs on /v1/completions, rendered from ``RequestOutput.prompt_logprobs`` (computed
+in the request's own prefill): vLLM's ``prompt_logprobs`` field and OpenAI's ``echo`` with
+``logprobs`` (the prompt's tokens lead the choice's logprobs, the first one with null)."""
 
 from __future__ import annotations
 
@@ -18,17 +19,6 @@ def check(value: int | None) -> None:
     if value is not None and not 0 <= value <= MAX_PROMPT_LOGPROBS:
         raise bad_request(f"prompt_logprobs: must be in [0, {MAX_PROMPT_LOGPROBS}], got {value}",
                           "prompt_logprobs")
-
-
-async def fetch(prompts: list[str | list[int]], ctx: ServingContext,
-                num_top: int) -> list[tuple[list[int], list[list[TokenLogprob]]]]:
-    """(token ids, per-token logprobs from the second token on) for each prompt."""
-    def tokenize() -> list[list[int]]:
-        return [list(ctx.tokenizer.encode(p)) if isinstance(p, str) else p for p in prompts]
-
-    ids = await ctx.offload.run(tokenize)
-    entries = await ctx.engine.prompt_logprobs(ids, num_top)
-    return list(zip(ids, entries))
 
 
 def vllm_format(entries: list[list[TokenLogprob]]) -> list[dict[str, Any] | None]:
