@@ -2,7 +2,8 @@
 
 Per child request (one per sample, see ``input_processor``): incremental detokenization, stop
 strings, logprobs (``LogprobRenderer``: the engine's ``Logprobs`` with token text), finish
-reasons; prompt logprobs per parent (with the first output only when ``delta``). Per parent request: fan-in of its children, metrics.
+reasons. Per parent request: fan-in of its children, metrics, prompt logprobs (with the first
+output only when ``delta``).
 
 Contract with the caller (``LLMEngine`` / ``AsyncLLM``):
 

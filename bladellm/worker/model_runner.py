@@ -190,7 +190,7 @@ class ModelRunner:
         if hidden is None:  # a pipeline stage before the last: it sent its activations on
             return ModelRunnerOutput(req_ids=inputs.req_ids,
                                      sampled_token_ids=[[] for _ in inputs.req_ids])
-        # Every TP rank computes them (the LM head's collectives need each); the driver returns them.
+        # Every TP rank computes them (the LM head's collectives need each); the driver's count.
         prompt_lps = (self._prompt_logprobs(hidden, inputs)
                       if self.input_batch.sampling.num_prompt_logprobs_rows else {})
         if self.spec is not None:

@@ -38,7 +38,7 @@ class _Choice:
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs (sent once)
 
 
-def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[str | list[int]]:
+def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     prompt = req.prompt
     if isinstance(prompt, str):
         return [prompt]
@@ -62,7 +62,7 @@ async def create_completion(req: CompletionRequest, raw: Request,
                             ctx: ServingContext) -> Response:
     lora = ctx.check_model(req.model)
     _check(req)
-    prompts = _prompts(req, ctx)
+    prompts = _prompts(req)
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     params = build_sampling_params(req, ctx, max_tokens=max_tokens, logprobs=req.logprobs)
     echo_top = req.logprobs if (req.echo and req.logprobs is not None) else None
