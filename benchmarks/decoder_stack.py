@@ -100,7 +100,7 @@ def main() -> None:
         core.add_request(EngineCoreRequest(
             request_id=str(i), prompt_token_ids=[(7 * i + j) % (vocab - 20) + 10
                                                  for j in range(64)],
-            sampling_params=params, eos_token_ids=[], arrival_time=time.time()))
+            sampling_params=params, arrival_time=time.time()))
     for _ in range(8):  # prefill and warm-up
         core.step()
     times: dict[str, list[float]] = {n: [] for n in names}

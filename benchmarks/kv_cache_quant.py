@@ -63,26 +63,28 @@ def _add(core, req_id: str, prompt: list[int], max_tokens: int) -> None:
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     core.add_request(EngineCoreRequest(request_id=req_id, prompt_token_ids=prompt,
-                                       sampling_params=params, eos_token_ids=[],
-                                       arrival_time=time.time()))
+                                       sampling_params=params, arrival_time=time.time()))
 
 
 # ---- accuracy ---------------------------------------------------------------------------------
 def perplexity(args) -> dict:
-    from bladellm import LLM
+    from bladellm import LLM, SamplingParams
 
     text = "\n\n".join((LICENSES / name).read_text() for name in TEXTS)
     result: dict = {"texts": [str(LICENSES / n) for n in TEXTS], "window": args.window}
     lps: dict = {}
     for quant in QUANTS:
+        # One generated token after each window: its prompt logprobs come from its prefill.
         llm = LLM(model="demo", dtype=args.dtype, kv_cache_quant=quant,
-                  max_model_len=args.window, num_kv_blocks=args.window // 16 + 2)
+                  max_model_len=args.window + 1, num_kv_blocks=args.window // 16 + 3)
         ids = llm.get_tokenizer().encode(text)
         windows = [ids[i:i + args.window] for i in range(0, len(ids) - 1, args.window)]
         start = time.perf_counter()
-        raw = llm.engine.core.prompt_logprobs(windows, 1)
+        outs = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                            use_tqdm=False)
         seconds = time.perf_counter() - start
-        lps[quant] = [(e[1][0], e[0][1]) for w in raw for e in w]  # (logprob, top-1 id)
+        lps[quant] = [(e[0].logprob, e[1].token_id)  # (logprob, top-1 id)
+                      for o in outs for e in o.prompt_logprobs[1:]]
         nll = -sum(lp for lp, _ in lps[quant]) / len(lps[quant])
         result[quant] = {"perplexity": math.exp(nll), "tokens": len(lps[quant]),
                          "seconds": seconds}

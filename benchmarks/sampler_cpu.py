@@ -25,11 +25,13 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bladellm.sample.metadata import SamplingMetadata
 from bladellm.sample.sampler import Sampler
 from bladellm.sampling_params import SamplingParams
+from bladellm.worker.sampling_rows import SamplingRows
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_BEFORE = "79510a9"  # last revision with the exponential-race draw
@@ -86,8 +88,14 @@ def make_metadata(case: str, rows: int, vocab: int, gen: torch.Generator) -> Sam
         generators = {i: torch.Generator().manual_seed(i) for i in range(0, rows, 2)}
     prompts = [torch.randint(0, vocab, (256,), generator=gen).tolist() for _ in range(rows)]
     outputs = [torch.randint(0, vocab, (64,), generator=gen).tolist() for _ in range(rows)]
-    return SamplingMetadata.from_params(params, prompts, outputs, [frozenset({0})] * rows,
-                                        generators, device="cpu")
+    sampling = SamplingRows(rows, eos_token_ids=[0])
+    for i, p in enumerate(params):
+        sampling.set_row(i, p)
+    token_ids = np.array([p + o for p, o in zip(prompts, outputs)], np.int64)
+    md = sampling.metadata(np.arange(rows), token_ids, np.full(rows, 256 + 64),
+                           np.full(rows, 256))
+    md.generators = generators
+    return md
 
 
 def time_cell(samplers: list, logits: torch.Tensor, md: SamplingMetadata, reps: int,

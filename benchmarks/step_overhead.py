@@ -75,7 +75,7 @@ def measure(batch: int, steps: int, dtype: str, num_layers: int) -> dict:
     for i in range(batch):
         core.add_request(EngineCoreRequest(
             request_id=str(i), prompt_token_ids=[(7 * i + j) % 8000 + 10 for j in range(32)],
-            sampling_params=params, eos_token_ids=[], arrival_time=time.time()))
+            sampling_params=params, arrival_time=time.time()))
     for _ in range(8):  # prefill and warm-up
         core.step()
     totals, hosts = [], []

@@ -82,19 +82,14 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_ids: tuple[int, ...] = (),
         max_model_len: int | None = None,
         arrival_time: float | None = None,
-        cache_salt: str | None = None,
         lora_request: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
-        # Extra key mixed into prompt-cache hashes (LoRA id, image hashes later).
-        self.cache_salt = cache_salt
         # The LoRA adapter (``bladellm.lora.LoRARequest``) or None; 0 = the base model.
         self.lora_request = lora_request
         self.lora_id: int = lora_request.lora_int_id if lora_request is not None else 0

@@ -117,7 +117,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs besides the sampled token's
     # Per prompt token after the first: its logprob and rank, and this many top alternatives
-    # (``RequestOutput.prompt_logprobs``). One extra forward over the prompt, by the base model.
+    # (``RequestOutput.prompt_logprobs``), from the request's own prefill (which then takes no
+    # prompt-cache hit).
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True

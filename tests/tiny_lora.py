@@ -46,3 +46,18 @@ def peft_greedy(base_dir: str, adapter_dir: str | None, prompt: list[int],
         logits = model(torch.tensor([ids])).logits[0, -1]
         ids.append(int(logits.argmax()))
     return ids[len(prompt):]
+
+
+def peft_prompt_logprobs(base_dir: str, adapter_dir: str | None,
+                         prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), V] fp32 log-softmax of transformers' logits (+ PeftModel when
+    ``adapter_dir``): row p is the distribution of token p + 1."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    with torch.no_grad():
+        return torch.log_softmax(model.eval()(torch.tensor([prompt])).logits[0].float(), dim=-1)

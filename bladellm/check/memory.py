@@ -22,7 +22,6 @@ from bladellm.platforms.cpu_defaults import (GiB, KVCacheSizeError, cgroup_memor
                                              total_memory_bytes)
 
 if TYPE_CHECKING:
-    import torch
 
     from bladellm.checkpoint.locate import ResolvedModel
     from bladellm.kernels.interface import Kernels

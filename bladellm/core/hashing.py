@@ -1,7 +1,7 @@
 """Prompt-cache block hashes.
 
-A full block's hash chains its parent's hash, its token ids and extra keys (cache salt; later LoRA
-id, image hashes), so equal hashes mean equal prefixes, not just equal blocks. sha256 keeps the
+A full block's hash chains its parent's hash, its token ids and extra keys (LoRA id; later
+image hashes), so equal hashes mean equal prefixes, not just equal blocks. sha256 keeps the
 value stable across processes and runs (the router can compute the same hashes for prefix
 affinity); 128 bits make a collision, which would serve wrong KV, practically impossible.
 """
@@ -41,9 +41,6 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
     return hashes
 
 
-def request_extra_keys(cache_salt: str | None, lora_id: int = 0) -> tuple | None:
+def request_extra_keys(lora_id: int = 0) -> tuple | None:
     """Two LoRA adapters never share KV blocks (their K/V differ); one adapter shares its own."""
-    keys = (cache_salt,) if cache_salt is not None else ()
-    if lora_id:
-        keys += ("lora", lora_id)
-    return keys or None
+    return ("lora", lora_id) if lora_id else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from bladellm.core.outputs import Logprobs
 from bladellm.sampling_params import SamplingParams
 
 
@@ -24,8 +25,6 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prompt-cache hit (or 0)
-    # EOS ids of the model/request: the sampler bans them (and stop_token_ids) below min_tokens.
-    eos_token_ids: list[int] = field(default_factory=list)
     lora_id: int = 0  # LoRA adapter (0: the base model)
 
 
@@ -68,21 +67,15 @@ class SchedulerOutput:
 
 
 @dataclass
-class SampleLogprobs:
-    """Logprobs of each sampled token: row i is [sampled token, top-1, ..., top-k]."""
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]  # rank of the sampled token in the full distribution (1 = most likely)
-
-
-@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
     # Aligned with req_ids; [] for a request whose step was a prefill chunk that did not reach the
     # end of its tokens (nothing to sample yet).
     sampled_token_ids: list[list[int]]
-    logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)  # of the sampled tokens
+    # Requests with SamplingParams.prompt_logprobs: the prompt tokens after this step's chunk
+    # positions (from num_computed_tokens + 1 on; see ModelRunner._prompt_logprobs).
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
     # Requests whose step failed (e.g. a bad logit_bias id): finish with an error, not the engine.
     errored: dict[str, str] = field(default_factory=dict)
     # Speculative decoding: sampled_token_ids holds the accepted proposals then one token from
@@ -90,5 +83,3 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # a chain to verify
     spec_tree_sizes: dict[str, int] = field(default_factory=dict)  # look_ahead tree query tokens
 
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

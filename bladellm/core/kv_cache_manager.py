@@ -55,15 +55,17 @@ class KVCacheManager:
     def block_hashes(self, req: Request) -> list[BlockHash]:
         """The request's full-block hashes, extended lazily as its tokens grow."""
         return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size,
-                                   request_extra_keys(req.cache_salt, req.lora_id))
+                                   request_extra_keys(req.lora_id))
 
     def _num_reusable_blocks(self, req: Request) -> int:
         # Leave at least one token to compute: a fully cached prompt recomputes its last block.
         return (req.num_tokens - 1) // self.block_size
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
-        """Longest cached prefix of a request that holds no blocks: (block ids, num tokens)."""
-        if not self.enable_caching:
+        """Longest cached prefix of a request that holds no blocks: (block ids, num tokens).
+        None for a request that wants prompt logprobs: the runner computes them from the
+        request's own prefill, which must then run every prompt position (as vLLM does)."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = self.block_hashes(req)
         blocks = []

@@ -17,11 +17,23 @@ QUEUE_TIMEOUT_ERROR = "queue_timeout"
 
 
 class Logprobs(msgspec.Struct, array_like=True):
-    """For each new token: [sampled, top-1..top-k] ids and logprobs, and the sampled rank."""
+    """Logprobs of consecutive positions of one request: per position, [chosen token, top-1,
+    ..., top-k] ids and their logprobs, and the chosen token's rank (1 = most likely).
+
+    The one shape of logprobs inside the engine: the runner makes it (``sample/logprobs.py``)
+    for sampled tokens and prompt tokens alike, the scheduler forwards it, the output processor
+    renders it (token text) for the user."""
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     ranks: list[int]
+
+    def head(self, num_positions: int) -> "Logprobs":
+        """The first ``num_positions`` positions (all of them: this object)."""
+        if num_positions >= len(self.ranks):
+            return self
+        return Logprobs(self.token_ids[:num_positions], self.logprobs[:num_positions],
+                        self.ranks[:num_positions])
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
@@ -39,6 +51,9 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     # Speculative decoding, sent with the final output: proposed tokens verified, and accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # SamplingParams.prompt_logprobs: every prompt token after the first, computed during the
+    # request's own prefill; sent once, with its first token (engine/prompt_logprobs.py).
+    prompt_logprobs: Logprobs | None = None
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):

@@ -30,7 +30,7 @@ from bladellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from bladellm.core import spec_decode
 from bladellm.core.block_pool import _require
 from bladellm.core.interface import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                     SampleLogprobs, SchedulerOutput)
+                                     SchedulerOutput)
 from bladellm.core.kv_cache_manager import KVCacheManager, cdiv
 from bladellm.core.outputs import QUEUE_TIMEOUT_ERROR, EngineCoreOutput, Logprobs, SchedulerStats
 from bladellm.errors import ErrorKind
@@ -44,8 +44,11 @@ class Scheduler:
                  clock: Callable[[], float] = time.time,
                  speculative: SpeculativeConfig | None = None,
                  spec_costs: spec_decode.SpecCosts | None = None,
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None,
+                 eos_token_ids: Iterable[int] = ()) -> None:
         self.config = scheduler_config
+        # The model's end-of-sequence ids (``EngineCore.set_eos_token_ids``, once at start-up).
+        self.eos_token_ids = frozenset(eos_token_ids)
         # sps: the draft writes its KV for the proposals at the end of a step, so a request that
         # samples gets blocks for that many positions past its scheduled tokens.
         self.num_lookahead_slots = (speculative.gamma if speculative is not None
@@ -257,7 +260,7 @@ class Scheduler:
             out.scheduled_new_reqs.append(NewRequestData(
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
                 req.sampling_params, list(kv.get_block_ids(req.request_id)), num_hit,
-                eos_token_ids=sorted(req.eos_token_ids), lora_id=req.lora_id))
+                lora_id=req.lora_id))
             if req.lora_id:
                 running_loras.add(req.lora_id)
             self._runner_num_tokens[req.request_id] = req.num_tokens
@@ -442,7 +445,7 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token_id
                 return True
-            if not params.ignore_eos and token_id in req.eos_token_ids:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = None
                 return True
@@ -470,16 +473,13 @@ class Scheduler:
         self._finished_req_ids.add(req.request_id)
 
     def _make_output(self, req: Request, new_token_ids: list[int],
-                     logprobs: SampleLogprobs | None = None,
+                     logprobs: Logprobs | None = None,
                      error: str | None = None,
                      error_kind: ErrorKind = ErrorKind.FAILED) -> EngineCoreOutput:
         output = EngineCoreOutput(request_id=req.request_id, new_token_ids=new_token_ids,
                                   error=error, error_kind=None if error is None else error_kind)
         if logprobs is not None and new_token_ids:
-            k = len(new_token_ids)
-            output.new_logprobs = Logprobs(token_ids=logprobs.token_ids[:k],
-                                           logprobs=logprobs.logprobs[:k],
-                                           ranks=logprobs.ranks[:k])
+            output.new_logprobs = logprobs.head(len(new_token_ids))
         if req.is_finished:
             output.finish_reason = req.status.finish_reason
             output.stop_reason = req.stop_reason

@@ -27,12 +27,10 @@ from bladellm.engine.metrics import StatLogger
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
 from bladellm.lora.request import LoRARequest
-from bladellm.checkpoint.locate import HUB_FLAGS, ResolvedModel, locate_model
 from bladellm.checkpoint.hub import download_model, is_model_id
+from bladellm.checkpoint.locate import HUB_FLAGS, ResolvedModel, locate_model
 from bladellm.checkpoint.pooling_config import pooling_config
-from bladellm.engine import prompt_logprobs as prompt_lp
-from bladellm.engine.prompt_logprobs import to_token_logprobs
-from bladellm.outputs import RequestOutput, TokenLogprob
+from bladellm.outputs import RequestOutput
 from bladellm.sampling_params import SamplingParams
 from bladellm.platforms.threads import configure_frontend_threads
 
@@ -78,7 +76,7 @@ class AsyncLLM:
                 from bladellm.lora.registry import LoRARegistry
 
                 self.lora_registry = LoRARegistry(config.lora, resolved.hf_config)
-            self.client.wait_ready()
+            self.client.wait_ready(self.model_info.eos_token_ids)
         except BaseException:
             if self.client is not None:
                 self.client.close()
@@ -153,9 +151,7 @@ class AsyncLLM:
         arrival = time.time()
         # Counted as waiting from here: requests being tokenized take their queue slot at once.
         self._not_started.add(request_id)
-        prompt_logprobs = None
         try:
-            num_top = prompt_lp.wanted(sampling_params, lora_request)
             core_reqs = await self.cpu_offload.run(
                 self.input_processor.process, request_id, prompt, sampling_params, arrival,
                 lora_request=lora_request, validate_grammar=False)
@@ -163,9 +159,6 @@ class AsyncLLM:
                 # Not in the tokenizer's queue; a client gone before its turn never starts it.
                 await self.grammar_offload.run(self.input_processor.validate_grammar,
                                                sampling_params)
-            if num_top is not None:  # one forward over the prompt, before it is queued
-                prompt_logprobs = prompt_lp.with_first((await self.prompt_logprobs(
-                    [core_reqs[0].prompt_token_ids], num_top))[0])
         except BaseException:
             self._not_started.discard(request_id)
             raise
@@ -189,8 +182,6 @@ class AsyncLLM:
                 if item.error is not None and (
                         not yielded or item.error_kind is ErrorKind.QUEUE_TIMEOUT):
                     raise request_error(item.error_kind, item.error)  # `finally` aborts siblings
-                if prompt_logprobs is not None and not (delta and yielded):
-                    item.prompt_logprobs = prompt_logprobs
                 finished, yielded = item.finished, True
                 yield item
                 if finished:
@@ -224,13 +215,6 @@ class AsyncLLM:
         vectors = await self._core_call("embed", ids, self.pooling.pooling)
         return [embedding.EmbeddingOutput(embedding.finish(v, self.pooling, dimensions), p)
                 for v, p in zip(vectors, ids)]
-
-    async def prompt_logprobs(self, prompts: list[list[int]],
-                              num_top: int) -> list[list[list[TokenLogprob]]]:
-        """For each token-id prompt: per token after the first, the token's logprob and rank
-        given the tokens before it, then the ``num_top`` most likely tokens there."""
-        raw = await self._core_call("prompt_logprobs", prompts, num_top)
-        return await self.cpu_offload.run(to_token_logprobs, raw, self.model_info.tokenizer)
 
     async def _core_call(self, method: str, *args) -> list:
         reply = await self.call_utility(method, *args)

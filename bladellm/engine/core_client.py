@@ -17,6 +17,7 @@ import multiprocessing
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -38,9 +39,10 @@ class AsyncMPClient:
     """Starts the engine-core process and talks to it from an asyncio event loop."""
 
     def __init__(self, config: EngineConfig, wait: bool = True,
-                 log_level: int | None = None) -> None:
+                 log_level: int | None = None, eos_token_ids: Sequence[int] = ()) -> None:
         """Start the engine-core process; with ``wait=False`` return at once and let the caller
-        do its own start-up work while the core loads the model, then call ``wait_ready()``."""
+        do its own start-up work while the core loads the model (the caller loads the
+        tokenizer, which knows the model's EOS ids), then call ``wait_ready(eos_token_ids)``."""
         self._ipc_dir = tempfile.mkdtemp(prefix="bladellm-")
         input_addr = f"ipc://{self._ipc_dir}/input"
         output_addr = f"ipc://{self._ipc_dir}/output"
@@ -55,7 +57,8 @@ class AsyncMPClient:
         self._next_call = 0
 
         mp = multiprocessing.get_context("spawn")
-        reader, writer = mp.Pipe(duplex=False)
+        # Start-up handshake: the core says ready, we answer with the model's EOS ids.
+        reader, writer = mp.Pipe()
         self.proc = mp.Process(
             target=run_engine_core_proc, name="bladellm-engine-core", daemon=True,
             args=(config, input_addr, output_addr, writer,
@@ -67,11 +70,17 @@ class AsyncMPClient:
         self.num_blocks = 0
         self._ready = False
         if wait:
-            self.wait_ready()
+            self.wait_ready(eos_token_ids)
 
-    def wait_ready(self) -> None:
-        """Block until the engine core has loaded the model and sized its KV cache."""
+    def wait_ready(self, eos_token_ids: Sequence[int]) -> None:
+        """Block until the engine core has loaded the model and sized its KV cache, then hand it
+        the model's EOS ids (``ModelInfo.eos_token_ids``), before any request."""
         self.num_blocks = self._wait_ready(self._ready_reader)
+        try:
+            self._ready_reader.send({"eos_token_ids": [int(t) for t in eos_token_ids]})
+        except OSError:  # the core died right after saying ready: requests will see it dead
+            pass
+        self._ready_reader.close()
         self._ready = True
 
     def _wait_ready(self, reader: Any) -> int:

@@ -71,7 +71,14 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
         ready_conn.send({"status": "failed", "error": error})
         return
     ready_conn.send({"status": "ready", "num_blocks": core.num_blocks})
+    try:
+        # The front end answers with the model's EOS ids (it loads the tokenizer; we don't).
+        setup = ready_conn.recv()
+    except EOFError:  # the API process gave up on us (or died) during its own start-up
+        core.shutdown()
+        return
     ready_conn.close()
+    core.set_eos_token_ids(setup["eos_token_ids"])
     # From here on the parent owns our life: a SIGTERM sent to the whole process group (systemd's
     # control-group stop, `kill -- -PGID`) must not kill us while the API process gives running
     # requests their grace period; the parent then sends SHUTDOWN, or SIGKILL when a step is
@@ -193,7 +200,7 @@ def _utility(core: Any, method: str, args: list) -> Any:
     if method == "remove_lora":
         core.remove_lora(int(args[0]))
         return True
-    if method in ("embed", "prompt_logprobs"):  # one extra forward per prompt, between steps
+    if method == "embed":  # one extra forward per prompt, between steps
         from bladellm.executor import WorkerDiedError
 
         try:

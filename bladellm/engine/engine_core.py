@@ -20,7 +20,8 @@ from bladellm.executor.base import StepHandle
 from bladellm.engine.guided import GuidedRequests
 from bladellm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from bladellm.checkpoint.locate import ResolvedModel
-from bladellm.request import Request
+from bladellm.engine.prompt_logprobs import PromptLogprobs
+from bladellm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class EngineCore:
                             "share %.2f, draft/target cost %.2f", config.speculative.spec_policy,
                             c.step_overhead, c.lm_head_share, c.draft_ratio)
             self.guided = GuidedRequests(config, resolved, self.scheduler)
+            self.prompt_logprobs = PromptLogprobs()
             # Published steps not finished yet (pipeline parallelism), oldest first.
             self.batch_queue: deque[tuple[SchedulerOutput, StepHandle | Exception]] = deque()
         except BaseException:
@@ -83,27 +85,33 @@ class EngineCore:
         """Stop the workers (world size > 1: their processes)."""
         self.executor.shutdown()
 
+    def set_eos_token_ids(self, eos_token_ids: list[int]) -> None:
+        """The model's end-of-sequence ids (``ModelInfo.eos_token_ids``: generation config and
+        tokenizer), handed once at start-up, before any request: the scheduler stops on them,
+        the runner bans them below ``min_tokens``. The front end knows them (it loads the
+        tokenizer, which this process never does)."""
+        self.scheduler.eos_token_ids = frozenset(eos_token_ids)
+        self.executor.collective_rpc("set_eos_token_ids", (list(eos_token_ids),))
+
     def add_request(self, req: EngineCoreRequest) -> None:
         request = Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
-            eos_token_ids=tuple(req.eos_token_ids), max_model_len=self.max_model_len,
-            arrival_time=req.arrival_time or None, cache_salt=req.cache_salt,
+            max_model_len=self.max_model_len,
+            arrival_time=req.arrival_time or None,
             lora_request=req.lora_request)
         if req.sampling_params.guided_decoding is not None:
             request.grammar = self.guided.grammar_for(req.sampling_params.guided_decoding)
+        if req.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs.expect(req.request_id)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        self.prompt_logprobs.drop(request_ids)
         return self.scheduler.abort_requests(request_ids)
 
     def embed(self, prompts: list[list[int]], pooling: str) -> list[list[float]]:
         """Embeddings of token-id prompts, outside the scheduler (they hold no KV blocks)."""
         return self.executor.collective_rpc("embed", (prompts, pooling))[
-            self.executor.driver_rank]
-
-    def prompt_logprobs(self, prompts: list[list[int]], num_top: int) -> list[list]:
-        """Prompt-token logprobs, outside the scheduler (a separate forward per prompt)."""
-        return self.executor.collective_rpc("prompt_logprobs", (prompts, num_top))[
             self.executor.driver_rank]
 
     def has_unfinished_requests(self) -> bool:
@@ -122,13 +130,25 @@ class EngineCore:
                     time.sleep(0.002)  # only requests waiting for an adapter load: don't spin
                 self.guided.wait_for_compiling()  # only grammar-waiting requests: don't spin
             runner_out = self._execute(sched)
+        self._gather_prompt_logprobs(runner_out)
         outputs = (lora_failures + failed
                    + self.scheduler.update_from_output(sched, runner_out))
+        if len(self.prompt_logprobs):
+            self.prompt_logprobs.attach(outputs)
         if self.config.debug_block_accounting:
             self.scheduler.check_invariants()
         stats = self.scheduler.get_stats()
         self.guided.fill_stats(stats)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
+
+    def _gather_prompt_logprobs(self, runner_out: ModelRunnerOutput) -> None:
+        """Before the scheduler advances: a chunk's prompt logprobs start after the request's
+        tokens computed so far. (A request preempted while its step was in flight gets that
+        step's results ignored, these too.)"""
+        for req_id, chunk in runner_out.prompt_logprobs.items():
+            req = self.scheduler.requests.get(req_id)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                self.prompt_logprobs.add(req_id, chunk, req.num_computed_tokens)
 
     def _pipelined_step(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         """Pipeline parallelism: keep up to ``P`` micro-batches in flight, then finish the oldest.

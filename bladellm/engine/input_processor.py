@@ -1,7 +1,9 @@
 """API-process side of admission: chat template, tokenization and request validation.
 
-Everything a user can get wrong is rejected here with a ``ValueError`` (HTTP 400) before the
-request reaches the engine core; the core trusts what it receives.
+Everything a user can get wrong about a prompt is rejected here with a ``ValueError`` (HTTP 400)
+before the request reaches the engine core, for the offline API and the servers alike (they
+check only the shape of their own request bodies): token ids, lengths, chat messages. The core
+trusts what it receives.
 
 Fan-out of ``n > 1``: the core knows nothing about parallel samples. A request with ``n`` samples
 becomes ``n`` independent child requests with ids ``f"{request_id}-{i}"`` (``n == 1`` keeps the
@@ -14,6 +16,7 @@ with another request's child ids (e.g. uuids).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 from bladellm.errors import ContextLengthError
@@ -53,27 +56,35 @@ class InputProcessor:
         ``validate_grammar`` elsewhere (``AsyncLLM``: in its own thread pool, not in the
         tokenizer's queue).
         """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params: must be a SamplingParams, "
+                            f"got {type(params).__name__}")
         prompt_token_ids = self.tokenize(prompt, add_special_tokens)
-        self._validate(prompt_token_ids, params)
+        info = self.model_info
+        check_request(prompt_token_ids, params, info.vocab_size, info.max_model_len)
         if validate_grammar and params.guided_decoding is not None:
             self.validate_grammar(params)
-        eos = list(self.model_info.eos_token_ids)
         if params.n == 1:
             return [EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                      sampling_params=params, eos_token_ids=eos,
-                                      arrival_time=arrival_time, lora_request=lora_request)]
+                                      sampling_params=params, arrival_time=arrival_time,
+                                      lora_request=lora_request)]
         return [
             EngineCoreRequest(request_id=child_id, prompt_token_ids=prompt_token_ids,
-                              sampling_params=_child_params(params, i), eos_token_ids=eos,
+                              sampling_params=_child_params(params, i),
                               arrival_time=arrival_time, lora_request=lora_request)
             for i, child_id in enumerate(child_request_ids(request_id, params.n))
         ]
 
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True,
+                 param: str = "prompt") -> list[int]:
+        """Token ids of a text prompt (refused first when it cannot fit by its length in
+        characters; ``param``: the request field to name, e.g. "messages" for a rendered chat),
+        or a token-id prompt as it is (checked by ``process``)."""
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt: must not be empty")
-            check_prompt_chars(prompt, self.max_prompt_chars, self.model_info.max_model_len)
+                raise ValueError(f"{param}: must not be empty")
+            check_prompt_chars(prompt, self.max_prompt_chars, self.model_info.max_model_len,
+                               param)
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"prompt: must be a string or a list of token ids, "
@@ -81,30 +92,6 @@ class InputProcessor:
         if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
             raise ValueError("prompt: token ids must be integers")
         return list(prompt)
-
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        info = self.model_info
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("prompt: must not be empty (it tokenized to zero tokens)")
-        bad = [t for t in prompt_token_ids if not 0 <= t < info.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is out of the vocabulary "
-                             f"[0, {info.vocab_size})")
-        num_output = params.max_tokens or 1
-        if num_prompt + num_output > info.max_model_len:
-            raise ContextLengthError(
-                context_length_message(num_prompt, params.max_tokens, info.max_model_len),
-                num_prompt_tokens=num_prompt, max_tokens=params.max_tokens,
-                max_model_len=info.max_model_len)
-        for t in params.stop_token_ids or ():
-            if t >= info.vocab_size:
-                raise ValueError(f"stop_token_ids: token id {t} is out of the vocabulary "
-                                 f"[0, {info.vocab_size})")
-        for t in (params.logit_bias or {}):
-            if int(t) >= info.vocab_size:
-                raise ValueError(f"logit_bias: token id {t} is out of the vocabulary "
-                                 f"[0, {info.vocab_size})")
 
     def validate_grammar(self, params: SamplingParams) -> None:
         """A constraint llguidance rejects is a ValueError (HTTP 400) naming the field, before
@@ -133,7 +120,7 @@ class InputProcessor:
         if not self.model_info.has_chat_template and "chat_template" not in kwargs:
             raise ValueError(f"the tokenizer of {self.model_info.served_model_name!r} has no "
                              f"chat template; use the completions API or pass a chat template")
-        conversation = _normalize_messages(messages)
+        conversation = normalize_messages(messages)
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -141,6 +128,43 @@ class InputProcessor:
         except Exception as e:  # jinja2 TemplateError, raise_exception() inside templates
             raise ValueError(f"messages: chat template failed: {e}") from e
         return text
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
+    """Every id a token the model has; else a ``ValueError`` naming ``param``."""
+    for tok in ids:
+        if not 0 <= int(tok) < vocab_size:
+            raise ValueError(f"{param}: token id {tok} is out of range [0, {vocab_size}) "
+                             f"(out of the vocabulary)")
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
+                  max_model_len: int) -> None:
+    """A tokenized prompt and its parameters fit the model: ids in the vocabulary, prompt plus
+    ``max_tokens`` within the context (``ContextLengthError``, which names the numbers)."""
+    num_prompt = len(prompt_token_ids)
+    if num_prompt == 0:
+        raise ValueError("prompt: must not be empty (it tokenized to zero tokens)")
+    check_token_ids(prompt_token_ids, vocab_size, "prompt")
+    if num_prompt + (params.max_tokens or 1) > max_model_len:
+        raise ContextLengthError(
+            context_length_message(num_prompt, params.max_tokens, max_model_len),
+            num_prompt_tokens=num_prompt, max_tokens=params.max_tokens,
+            max_model_len=max_model_len)
+    check_token_ids(params.stop_token_ids or (), vocab_size, "stop_token_ids")
+    check_token_ids(params.logit_bias or {}, vocab_size, "logit_bias")
+
+
+class MessageError(ValueError):
+    """A chat message the server cannot render: ``param`` is the request field at fault and
+    ``code`` OpenAI's error code for it (the servers answer 400 with both)."""
+
+    def __init__(self, message: str, param: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+    def __reduce__(self):  # crosses the offload thread / process boundaries intact
+        return (MessageError, (str(self), self.param, self.code))
 
 
 def context_length_message(num_prompt: int, max_tokens: int | None, max_model_len: int,
@@ -163,7 +187,8 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     return params.clone(n=1, seed=seed)
 
 
-def _normalize_messages(messages: Any) -> list[dict]:
+def normalize_messages(messages: Any) -> list[dict]:
+    """OpenAI-style messages as chat templates take them: known roles, content as text."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages: must be a non-empty list")
     conversation = []
@@ -188,10 +213,15 @@ def _content_text(content: Any, role: str, i: int) -> str:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise ValueError(f"messages[{i}].content[{j}]: only "
-                                 f"{{'type': 'text', 'text': str}} parts are supported")
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise MessageError(f"content part of type '{kind}' is not supported by this "
+                                   f"server; only {{'type': 'text', 'text': str}} parts are",
+                                   f"messages[{i}].content", "unsupported_parameter")
+            if not isinstance(part.get("text"), str):
+                raise MessageError(f"messages[{i}].content[{j}]: a part of type 'text' must "
+                                   f"have a 'text' string", f"messages[{i}].content[{j}]",
+                                   "missing_required_parameter")
             texts.append(part["text"])
         return "\n".join(texts)
     raise ValueError(f"messages[{i}].content: must be a string or a list of text parts")

@@ -16,14 +16,13 @@ from tqdm.auto import tqdm
 from bladellm.config import EngineConfig
 from bladellm.engine.engine_core import EngineCore
 from bladellm.engine import embedding
-from bladellm.engine import prompt_logprobs as prompt_lp
 from bladellm.engine.input_processor import InputProcessor
 from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
 from bladellm.lora.request import LoRARequest
-from bladellm.model.loader import resolve_model
 from bladellm.checkpoint.pooling_config import pooling_config
-from bladellm.outputs import RequestOutput, TokenLogprob
+from bladellm.model.loader import resolve_model
+from bladellm.outputs import RequestOutput
 from bladellm.platforms.threads import apply_engine_omp_policy
 from bladellm.sampling_params import SamplingParams
 
@@ -43,14 +42,13 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.model_info, config.guided.guided_max_grammar_size)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
         self.core = EngineCore(config, resolved)
+        self.core.set_eos_token_ids(self.model_info.eos_token_ids)
         self.lora_registry = None
         if config.lora.enable_lora:
             from bladellm.lora.registry import LoRARegistry
 
             self.lora_registry = LoRARegistry(config.lora, resolved.hf_config)
         self.pooling = pooling_config(resolved.path, resolved.hf_config)
-        # Prompt logprobs of unfinished requests, attached to each of their outputs.
-        self._prompt_logprobs: dict[str, list[list[TokenLogprob] | None]] = {}
 
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.model_info.sampling_defaults)
@@ -59,17 +57,9 @@ class LLMEngine:
                     arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None) -> None:
         arrival_time = time.time() if arrival_time is None else arrival_time
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params: must be a SamplingParams, "
-                            f"got {type(params).__name__}")
         lora_request = self.check_lora(lora_request)
-        num_top = prompt_lp.wanted(params, lora_request)
         core_reqs = self.input_processor.process(request_id, prompt, params, arrival_time,
                                                  lora_request=lora_request)
-        if num_top is not None:  # one forward over the prompt, before it is queued
-            raw = self.core.prompt_logprobs([core_reqs[0].prompt_token_ids], num_top)
-            self._prompt_logprobs[request_id] = prompt_lp.with_first(
-                prompt_lp.to_token_logprobs(raw, self.model_info.tokenizer)[0])
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None,
             core_reqs[0].prompt_token_ids, params, [r.request_id for r in core_reqs],
@@ -91,7 +81,6 @@ class LLMEngine:
         return self.lora_registry.adopt(lora_request)
 
     def abort_request(self, request_id: str) -> None:
-        self._prompt_logprobs.pop(request_id, None)
         self.core.abort_requests(self.output_processor.abort_request(request_id))
 
     def has_unfinished_requests(self) -> bool:
@@ -102,12 +91,7 @@ class LLMEngine:
         processed = self.output_processor.process_outputs(outputs.outputs, time.time())
         if processed.reqs_to_abort:  # stop strings matched: the core stops them now
             self.core.abort_requests(processed.reqs_to_abort)
-        outs = list(processed.request_outputs.values())
-        for out in outs if self._prompt_logprobs else ():  # none wanted: no per-step loop
-            if out.request_id in self._prompt_logprobs:
-                out.prompt_logprobs = (self._prompt_logprobs.pop(out.request_id) if out.finished
-                                       else self._prompt_logprobs[out.request_id])
-        return outs
+        return list(processed.request_outputs.values())
 
 
 class LLM:

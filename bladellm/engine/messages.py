@@ -20,9 +20,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defa
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_ids: list[int] = []
     arrival_time: float = 0.0
-    cache_salt: str | None = None
     lora_request: LoRARequest | None = None
 
 

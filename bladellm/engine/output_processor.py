@@ -1,7 +1,9 @@
 """API-process side of results: engine-core outputs → ``RequestOutput``s, stats for loggers.
 
 Per child request (one per sample, see ``input_processor``): incremental detokenization, stop
-strings, logprob conversion, finish reasons. Per parent request: fan-in of its children, metrics.
+strings, logprobs (``LogprobRenderer``: the engine's ``Logprobs`` with token text), finish
+reasons. Per parent request: fan-in of its children, metrics, prompt logprobs (with the first
+output only when ``delta``).
 
 Contract with the caller (``LLMEngine`` / ``AsyncLLM``):
 
@@ -32,6 +34,40 @@ from bladellm.outputs import CompletionOutput, RequestMetrics, RequestOutput, To
 from bladellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class LogprobRenderer:
+    """The engine's ``Logprobs`` as users see them: ``TokenLogprob`` lists with token text and
+    bytes. The one place token ids of logprobs become text (sampled and prompt tokens alike)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._token_text_cache: dict[int, str] = {}
+        self._token_bytes: TokenBytes | None = None  # token id -> raw bytes, for chat logprobs
+
+    def render(self, logprobs: Logprobs) -> list[list[TokenLogprob]]:
+        """Per position: the chosen token (its rank from the engine), then top-k ranked 1..k."""
+        rendered = []
+        for ids, values, rank in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks):
+            entry = [self._token_logprob(ids[0], values[0], rank)]
+            entry.extend(self._token_logprob(t, v, r)
+                         for r, (t, v) in enumerate(zip(ids[1:], values[1:]), start=1))
+            rendered.append(entry)
+        return rendered
+
+    def _token_logprob(self, token_id: int, value: float, rank: int | None) -> TokenLogprob:
+        text = self._token_text(token_id)
+        if self._token_bytes is None:  # built on first use: most requests want no logprobs
+            self._token_bytes = token_bytes_for(self.tokenizer)
+        return TokenLogprob(token_id, value, rank, text, self._token_bytes(token_id, text))
+
+    def _token_text(self, token_id: int) -> str:
+        """One token decoded alone (a lone byte of a multi-byte character decodes to U+FFFD)."""
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text_cache[token_id] = text
+        return text
 
 
 @dataclass
@@ -77,6 +113,10 @@ class _ParentState:
         self.error: str | None = None
         self.error_kind: ErrorKind | None = None
         self.aborted = False  # by abort_request (client gone), not by the core
+        # SamplingParams.prompt_logprobs: None first (nothing precedes the first token), then
+        # one entry per prompt token; from the core with the first token of any child.
+        self.prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+        self.prompt_logprobs_sent = False  # delta mode: only the first output carries them
 
     @property
     def finished(self) -> bool:
@@ -88,8 +128,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._parents: dict[str, _ParentState] = {}
         self._children: dict[str, _ChildState] = {}
-        self._token_text_cache: dict[int, str] = {}
-        self._token_bytes: TokenBytes | None = None  # token id -> raw bytes, for chat logprobs
+        self.logprob_renderer = LogprobRenderer(tokenizer)
         self._aborted: list[_ParentState] = []  # stats reported with the next batch
 
     # --- request lifecycle -------------------------------------------------------------------
@@ -181,6 +220,9 @@ class OutputProcessor:
         return result
 
     def _apply(self, child: _ChildState, out: EngineCoreOutput, reqs_to_abort: list[str]) -> None:
+        if out.prompt_logprobs is not None and child.parent.prompt_logprobs is None:
+            child.parent.prompt_logprobs = [None,
+                                            *self.logprob_renderer.render(out.prompt_logprobs)]
         if out.num_draft_tokens:
             child.num_draft_tokens = out.num_draft_tokens
             child.num_accepted_tokens = out.num_accepted_tokens
@@ -190,7 +232,7 @@ class OutputProcessor:
             out.finish_reason == "stop" and not out.grammar_complete))
         num_kept = len(detok.token_ids) - num_before
         if child.logprobs is not None and out.new_logprobs is not None:
-            child.logprobs.extend(self._convert_logprobs(out.new_logprobs)[:num_kept])
+            child.logprobs.extend(self.logprob_renderer.render(out.new_logprobs)[:num_kept])
         if stop_str is not None:
             child.finish("stop", stop_str)
             if out.finish_reason is None:
@@ -244,11 +286,16 @@ class OutputProcessor:
             completions = [self._delta_completion(c) for c in sorted(news, key=lambda c: c.index)]
         else:
             completions = [self._cumulative_completion(c) for c in parent.children]
+        prompt_logprobs = parent.prompt_logprobs
+        if parent.delta and prompt_logprobs is not None:
+            prompt_logprobs = None if parent.prompt_logprobs_sent else prompt_logprobs
+            parent.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=completions,
             finished=parent.finished, num_cached_tokens=parent.num_cached_tokens,
-            metrics=parent.metrics, error=parent.error, error_kind=parent.error_kind)
+            metrics=parent.metrics, error=parent.error, error_kind=parent.error_kind,
+            prompt_logprobs=prompt_logprobs)
 
     def _delta_completion(self, child: _ChildState) -> CompletionOutput:
         detok = child.detokenizer
@@ -267,30 +314,6 @@ class OutputProcessor:
             token_ids=list(detok.token_ids),
             logprobs=list(child.logprobs) if child.logprobs is not None else None,
             finish_reason=child.finish_reason, stop_reason=child.stop_reason)
-
-    def _convert_logprobs(self, logprobs: Logprobs) -> list[list[TokenLogprob]]:
-        """Per token: the sampled token (its rank from the core), then top-k ranked 1..k."""
-        converted = []
-        for ids, values, rank in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks):
-            entry = [self._token_logprob(ids[0], values[0], rank)]
-            entry.extend(self._token_logprob(t, v, r)
-                         for r, (t, v) in enumerate(zip(ids[1:], values[1:]), start=1))
-            converted.append(entry)
-        return converted
-
-    def _token_logprob(self, token_id: int, value: float, rank: int | None) -> TokenLogprob:
-        text = self._token_text(token_id)
-        if self._token_bytes is None:  # built on first use: most requests want no logprobs
-            self._token_bytes = token_bytes_for(self.tokenizer)
-        return TokenLogprob(token_id, value, rank, text, self._token_bytes(token_id, text))
-
-    def _token_text(self, token_id: int) -> str:
-        """One token decoded alone (a lone byte of a multi-byte character decodes to U+FFFD)."""
-        text = self._token_text_cache.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text_cache[token_id] = text
-        return text
 
     def _finished_stats(self, parent: _ParentState, now: float) -> FinishedRequestStats:
         metrics = parent.metrics

@@ -1,42 +1,52 @@
-"""Prompt logprobs as the front end hands them on: ``TokenLogprob`` lists, the prompt token
-first (with its rank), then the top-k ranked 1..k, one list per prompt token after the first."""
+"""The engine core's side of prompt logprobs: the runner computes them from each prefill chunk
+of the request's own prefill (``ModelRunner._prompt_logprobs``); they are gathered here and sent
+once, whole, with the request's first output (the one that carries its first token).
+
+A prompt recomputed after preemption yields its positions again: those already held are
+skipped, and nothing more is taken once they were sent.
+"""
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Any
-
-from bladellm.outputs import TokenLogprob
-from bladellm.sampling_params import SamplingParams
+from bladellm.core.outputs import EngineCoreOutput, Logprobs
 
 
-def to_token_logprobs(raw: list[list[Any]], tokenizer: Any) -> list[list[list[TokenLogprob]]]:
-    @lru_cache(maxsize=None)
-    def text(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False)
+class PromptLogprobs:
+    def __init__(self) -> None:
+        self._held: dict[str, Logprobs] = {}  # request id -> prompt tokens 1.. so far
 
-    result = []
-    for prompt in raw:
-        entries = []
-        for ids, lps, rank in prompt:
-            entry = [TokenLogprob(ids[0], lps[0], rank, text(ids[0]))]
-            entry.extend(TokenLogprob(t, v, r, text(t))
-                         for r, (t, v) in enumerate(zip(ids[1:], lps[1:]), start=1))
-            entries.append(entry)
-        result.append(entries)
-    return result
+    def expect(self, request_id: str) -> None:
+        """``request_id`` wants prompt logprobs (a one-token prompt gets none: sent empty)."""
+        self._held[request_id] = Logprobs([], [], [])
 
+    def add(self, request_id: str, chunk: Logprobs, start: int) -> None:
+        """``chunk``: prompt tokens ``start + 1`` on, from a prefill chunk that began at
+        position ``start``."""
+        held = self._held.get(request_id)
+        if held is None:  # sent already (a recompute after preemption) or aborted
+            return
+        skip = len(held.ranks) - start  # positions already held
+        if skip < 0:
+            raise RuntimeError(f"prompt logprobs of {request_id}: positions "
+                               f"{len(held.ranks) + 1}..{start} were never computed")
+        held.token_ids.extend(chunk.token_ids[skip:])
+        held.logprobs.extend(chunk.logprobs[skip:])
+        held.ranks.extend(chunk.ranks[skip:])
 
-def wanted(params: SamplingParams, lora_request: Any) -> int | None:
-    """How many top alternatives the request's prompt logprobs want (None: none wanted); raises
-    where they cannot be computed."""
-    if params.prompt_logprobs is not None and lora_request is not None:
-        # The extra forward runs the base model: its numbers would not be the adapter's.
-        raise ValueError("prompt_logprobs: not supported with a LoRA adapter")
-    return params.prompt_logprobs
+    def attach(self, outputs: list[EngineCoreOutput]) -> None:
+        """Put each request's prompt logprobs on its first output with a token (and forget
+        any request that finished)."""
+        for out in outputs:
+            if out.request_id not in self._held:
+                continue
+            if out.new_token_ids:
+                out.prompt_logprobs = self._held.pop(out.request_id)
+            elif out.finish_reason is not None:
+                del self._held[out.request_id]
 
+    def drop(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._held.pop(request_id, None)
 
-def with_first(entries: list[list[TokenLogprob]]) -> list[list[TokenLogprob] | None]:
-    """vLLM's layout of ``RequestOutput.prompt_logprobs``: None for the first token (nothing
-    precedes it), then one entry per later prompt token."""
-    return [None, *entries]
+    def __len__(self) -> int:
+        return len(self._held)

@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing
-import os
 import secrets
 import shutil
 import socket

@@ -40,7 +40,7 @@ def _sparse_entries(entries: dict[int, dict[int, float]] | dict[int, list[int]],
 
 def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, dict[int, float]]) -> torch.Tensor:
     """Add ``logit_bias[row][token]`` to ``logits[row, token]``; ids outside the vocabulary are
-    ignored (input processing rejects them, see ``validate_token_ids``)."""
+    ignored (input processing rejects them, see ``InputProcessor``)."""
     rows, toks, vals = _sparse_entries(logit_bias, logits.shape[1])
     if rows:
         device = logits.device

@@ -18,6 +18,7 @@ from torch import nn
 from bladellm.guided.bitmask import apply_token_bitmask
 from bladellm.kernels.interface import Kernels
 from bladellm.sample import draw, ops
+from bladellm.sample.logprobs import gather_logprobs
 from bladellm.sample.metadata import GREEDY_TEMPERATURE, SamplingMetadata
 
 
@@ -102,15 +103,6 @@ def _sample_mixed(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 def _gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
                      num_logprobs: int) -> SamplerOutput:
-    sampled = sampled.to(torch.int64)
-    sampled_logprob = raw_logprobs.gather(1, sampled.unsqueeze(1))
-    top_logprobs, top_ids = draw.top_candidates(raw_logprobs, num_logprobs)
-    # Strictly greater: the sampled token shares the best rank of any tie it is in.
-    # An int32 sum: summing the bool mask into int64 converts the whole mask first.
-    ranks = (raw_logprobs > sampled_logprob).sum(dim=-1, dtype=torch.int32).to(torch.int64) + 1
-    return SamplerOutput(
-        sampled_token_ids=sampled,
-        logprobs_token_ids=torch.cat([sampled.unsqueeze(1), top_ids], dim=1),
-        logprobs=torch.cat([sampled_logprob, top_logprobs], dim=1),
-        sampled_ranks=ranks,
-    )
+    ids, values, ranks = gather_logprobs(raw_logprobs, sampled, num_logprobs)
+    return SamplerOutput(sampled_token_ids=sampled.to(torch.int64), logprobs_token_ids=ids,
+                         logprobs=values, sampled_ranks=ranks)

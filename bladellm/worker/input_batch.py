@@ -99,7 +99,7 @@ class InputBatch:
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.block_table[row, :b] = new.block_ids
         self.num_blocks[row] = b
-        self.sampling.set_row(row, new.sampling_params, new.eos_token_ids)
+        self.sampling.set_row(row, new.sampling_params)
         self.lora_ids[row] = new.lora_id
 
     def active_lora_ids(self) -> set[int]:

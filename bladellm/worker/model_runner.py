@@ -13,11 +13,12 @@ from collections.abc import Iterable
 
 import torch
 
-from bladellm.attention import AttentionMetadata, get_attn_backend
+from bladellm.attention import get_attn_backend
 from bladellm.attention.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from bladellm.config import EngineConfig
-from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
 from bladellm.checkpoint.locate import ResolvedModel
+from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
+from bladellm.core.outputs import Logprobs
 from bladellm.kernels.interface import Kernels
 from bladellm.kernels.scope import building_with
 from bladellm.model.decoder_stack import attach_compiled_stack
@@ -26,6 +27,7 @@ from bladellm.model.layers.embedding import ParallelLMHead
 from bladellm.model.layers.linear import UnquantizedLinearMethod
 from bladellm.model.loader import load_resolved_model
 from bladellm.platforms.cpu_defaults import model_weight_bytes, total_memory_bytes
+from bladellm.sample.logprobs import prompt_logprobs
 from bladellm.sample.sampler import Sampler, SamplerOutput
 from bladellm.worker.input_batch import InputBatch, StepInputs
 from bladellm.worker.sampling_rows import attach_grammar_bitmask
@@ -160,16 +162,10 @@ class ModelRunner:
         if self.spec_bytes_per_block:
             self.spec.proposer.initialize_kv_cache(num_blocks)
 
-    def scratch_prefill_context(self, num_tokens: int) -> ForwardContext:
-        """A forward context for one whole prompt through the paged attention path, on a
-        scratch KV cache of this engine's layout (not the pool): prompt logprobs then see the
-        KV precision (``--kv_cache_quant``) that generation sees."""
-        num_blocks = -(-num_tokens // self.block_size)
-        caches = allocate_kv_caches(self.num_layers, num_blocks, self.block_size,
-                                    self.num_kv_heads, self.head_dim, self.dtype, self.device,
-                                    self.config.cache.kv_cache_quant)
-        return ForwardContext(attn_metadata=AttentionMetadata.single_prefill(
-            num_tokens, self.block_size), kv_caches=caches)
+    def set_eos_token_ids(self, eos_token_ids: list[int]) -> None:
+        """The model's EOS ids, once at start-up (``EngineCore.set_eos_token_ids``): banned
+        below ``min_tokens`` unless a request ignores EOS."""
+        self.input_batch.sampling.eos_token_ids = list(eos_token_ids)
 
     def drop_requests(self, req_ids: list[str]) -> None:
         """Forget requests without a scheduler diff (their step failed)."""
@@ -199,10 +195,15 @@ class ModelRunner:
         if hidden is None:  # a pipeline stage before the last: it sent its activations on
             return ModelRunnerOutput(req_ids=inputs.req_ids,
                                      sampled_token_ids=[[] for _ in inputs.req_ids])
+        # Every TP rank computes them (the LM head's collectives need each); the driver's count.
+        prompt_lps = (self._prompt_logprobs(hidden, inputs)
+                      if self.input_batch.sampling.num_prompt_logprobs_rows else {})
         if self.spec is not None:
-            return self.spec.verify(self.model, hidden, sched, inputs)
+            out = self.spec.verify(self.model, hidden, sched, inputs)
+            out.prompt_logprobs = prompt_lps
+            return out
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
-        logprobs: dict[str, SampleLogprobs] = {}
+        logprobs: dict[str, Logprobs] = {}
         if inputs.sampling is not None:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if not self.is_driver:
@@ -215,18 +216,40 @@ class ModelRunner:
             if out.logprobs is not None:
                 logprobs = self._logprobs(inputs, out)
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, prompt_logprobs=prompt_lps)
 
-    def _logprobs(self, inputs: StepInputs, out: SamplerOutput) -> dict[str, SampleLogprobs]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, Logprobs]:
+        """Prompt logprobs from this step's own prefill chunks: for each request that wants
+        them, the prompt tokens after the chunk's positions (position p predicts token p + 1),
+        so a prompt's chunks together give every token after the first. (Such requests take no
+        prompt-cache hit, ``KVCacheManager.get_computed_blocks``: every position runs here.)"""
+        ib = self.input_batch
+        qsl = inputs.attn_metadata.query_start_loc_cpu
+        result: dict[str, Logprobs] = {}
+        for i, req_id in enumerate(inputs.req_ids):
+            row = ib.row_of[req_id]
+            num_top = int(ib.sampling.prompt_logprobs[row])
+            start = int(ib.num_computed_tokens[row])
+            end = min(start + int(qsl[i + 1] - qsl[i]), int(ib.num_prompt_tokens[row]) - 1)
+            if num_top < 0 or end <= start:
+                continue
+            targets = torch.from_numpy(ib.token_ids[row, start + 1:end + 1].copy())
+            first = int(qsl[i])
+            result[req_id] = prompt_logprobs(self.model.compute_logits,
+                                             hidden[first:first + end - start],
+                                             targets.to(hidden.device), num_top)
+        return result
+
+    def _logprobs(self, inputs: StepInputs, out: SamplerOutput) -> dict[str, Logprobs]:
+        """Each request's own share (1 + its ``logprobs``) of the step's widest top-k."""
         ids, lps = out.logprobs_token_ids.tolist(), out.logprobs.tolist()
         ranks = out.sampled_ranks.tolist()
         params = self.input_batch.sampling.params
-        result: dict[str, SampleLogprobs] = {}
+        result: dict[str, Logprobs] = {}
         for s, i in enumerate(inputs.sample_indices.tolist()):
             req_id = inputs.req_ids[i]
             num = params[self.input_batch.row_of[req_id]].logprobs
             if num is not None:
                 k = 1 + num
-                result[req_id] = SampleLogprobs(token_ids=[ids[s][:k]], logprobs=[lps[s][:k]],
-                                                ranks=[ranks[s]])
+                result[req_id] = Logprobs([ids[s][:k]], [lps[s][:k]], [ranks[s]])
         return result

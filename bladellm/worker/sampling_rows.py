@@ -17,8 +17,10 @@ from bladellm.sampling_params import SamplingParams
 
 
 class SamplingRows:
-    def __init__(self, max_num_reqs: int) -> None:
+    def __init__(self, max_num_reqs: int, eos_token_ids: list[int] | tuple[int, ...] = ()) -> None:
         n = max_num_reqs
+        # The model's EOS ids, banned below min_tokens unless ignore_eos (set once at start-up).
+        self.eos_token_ids = list(eos_token_ids)
         self.temperature = np.ones(n, np.float32)
         self.top_p = np.ones(n, np.float32)
         self.top_k = np.zeros(n, np.int64)
@@ -31,10 +33,16 @@ class SamplingRows:
         # min_tokens, logprobs or a seed. Most steps have none, and skip the per-row Python below.
         self.needs_python = np.zeros(n, np.bool_)
         self.params: list[SamplingParams | None] = [None] * n
+        # Prompt logprobs: top-k per row (-1: none wanted), and how many rows want them.
+        self.prompt_logprobs = np.full(n, -1, np.int64)
+        self.num_prompt_logprobs_rows = 0
         self.banned: list[list[int]] = [[] for _ in range(n)]  # ids banned below min_tokens
 
-    def set_row(self, row: int, params: SamplingParams, eos_token_ids: list[int]) -> None:
+    def set_row(self, row: int, params: SamplingParams) -> None:
         self.params[row] = params
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs[row] = params.prompt_logprobs
+            self.num_prompt_logprobs_rows += 1
         self.temperature[row] = params.temperature
         self.top_p[row] = params.top_p
         self.top_k[row] = params.top_k
@@ -45,7 +53,7 @@ class SamplingRows:
         self.min_tokens[row] = params.min_tokens
         banned = set(params.stop_token_ids or ())
         if not params.ignore_eos:
-            banned |= set(eos_token_ids)
+            banned |= set(self.eos_token_ids)
         self.banned[row] = sorted(banned) if params.min_tokens > 0 else []
         self.needs_python[row] = bool(
             params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
@@ -54,6 +62,9 @@ class SamplingRows:
 
     def clear_row(self, row: int) -> None:
         self.params[row] = None
+        if self.prompt_logprobs[row] >= 0:
+            self.prompt_logprobs[row] = -1
+            self.num_prompt_logprobs_rows -= 1
         self.needs_python[row] = False
 
     def metadata(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,

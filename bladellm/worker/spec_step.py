@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
-from bladellm.sample import draw
+from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
+from bladellm.core.outputs import Logprobs
 from bladellm.sample.generators import step_generator
+from bladellm.sample.logprobs import token_logprobs
 from bladellm.sample.rejection import rejection_sample, target_probs, walk
 from bladellm.sample.sampler import Sampler
 from bladellm.worker.input_batch import InputBatch, StepInputs
@@ -109,7 +110,7 @@ class SpecDecoder:
         ib = self.input_batch
         plan = self.plan(sched, inputs)
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
-        logprobs: dict[str, SampleLogprobs] = {}
+        logprobs: dict[str, Logprobs] = {}
         emitted_by_req: dict[str, list[int]] = {}
         # The proposer's own rows (look_ahead's window outputs) share the one lm_head call.
         extra_rows = self.proposer.logit_rows()
@@ -162,7 +163,8 @@ class SpecDecoder:
                 sampled[i] = emitted
                 emitted_by_req[req_id] = emitted
                 if raw_lp is not None and params.logprobs is not None:
-                    logprobs[req_id] = _logprobs(raw_lp, rows_used, emitted, params.logprobs)
+                    logprobs[req_id] = token_logprobs(raw_lp[torch.tensor(rows_used)],
+                                                      torch.tensor(emitted), params.logprobs)
         spec_tokens, tree_sizes = self.proposer.propose(sched, inputs, ib, emitted_by_req,
                                                         extra_logits)
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled,
@@ -188,15 +190,4 @@ class SpecDecoder:
     def drop(self, req_ids) -> None:
         for req_id in req_ids:
             self.proposer.drop(req_id)
-
-
-def _logprobs(raw: torch.Tensor, rows: list[int], tokens: list[int], num: int) -> SampleLogprobs:
-    lp = raw[torch.tensor(rows)]
-    tok = torch.tensor(tokens).unsqueeze(1)
-    chosen = lp.gather(1, tok)
-    top_lp, top_ids = draw.top_candidates(lp, num) if num > 0 else (
-        lp[:, :0], torch.zeros((len(rows), 0), dtype=torch.int64))
-    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-    return SampleLogprobs(token_ids=torch.cat([tok, top_ids], 1).tolist(),
-                          logprobs=torch.cat([chosen, top_lp], 1).tolist(), ranks=ranks)
 

@@ -3,7 +3,6 @@
 - ``embed_prompts``: embeddings, one forward per prompt with no KV cache, pooled into one
   vector. An embedding request reads its prompt once and keeps nothing, so it runs as a plain
   causal forward (``ForwardContext.no_cache``) between engine steps.
-- ``prompt_logprobs``: the logprob of every prompt token, one extra prefill per prompt.
 - ``time_token_forward``: the cost of a one-token forward, timed at start-up (the sps cost
   rule's draft/target ratio).
 """
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
 
 import torch
 from torch import nn
@@ -36,46 +34,6 @@ def embed_prompts(model: nn.Module, prompts: list[list[int]], pooling: str,
             continue  # a pipeline stage before the last: the last one answers
         pooled = hidden[-1] if pooling == "last" else hidden.float().mean(dim=0)
         result.append(pooled.float().tolist())
-    return result
-
-
-_LOGITS_CHUNK = 256  # prompt positions per logits matmul: bounds the [chunk, vocab] buffer
-
-
-@torch.inference_mode()
-def prompt_logprobs(model: nn.Module, prompts: list[list[int]], num_top: int,
-                    device: torch.device,
-                    make_context: Callable[[int], ForwardContext] | None = None
-                    ) -> list[list[tuple[list[int], list[float], int]]]:
-    """For each prompt, for each token after the first: ([token, *top ids], [its logprob,
-    *top logprobs], its rank). A separate forward, like ``embed_prompts``: prompt logprobs cost
-    one extra prefill of the prompt but leave the generation step untouched.
-    ``make_context(num_tokens)``: the forward's context, e.g. a paged prefill into a scratch
-    cache of the engine's KV layout (the worker's choice: an int8 KV cache must be read as
-    generation reads it); default a plain causal forward without cache."""
-    result = []
-    for ids in prompts:
-        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
-        positions = torch.arange(len(ids), dtype=torch.long, device=device)
-        ctx = ForwardContext.no_cache() if make_context is None else make_context(len(ids))
-        hidden = model(input_ids, positions, ctx)
-        del ctx  # the scratch cache goes before the logits are computed
-        if hidden is None:
-            continue  # a pipeline stage before the last: the last one answers
-        entries: list[tuple[list[int], list[float], int]] = []
-        for start in range(0, len(ids) - 1, _LOGITS_CHUNK):
-            end = min(start + _LOGITS_CHUNK, len(ids) - 1)
-            lp = torch.log_softmax(model.compute_logits(hidden[start:end]).float(), dim=-1)
-            target = input_ids[start + 1:end + 1]
-            chosen = lp.gather(1, target[:, None])[:, 0]
-            ranks = (lp > chosen[:, None]).sum(dim=1) + 1
-            if num_top:
-                top_v, top_i = lp.topk(num_top, dim=-1)
-            for j in range(end - start):
-                tok_ids = [int(target[j])] + (top_i[j].tolist() if num_top else [])
-                tok_lps = [float(chosen[j])] + (top_v[j].tolist() if num_top else [])
-                entries.append((tok_ids, tok_lps, int(ranks[j])))
-        result.append(entries)
     return result
 
 

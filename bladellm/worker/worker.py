@@ -19,7 +19,7 @@ from bladellm.platforms.cpu_defaults import (kv_cache_num_blocks, model_weight_b
                                              total_memory_bytes)
 from bladellm.platforms.threads import configure_engine_threads
 from bladellm.worker.model_runner import ModelRunner
-from bladellm.worker.standalone_forwards import embed_prompts, prompt_logprobs, time_token_forward
+from bladellm.worker.standalone_forwards import embed_prompts, time_token_forward
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,9 @@ class Worker:
         with self._pipeline_call(0 if sched.is_empty else 1):
             return self.model_runner.execute_model(sched)
 
+    def set_eos_token_ids(self, eos_token_ids: list[int]) -> None:
+        self.model_runner.set_eos_token_ids(eos_token_ids)
+
     def drop_requests(self, req_ids: list[str]) -> None:
         self.model_runner.drop_requests(req_ids)
 
@@ -139,14 +142,3 @@ class Worker:
         """Pooled hidden states of each prompt (the embeddings path, apart from the step)."""
         with self._pipeline_call(len(prompts)):
             return embed_prompts(self.model_runner.model, prompts, pooling, self.device)
-
-    def prompt_logprobs(self, prompts: list[list[int]], num_top: int) -> list[list]:
-        """Logprobs of each prompt token given the ones before it (see
-        worker/standalone_forwards.py)."""
-        runner = self.model_runner
-        # An int8 KV cache must be read as generation reads it: a paged prefill into a scratch
-        # cache of that layout. Otherwise a plain forward without a cache (no extra memory).
-        quantized_kv = self.config.cache.kv_cache_quant != "no_quant"
-        with self._pipeline_call(len(prompts)):
-            return prompt_logprobs(runner.model, prompts, num_top, self.device,
-                                   runner.scratch_prefill_context if quantized_kv else None)

@@ -17,6 +17,7 @@ import torch
 from bladellm import LLM, SamplingParams
 from bladellm.attention.kv_cache import kv_bytes_per_block
 from bladellm.config import CacheConfig
+from prompt_logprobs_of import prompt_logprobs_of
 from test_offline_llm import _prompts  # noqa: E402  (tests/e2e is on sys.path via rootdir)
 
 MAX_TOKENS = 24
@@ -123,14 +124,14 @@ def test_int8_tensor_parallel_close_to_one_rank(tiny_model_factory):
 
 
 def test_int8_prompt_logprobs_read_the_quantized_cache(tiny_llama):
-    """Prompt logprobs go through a paged prefill of the engine's KV layout: with int8 they
-    move a little, not a lot."""
+    """Prompt logprobs come from the request's own paged prefill: with int8 they move a
+    little, not a lot."""
     ids = _prompts(384)[3]
     lp = {}
     for quant in ("no_quant", "int8"):
         llm = LLM(model=tiny_llama, dtype="float32", kv_cache_quant=quant, num_kv_blocks=16,
                   max_model_len=160)
-        (entries,) = llm.engine.core.prompt_logprobs([ids], 1)
+        (entries,) = prompt_logprobs_of(llm, [ids], 1)
         lp[quant] = torch.tensor([e[1][0] for e in entries])
     diff = (lp["int8"] - lp["no_quant"]).abs().max().item()
     assert 0.0 < diff < MAX_LOGPROB_DIFF

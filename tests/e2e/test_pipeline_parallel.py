@@ -14,6 +14,7 @@ import pytest
 
 from bladellm import LLM, SamplingParams
 from bladellm.executor import WorkerDiedError
+from prompt_logprobs_of import prompt_logprobs_of
 
 from test_offline_llm import _prompts
 from test_tensor_parallel import MAX_TOKENS, STRESS
@@ -36,7 +37,7 @@ def test_greedy_identical_to_one_rank_under_stress(tiny_model_factory, case):
     llm1 = LLM(model=model_dir, **STRESS)
     prompts = _prompts(llm1.engine.model_info.vocab_size)[:10]
     want = [o.outputs[0].token_ids for o in llm1.generate(prompts, params, use_tqdm=False)]
-    want_plp = llm1.engine.core.prompt_logprobs([prompts[1]], 2)[0]
+    want_plp = prompt_logprobs_of(llm1, [prompts[1]], 2)[0]
     want_emb = llm1.embed([prompts[2]])[0].embedding
     llm = LLM(model=model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, **STRESS)
     try:
@@ -51,7 +52,7 @@ def test_greedy_identical_to_one_rank_under_stress(tiny_model_factory, case):
         core.executor.execute_model_async = recording
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         stats = core.scheduler.get_stats()
-        got_plp = core.prompt_logprobs([prompts[1]], 2)[0]
+        got_plp = prompt_logprobs_of(llm, [prompts[1]], 2)[0]
         got_emb = llm.embed([prompts[2]])[0].embedding
     finally:
         llm.shutdown()
@@ -151,11 +152,12 @@ def main():
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     outs = llm.generate([[77, 6, 7], [5, 6, 7], [8, 9, 10], [11, 12, 13]], sp, use_tqdm=False)
     again = llm.generate([[5, 6, 7]], sp, use_tqdm=False)
-    plp = llm.engine.core.prompt_logprobs([[5, 6, 7, 8]], 1)
+    (plp,) = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                          use_tqdm=False)
     llm.shutdown()
     print(json.dumps({{"finish": [o.outputs[0].finish_reason for o in outs],
                       "tokens": [o.outputs[0].token_ids for o in outs],
-                      "again": again[0].outputs[0].token_ids, "plp": len(plp[0])}}))
+                      "again": again[0].outputs[0].token_ids, "plp": len(plp.prompt_logprobs) - 1}}))
 
 
 if __name__ == "__main__":

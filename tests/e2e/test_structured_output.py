@@ -169,10 +169,9 @@ def test_grammar_failing_in_the_engine_fails_only_its_request(llm):
     bad = SamplingParams(max_tokens=5, guided_decoding=GuidedDecodingParams(
         grammar="start: no_such_rule"))
     core.add_request(EngineCoreRequest(request_id="bad", prompt_token_ids=[5, 6, 7],
-                                       sampling_params=bad, eos_token_ids=[2]))
+                                       sampling_params=bad))
     core.add_request(EngineCoreRequest(request_id="ok", prompt_token_ids=[5, 6, 8],
-                                       sampling_params=SamplingParams(max_tokens=3),
-                                       eos_token_ids=[2]))
+                                       sampling_params=SamplingParams(max_tokens=3)))
     outputs = {}
     while core.has_unfinished_requests():
         for out in core.step().outputs:
@@ -199,7 +198,7 @@ def test_grammar_failing_at_the_first_token_in_the_engine_is_the_clients_error(
     core = llm.engine.core
     params = SamplingParams(max_tokens=5, guided_decoding=GuidedDecodingParams(grammar=grammar))
     core.add_request(EngineCoreRequest(request_id="dead", prompt_token_ids=[5, 6, 7],
-                                       sampling_params=params, eos_token_ids=[2]))
+                                       sampling_params=params))
     outputs = {}
     while core.has_unfinished_requests():
         for out in core.step().outputs:

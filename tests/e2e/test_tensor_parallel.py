@@ -14,6 +14,7 @@ import pytest
 
 from bladellm import LLM, SamplingParams
 from bladellm.executor import WorkerDiedError
+from prompt_logprobs_of import prompt_logprobs_of
 
 from test_offline_llm import _prompts
 
@@ -164,7 +165,7 @@ def test_guided_json_embeddings_and_logprobs_across_ranks(tiny_llama):
         try:
             outs = llm.generate(prompts, params, use_tqdm=False)
             emb = llm.embed([[5, 6, 7]])[0].embedding
-            plp = llm.engine.core.prompt_logprobs([prompts[1]], 1)[0]
+            plp = prompt_logprobs_of(llm, [prompts[1]], 1)[0]
             results.append((outs, emb, plp))
         finally:
             llm.shutdown()

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from bladellm import LLM, SamplingParams
+from prompt_logprobs_of import prompt_logprobs_of
 
 
 @pytest.fixture(scope="module")
@@ -86,21 +87,46 @@ def test_vllm_prompt_forms_and_chat_options(llm):
     assert plain.prompt_token_ids == tok.encode(text, add_special_tokens=False)
 
 
-def test_prompt_logprobs_match_transformers(llm, tiny_llama):
-    """The engine's prompt-logprobs pass (behind prompt_logprobs / echo + logprobs)."""
-    lm = transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_llama, torch_dtype=torch.float32).eval()
-    ids = llm.get_tokenizer().encode("The quick brown fox jumps over")
-    (entries,) = llm.engine.core.prompt_logprobs([ids], 3)
-    with torch.no_grad():
-        ref = torch.log_softmax(lm(torch.tensor([ids])).logits[0].float(), dim=-1)
+def _check_against_transformers(entries, ids, ref, num_top):
     assert len(entries) == len(ids) - 1
     for pos, (tok_ids, lps, rank) in enumerate(entries):
         row = ref[pos]
         assert tok_ids[0] == ids[pos + 1]
         assert lps[0] == pytest.approx(row[ids[pos + 1]].item(), abs=1e-4)
         assert rank == int((row > row[ids[pos + 1]]).sum()) + 1
-        assert tok_ids[1:] == row.topk(3).indices.tolist()
+        assert tok_ids[1:] == row.topk(num_top).indices.tolist()
+
+
+def test_prompt_logprobs_match_transformers(llm, tiny_llama):
+    """Prompt logprobs from the request's own prefill (behind prompt_logprobs / echo +
+    logprobs)."""
+    lm = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_llama, torch_dtype=torch.float32).eval()
+    ids = llm.get_tokenizer().encode("The quick brown fox jumps over")
+    (entries,) = prompt_logprobs_of(llm, [ids], 3)
+    with torch.no_grad():
+        ref = torch.log_softmax(lm(torch.tensor([ids])).logits[0].float(), dim=-1)
+    _check_against_transformers(entries, ids, ref, 3)
+
+
+def test_prompt_logprobs_across_prefill_chunks_and_cached_prefixes(tiny_llama):
+    """A prompt prefilled in many chunks gives every position once; a second request with the
+    same prompt (its blocks in the prompt cache) still gets them all, as does a request whose
+    prefill is recomputed after preemption."""
+    lm = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_llama, torch_dtype=torch.float32).eval()
+    llm = LLM(model=tiny_llama, dtype="float32", block_size=4, max_num_batched_tokens=8,
+              num_kv_blocks=17, max_model_len=64, debug_block_accounting=True)
+    ids = list(range(5, 5 + 37))
+    with torch.no_grad():
+        ref = torch.log_softmax(lm(torch.tensor([ids])).logits[0].float(), dim=-1)
+    llm.generate([ids], SamplingParams(max_tokens=2), use_tqdm=False)  # fills the cache
+    # Three requests of 12 blocks each in 16: the newest are preempted and recomputed.
+    for entries in prompt_logprobs_of(llm, [ids, ids, ids], 2, max_tokens=8):
+        _check_against_transformers(entries, ids, ref, 2)
+    stats = llm.engine.core.scheduler.get_stats()
+    assert stats.prefix_cache_hits == 0 and stats.num_preemptions > 0
+    assert len(llm.engine.core.prompt_logprobs) == 0
 
 
 def test_offline_prompt_logprobs_match_transformers(llm, tiny_llama):
@@ -126,7 +152,7 @@ def test_offline_prompt_logprobs_match_transformers(llm, tiny_llama):
         assert [e.token_id for e in entry[1:]] == row.topk(2).indices.tolist()
         assert [e.rank for e in entry[1:]] == [1, 2]
         assert entry[0].decoded == llm.get_tokenizer().decode([token])
-    assert llm.engine._prompt_logprobs == {}  # nothing kept once the request finished
+    assert len(llm.engine.core.prompt_logprobs) == 0  # nothing kept once the request finished
     (one,) = llm.generate([ids[:1]], SamplingParams(max_tokens=1, prompt_logprobs=0),
                           use_tqdm=False)
     assert one.prompt_logprobs == [None]
@@ -138,15 +164,3 @@ def test_prompt_logprobs_out_of_range_names_the_field(value):
         SamplingParams(prompt_logprobs=value)
     with pytest.raises(TypeError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs="3")
-
-
-def test_prompt_logprobs_refused_with_a_lora_adapter():
-    """The extra forward runs the base model, so an adapter's request may not ask for them."""
-    from bladellm.engine import prompt_logprobs
-    from bladellm.lora.request import LoRARequest
-
-    lora = LoRARequest("a", 1, "/nowhere")
-    with pytest.raises(ValueError, match="prompt_logprobs: not supported with a LoRA adapter"):
-        prompt_logprobs.wanted(SamplingParams(prompt_logprobs=0), lora)
-    assert prompt_logprobs.wanted(SamplingParams(), lora) is None
-    assert prompt_logprobs.wanted(SamplingParams(prompt_logprobs=3), None) == 3

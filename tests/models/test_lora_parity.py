@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bladellm import LLM, SamplingParams
-from tiny_lora import make_adapter, peft_greedy
+from tiny_lora import make_adapter, peft_greedy, peft_prompt_logprobs
 
 MAX_TOKENS = 8
 ADAPTERS = {  # name: (rank, targets, extra LoraConfig options)
@@ -60,3 +60,24 @@ def test_mixed_adapter_batch_matches_peft(tiny_llama, adapters):
     stats = llm.engine.core.scheduler.get_stats()
     assert stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0
+
+
+def test_prompt_logprobs_with_an_adapter_match_peft(tiny_llama, adapters):
+    """Prompt logprobs come from the request's own prefill, which runs its adapter: they are
+    the adapter's (across prefill chunks), not the base model's."""
+    llm = LLM(model=tiny_llama, dtype="float32", block_size=4, max_num_batched_tokens=8,
+              max_model_len=64, enable_lora=True, max_lora_rank=16)
+    name = "all-r16"
+    prompt = [7 + 11 * i % 290 for i in range(21)]
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2),
+                          lora_request=llm.lora_request(name, adapters[name]), use_tqdm=False)
+    ref = peft_prompt_logprobs(tiny_llama, adapters[name], prompt)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos, entry in enumerate(out.prompt_logprobs[1:]):
+        row, token = ref[pos], prompt[pos + 1]
+        assert entry[0].token_id == token
+        assert entry[0].logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry[0].rank == int((row > row[token]).sum()) + 1
+        assert [e.token_id for e in entry[1:]] == row.topk(2).indices.tolist()
+    base = peft_prompt_logprobs(tiny_llama, None, prompt)
+    assert (ref - base).abs().max() > 1e-3  # the adapter changes them (else no test)

@@ -1,5 +1,6 @@
-"""Prompt logprobs on /v1/completions: vLLM's ``prompt_logprobs`` field and OpenAI's ``echo``
-with ``logprobs`` (the prompt's tokens lead the choice's logprobs, the first one with null)."""
+"""Prompt logprobs on /v1/completions, rendered from ``RequestOutput.prompt_logprobs`` (computed
+in the request's own prefill): vLLM's ``prompt_logprobs`` field and OpenAI's ``echo`` with
+``logprobs`` (the prompt's tokens lead the choice's logprobs, the first one with null)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from typing import Any
 
 from bladellm.http.errors import bad_request
 from bladellm.entrypoints.openai.protocol import CompletionLogprobs
-from bladellm.entrypoints.openai.serving_common import ServingContext, legacy_top_logprobs
+from bladellm.entrypoints.openai.serving_common import (ServingContext, completion_logprobs,
+                                                       json_logprob)
 from bladellm.outputs import TokenLogprob
 
 MAX_PROMPT_LOGPROBS = 20
-_MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
 def check(value: int | None) -> None:
@@ -20,42 +21,20 @@ def check(value: int | None) -> None:
                           "prompt_logprobs")
 
 
-def _lp(value: float) -> float:
-    return max(value, _MIN_LOGPROB) if value == value else _MIN_LOGPROB
-
-
-async def fetch(prompts: list[str | list[int]], ctx: ServingContext,
-                num_top: int) -> list[tuple[list[int], list[list[TokenLogprob]]]]:
-    """(token ids, per-token logprobs from the second token on) for each prompt."""
-    def tokenize() -> list[list[int]]:
-        return [list(ctx.tokenizer.encode(p)) if isinstance(p, str) else p for p in prompts]
-
-    ids = await ctx.offload.run(tokenize)
-    entries = await ctx.engine.prompt_logprobs(ids, num_top)
-    return list(zip(ids, entries))
-
-
 def vllm_format(entries: list[list[TokenLogprob]]) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs``: None for the first token, then {token id: {logprob, rank,
     decoded_token}} with the prompt token and the top-k."""
     out: list[dict[str, Any] | None] = [None]
     for entry in entries:
-        out.append({str(t.token_id): {"logprob": _lp(t.logprob), "rank": t.rank,
+        out.append({str(t.token_id): {"logprob": json_logprob(t.logprob), "rank": t.rank,
                                       "decoded_token": t.decoded} for t in entry})
     return out
 
 
 def echo_logprobs(ids: list[int], entries: list[list[TokenLogprob]],
                   ctx: ServingContext, num_top: int) -> CompletionLogprobs:
+    """OpenAI's echo with logprobs: the prompt's tokens, the first one with null logprobs."""
     first = ctx.tokenizer.decode([ids[0]], skip_special_tokens=False)
     result = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None],
                                 text_offset=[0])
-    offset = len(first)
-    for entry in entries:
-        token, top = entry[0], entry[1:1 + num_top]
-        result.tokens.append(token.decoded)
-        result.token_logprobs.append(_lp(token.logprob))
-        result.top_logprobs.append(legacy_top_logprobs(token, top))
-        result.text_offset.append(offset)
-        offset += len(token.decoded)
-    return result
+    return completion_logprobs([e[:1 + num_top] for e in entries], len(first), result)

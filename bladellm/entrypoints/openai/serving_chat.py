@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from bladellm.engine.prompt_limits import check_prompt_chars
+from bladellm.engine.input_processor import MessageError
 from bladellm.entrypoints.openai.chat_template import template_options
 from bladellm.http.errors import bad_request, unsupported
 from bladellm.http.handlers import from_exception
@@ -87,22 +87,13 @@ def _template_tool_calls(i: int, calls: list[Any]) -> list[dict[str, Any]]:
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: content is plain text."""
+    """The request's messages as plain dicts for ``InputProcessor.apply_chat_template`` (which
+    checks their content and turns text parts into text)."""
     result = []
     for i, msg in enumerate(req.messages):
         content = msg.content
         if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text":
-                    raise unsupported(f"messages[{i}].content",
-                                      f"content part of type '{part.type}'")
-                if part.text is None:
-                    raise bad_request(f"messages[{i}].content[{j}]: a part of type 'text' "
-                                      f"must have a 'text' string", f"messages[{i}].content[{j}]",
-                                      code="missing_required_parameter")
-                texts.append(part.text)
-            content = "\n".join(texts)
+            content = [part.model_dump(exclude_none=True) for part in content]
         # OpenAI's "developer" role is the system prompt of newer models; templates know "system".
         role = "system" if msg.role == "developer" else msg.role
         entry: dict[str, Any] = {"role": role, "content": content or ""}
@@ -127,11 +118,14 @@ def _prompt_ids(req: ChatCompletionRequest, ctx: ServingContext,
         kwargs["chat_template"] = ctx.default_chat_template
     if options.continue_final_message:
         kwargs["continue_final_message"] = True
-    text = ctx.engine.input_processor.apply_chat_template(
-        _messages(req), add_generation_prompt=options.add_generation_prompt, **kwargs)
-    check_prompt_chars(text, ctx.max_prompt_chars, ctx.max_model_len, "messages")
+    processor = ctx.engine.input_processor
+    try:
+        text = processor.apply_chat_template(
+            _messages(req), add_generation_prompt=options.add_generation_prompt, **kwargs)
+    except MessageError as e:
+        raise bad_request(str(e), e.param, code=e.code) from None
     # The template already wrote the special tokens (BOS, role markers): add none.
-    return list(ctx.tokenizer.encode(text, add_special_tokens=False))
+    return processor.tokenize(text, add_special_tokens=False, param="messages")
 
 
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request,

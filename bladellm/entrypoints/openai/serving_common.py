@@ -113,12 +113,6 @@ def reject_unsupported(req: SamplingRequest) -> None:
         raise bad_request(f"n: must be in [1, {MAX_N}], got {req.n}", "n")
 
 
-def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    for tok in ids:
-        if not 0 <= tok < vocab_size:
-            raise bad_request(f"{param}: token id {tok} is out of range [0, {vocab_size})", param)
-
-
 def build_sampling_params(req: SamplingRequest, ctx: ServingContext, *, max_tokens: int | None,
                           logprobs: int | None,
                           forced_constraint: tuple[str, dict[str, Any]] | None = None,
@@ -146,9 +140,6 @@ def build_sampling_params(req: SamplingRequest, ctx: ServingContext, *, max_toke
         except ValueError:
             raise bad_request("logit_bias: keys must be token ids (integers as strings)",
                               "logit_bias") from None
-        check_token_ids(list(logit_bias), ctx.vocab_size, "logit_bias")
-    if req.stop_token_ids:
-        check_token_ids(req.stop_token_ids, ctx.vocab_size, "stop_token_ids")
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     return SamplingParams(
         n=req.n, max_tokens=max_tokens, stop=stop or None, seed=req.seed,
@@ -277,7 +268,8 @@ class UsageCounter:
                              cached_tokens=sum(self.cached_tokens.values())))
 
 
-def _lp(value: float) -> float:
+def json_logprob(value: float) -> float:
+    """A logprob JSON can carry (no -inf, no NaN)."""
     return max(value, _MIN_LOGPROB) if not math.isnan(value) else _MIN_LOGPROB
 
 
@@ -285,9 +277,9 @@ def legacy_top_logprobs(token: TokenLogprob, top: list[TokenLogprob]) -> dict[st
     """A legacy-completions ``top_logprobs`` entry: the ``top`` alternatives plus the chosen
     ``token`` itself when it is not among them (so up to ``logprobs + 1`` entries, and
     ``{token: logprob}`` for ``logprobs: 0``), as OpenAI and vLLM do."""
-    result = {t.decoded: _lp(t.logprob) for t in top}
+    result = {t.decoded: json_logprob(t.logprob) for t in top}
     if token.decoded not in result:
-        result[token.decoded] = _lp(token.logprob)
+        result[token.decoded] = json_logprob(token.logprob)
     return result
 
 
@@ -299,7 +291,7 @@ def completion_logprobs(entries: list[list[TokenLogprob]], text_offset: int,
     for token in entries:
         sampled, top = token[0], token[1:]
         into.tokens.append(sampled.decoded)
-        into.token_logprobs.append(_lp(sampled.logprob))
+        into.token_logprobs.append(json_logprob(sampled.logprob))
         into.top_logprobs.append(legacy_top_logprobs(sampled, top))
         into.text_offset.append(offset)
         offset += len(sampled.decoded)
@@ -310,7 +302,7 @@ def _top(t: TokenLogprob) -> TopLogprob:
     # ``bytes``: the token's raw bytes (a piece of a multi-byte character for a token whose
     # ``token`` string is U+FFFD), so consecutive tokens' bytes concatenate to the text's UTF-8.
     raw = t.token_bytes if t.token_bytes is not None else t.decoded.encode("utf-8")
-    return TopLogprob(token=t.decoded, logprob=_lp(t.logprob), bytes=list(raw))
+    return TopLogprob(token=t.decoded, logprob=json_logprob(t.logprob), bytes=list(raw))
 
 
 def chat_logprobs(entries: list[list[TokenLogprob]]) -> ChatLogprobs:

@@ -19,7 +19,7 @@ from bladellm.entrypoints.openai.protocol import (
     CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse)
 from bladellm.entrypoints.openai.serving_common import (
     SSE_DONE, SSE_HEADERS, ServingContext, UsageCounter, build_sampling_params, check_output,
-    check_token_ids, completion_logprobs, context_length_error, merge_streams,
+    completion_logprobs, context_length_error, merge_streams,
     naming_context_errors,
     reject_unsupported, sse, stream_usage_flags, until_disconnect)
 from bladellm.outputs import RequestOutput
@@ -39,7 +39,7 @@ class _Choice:
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs (sent once)
 
 
-def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[str | list[int]]:
+def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     prompt = req.prompt
     if isinstance(prompt, str):
         return [prompt]
@@ -49,12 +49,7 @@ def _prompts(req: CompletionRequest, ctx: ServingContext) -> list[str | list[int
         prompts: list[str | list[int]] = [list(prompt)]  # type: ignore[arg-type]
     else:
         prompts = list(prompt)  # type: ignore[arg-type]
-    for p in prompts:
-        if isinstance(p, list):
-            if not p:
-                raise bad_request("prompt: a token-id prompt must not be empty", "prompt")
-            check_token_ids(p, ctx.vocab_size, "prompt")
-    return prompts
+    return prompts  # their tokens and lengths: InputProcessor's checks, in the engine
 
 
 def _check(req: CompletionRequest) -> None:
@@ -68,13 +63,13 @@ async def create_completion(req: CompletionRequest, raw: Request,
                             ctx: ServingContext) -> Response:
     lora = ctx.check_model(req.model)
     _check(req)
-    wants_prompt_logprobs = (req.prompt_logprobs is not None
-                             or (req.echo and req.logprobs is not None))
-    if lora is not None and wants_prompt_logprobs:  # computed by the base model's extra forward
-        raise unsupported("prompt_logprobs", "prompt logprobs with a LoRA adapter")
-    prompts = _prompts(req, ctx)
+    prompts = _prompts(req)
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     params = build_sampling_params(req, ctx, max_tokens=max_tokens, logprobs=req.logprobs)
+    echo_top = req.logprobs if (req.echo and req.logprobs is not None) else None
+    if req.prompt_logprobs is not None or echo_top is not None:
+        # From each prompt's own prefill; they come with its first output (_fold_prompt_logprobs).
+        params = params.clone(prompt_logprobs=max(req.prompt_logprobs or 0, echo_top or 0))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = [ctx.generate(p, params, f"{request_id}-p{i}", lora)
                for i, p in enumerate(prompts)]
@@ -86,15 +81,13 @@ async def create_completion(req: CompletionRequest, raw: Request,
             text = p if isinstance(p, str) else await ctx.offload.run(ctx.tokenizer.decode, p)
             for j in range(req.n):
                 choices[i * req.n + j].echo = text
-    if wants_prompt_logprobs:
-        await _add_prompt_logprobs(req, prompts, ctx, choices)
     model = lora.lora_name if lora is not None else ctx.model_name
     if req.stream:
         first = await naming_context_errors(until_disconnect(anext(merged), raw), "prompt")
-        body = _stream(req, request_id, model, first, merged, choices)
+        body = _stream(req, request_id, model, first, merged, choices, ctx)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
-    usage = await naming_context_errors(until_disconnect(_collect(req, merged, choices), raw),
-                                        "prompt")
+    usage = await naming_context_errors(
+        until_disconnect(_collect(req, merged, choices, ctx), raw), "prompt")
     response = CompletionResponse(
         id=request_id, model=model, usage=usage,
         choices=[CompletionChoice(index=k, text=c.echo + "".join(c.texts), logprobs=c.logprobs,
@@ -104,10 +97,12 @@ async def create_completion(req: CompletionRequest, raw: Request,
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-def _apply(req: CompletionRequest, stream_idx: int, out: RequestOutput,
-           choices: list[_Choice]) -> list[tuple[int, str, CompletionLogprobs | None, str | None]]:
+def _apply(req: CompletionRequest, stream_idx: int, out: RequestOutput, choices: list[_Choice],
+           ctx: ServingContext) -> list[tuple[int, str, CompletionLogprobs | None, str | None]]:
     """Fold one engine output into the choices; return (index, new text, new logprobs, finish)."""
     check_output(out)
+    if out.prompt_logprobs is not None:
+        _fold_prompt_logprobs(req, stream_idx, out, choices, ctx)
     updates = []
     for comp in out.outputs:
         k = stream_idx * req.n + comp.index
@@ -143,31 +138,31 @@ def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
                               text_offset=a.text_offset + b.text_offset)
 
 
-async def _add_prompt_logprobs(req: CompletionRequest, prompts: list, ctx: ServingContext,
-                               choices: list[_Choice]) -> None:
-    """One extra forward per prompt in the engine (see worker/standalone_forwards.py) before generating."""
-    echo_top = req.logprobs if (req.echo and req.logprobs is not None) else 0
-    num_top = max(req.prompt_logprobs or 0, echo_top)
-    for i, (ids, entries) in enumerate(await prompt_lp.fetch(prompts, ctx, num_top)):
-        vllm = None
-        if req.prompt_logprobs is not None:
-            vllm = prompt_lp.vllm_format([e[:1 + req.prompt_logprobs] for e in entries])
-        echo = None
-        if req.echo and req.logprobs is not None:
-            echo = prompt_lp.echo_logprobs(ids, entries, ctx, req.logprobs)
-        for j in range(req.n):
-            choice = choices[i * req.n + j]
-            choice.prompt_logprobs = vllm
-            if echo is not None:
-                choice.prompt_lp = echo
-                choice.logprobs = echo.model_copy(deep=True)
+def _fold_prompt_logprobs(req: CompletionRequest, stream_idx: int, out: RequestOutput,
+                          choices: list[_Choice], ctx: ServingContext) -> None:
+    """A prompt's logprobs (with its stream's first output) into the choices of that prompt:
+    vLLM's ``prompt_logprobs`` and, for echo with logprobs, the lead of ``logprobs``."""
+    entries = out.prompt_logprobs[1:]  # type: ignore[index]
+    vllm = None
+    if req.prompt_logprobs is not None:
+        vllm = prompt_lp.vllm_format([e[:1 + req.prompt_logprobs] for e in entries])
+    echo = None
+    if req.echo and req.logprobs is not None:
+        echo = prompt_lp.echo_logprobs(out.prompt_token_ids, entries, ctx, req.logprobs)
+    for j in range(req.n):
+        choice = choices[stream_idx * req.n + j]
+        choice.prompt_logprobs = vllm
+        if echo is not None:
+            choice.prompt_lp = echo
+            choice.logprobs = echo.model_copy(deep=True)
 
 
-async def _collect(req: CompletionRequest, merged: AsyncIterator, choices: list[_Choice]):
+async def _collect(req: CompletionRequest, merged: AsyncIterator, choices: list[_Choice],
+                   ctx: ServingContext):
     usage = UsageCounter()
     async for i, out in merged:
         usage.add(i, out)
-        _apply(req, i, out, choices)
+        _apply(req, i, out, choices, ctx)
     if req.logprobs is not None:
         for c in choices:
             c.logprobs = c.logprobs or CompletionLogprobs()
@@ -175,7 +170,7 @@ async def _collect(req: CompletionRequest, merged: AsyncIterator, choices: list[
 
 
 async def _stream(req: CompletionRequest, request_id: str, model: str, first, merged,
-                  choices: list[_Choice]) -> AsyncIterator[str]:
+                  choices: list[_Choice], ctx: ServingContext) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage, continuous, exclude = stream_usage_flags(req.stream_options)
     usage = UsageCounter()
@@ -197,7 +192,7 @@ async def _stream(req: CompletionRequest, request_id: str, model: str, first, me
         while True:
             i, out = item
             usage.add(i, out)
-            for k, text, lp, finish in _apply(req, i, out, choices):
+            for k, text, lp, finish in _apply(req, i, out, choices, ctx):
                 if text or lp is not None or finish is not None:
                     yield chunk(k, text, lp, finish)
             try:

@@ -18,7 +18,8 @@ from bladellm.engine.prompt_limits import check_prompt_chars
 from bladellm.http.errors import bad_request, unsupported
 from bladellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from bladellm.entrypoints.openai.serving_chat import _prompt_ids
-from bladellm.entrypoints.openai.serving_common import ServingContext, check_token_ids
+from bladellm.engine.input_processor import check_token_ids
+from bladellm.entrypoints.openai.serving_common import ServingContext
 
 
 class _Body(BaseModel):

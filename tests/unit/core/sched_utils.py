@@ -2,7 +2,7 @@
 
 ``FakeRunner`` plays the worker's side of the contract: it applies ``SchedulerOutput`` diffs to
 its own copy of each request (tokens, block table), checks them against the scheduler's view,
-and keeps a fake KV store (block -> slot -> (position, token, salt)) so that every read of a
+and keeps a fake KV store (block -> slot -> (position, token, LoRA id)) so that every read of a
 cached or computed prefix is checked against what was actually written there, and every write
 goes to a block the request alone holds.
 """
@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bladellm.config import CacheConfig, SchedulerConfig
-from bladellm.core.interface import ModelRunnerOutput, SampleLogprobs, SchedulerOutput
+from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
+from bladellm.core.outputs import Logprobs
 from bladellm.core.scheduler import Scheduler
 from bladellm.request import Request
 from bladellm.sampling_params import SamplingParams
@@ -22,21 +23,20 @@ EOS = 2
 
 
 def make_request(req_id: str, prompt: list[int] | int, *, max_tokens: int | None = 8,
-                 eos: tuple[int, ...] = (EOS,), salt: str | None = None,
                  arrival_time: float | None = 0.0, max_model_len: int | None = None,
                  **params) -> Request:
     if isinstance(prompt, int):
         prompt = [10 + i for i in range(prompt)]
     sp = SamplingParams(max_tokens=max_tokens, **params)
-    return Request(req_id, prompt, sp, eos_token_ids=eos, max_model_len=max_model_len,
-                   arrival_time=arrival_time, cache_salt=salt)
+    return Request(req_id, prompt, sp, max_model_len=max_model_len,
+                   arrival_time=arrival_time)
 
 
 def make_scheduler(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16,
                    max_num_batched_tokens: int = 64, max_model_len: int = 64,
                    disable_prompt_cache: bool = False, max_queue_time: float | None = None,
                    clock: Callable[[], float] | None = None,
-                   speculative=None) -> Scheduler:
+                   speculative=None, eos_token_ids: tuple[int, ...] = (EOS,)) -> Scheduler:
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 max_queue_time=max_queue_time)
@@ -44,7 +44,8 @@ def make_scheduler(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: i
     kwargs = {"clock": clock} if clock is not None else {}
     if speculative is not None:
         kwargs["speculative"] = speculative
-    return Scheduler(sched_cfg, cache_cfg, num_blocks, max_model_len, **kwargs)
+    return Scheduler(sched_cfg, cache_cfg, num_blocks, max_model_len,
+                     eos_token_ids=eos_token_ids, **kwargs)
 
 
 @dataclass
@@ -62,7 +63,7 @@ class FakeRunner:
     default_token: int = 7
     sampler: Callable[[str], int] | None = None  # req_id -> token, when not scripted
     states: dict[str, _RunnerState] = field(default_factory=dict)
-    # block -> slot -> (position, token, cache salt): what a real KV depends on, in miniature.
+    # block -> slot -> (position, token, LoRA id): what a real KV depends on, in miniature.
     kv: dict[int, dict[int, tuple]] = field(default_factory=dict)
     # Speculative decoding: req_id -> proposal for the next step, and (req_id, k) -> how many
     # of k verified proposals are accepted. Rejected proposals' KV is written like a real
@@ -108,13 +109,13 @@ class FakeRunner:
             assert len(state.block_ids) * bs >= end
             for pos in range(start):  # reads: cached / computed prefix holds our tokens
                 slot = self.kv.get(state.block_ids[pos // bs], {}).get(pos % bs)
-                assert slot == (pos, state.token_ids[pos], req.cache_salt), \
+                assert slot == (pos, state.token_ids[pos], req.lora_id), \
                     f"{req_id} reads bad KV at {pos}"
             for pos in range(start, end):  # writes: only into blocks we alone hold, unshared
                 block = state.block_ids[pos // bs]
                 assert pool.ref_cnt[block] == 1 and pool.block_hash[block] is None, \
                     f"{req_id} writes into shared block {block}"
-                written = (pos, tokens[pos], req.cache_salt)
+                written = (pos, tokens[pos], req.lora_id)
                 self.kv.setdefault(block, {})[pos % bs] = written
             state.num_computed_tokens = end
             req_ids.append(req_id)
@@ -132,9 +133,9 @@ class FakeRunner:
                 if self.propose is not None:
                     proposals[req_id] = self.propose(req_id)
                 if logprobs:
-                    lps[req_id] = SampleLogprobs(token_ids=[[t, t] for t in toks],
-                                                 logprobs=[[-0.5, -0.5] for _ in toks],
-                                                 ranks=[1 for _ in toks])
+                    lps[req_id] = Logprobs(token_ids=[[t, t] for t in toks],
+                                           logprobs=[[-0.5, -0.5] for _ in toks],
+                                           ranks=[1 for _ in toks])
             else:
                 sampled.append([])
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=lps,

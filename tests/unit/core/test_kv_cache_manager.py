@@ -52,15 +52,6 @@ def test_fully_cached_prompt_still_recomputes_its_last_token():
     assert kv.get_computed_blocks(c)[1] == 8
 
 
-def test_cache_salt_separates():
-    kv = KVCacheManager(16, BS)
-    a = make_request("a", list(range(9)), salt="alice")
-    compute(kv, a, 9)
-    assert kv.get_computed_blocks(make_request("b", list(range(9)), salt="bob"))[1] == 0
-    assert kv.get_computed_blocks(make_request("c", list(range(9))))[1] == 0
-    assert kv.get_computed_blocks(make_request("d", list(range(9)), salt="alice"))[1] == 8
-
-
 def test_blocks_are_registered_only_once_computed():
     kv = KVCacheManager(16, BS)
     a = make_request("a", list(range(12)))

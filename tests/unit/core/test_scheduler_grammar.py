@@ -40,8 +40,8 @@ class FakeGrammar:
         return self.complete_after is not None and len(self.accepted) >= self.complete_after
 
 
-def _with_grammar(req_id, grammar, **kw):
-    req = make_request(req_id, 5, **kw)
+def _with_grammar(req_id, grammar, prompt=5, **kw):
+    req = make_request(req_id, prompt, **kw)
     req.grammar = grammar
     return req
 
@@ -115,14 +115,15 @@ def test_grammar_failing_before_any_output_is_the_clients_error():
     sched = make_scheduler()
     runner = FakeRunner(sched, default_token=9)
     params = GuidedDecodingParams(grammar="start: start")
-    # Salted apart: with one prompt, the others would wait a step for the first's prefix.
+    # Different prompts: with one prompt, the others would wait a step for the first's prefix.
     sched.add_request(_with_grammar("first", BrokenGrammar(allowed=set()),
-                                    guided_decoding=params, salt="1"))
+                                    guided_decoding=params, prompt=[11, 12, 13, 14, 15]))
     # Only banned by the grammar (no llguidance error): an engine failure, even at first.
     sched.add_request(_with_grammar("banned", FakeGrammar(allowed={1}), guided_decoding=params,
-                                    salt="2"))
+                                    prompt=[21, 22, 23, 24, 25]))
     later = BrokenGrammar(broken=False)
-    sched.add_request(_with_grammar("later", later, guided_decoding=params, salt="3"))
+    sched.add_request(_with_grammar("later", later, guided_decoding=params,
+                                    prompt=[31, 32, 33, 34, 35]))
     _, outs = step(sched, runner)
     errors = {o.request_id: (o.error_kind, o.error) for o in outs}
     assert errors["first"] == (ErrorKind.INVALID_GRAMMAR, "guided_grammar: no output can satisfy "

@@ -13,7 +13,7 @@ def lora_request(req_id: str, lora_id: int, prompt_len: int = 8, max_tokens: int
                  start: int = 10) -> Request:
     lora = LoRARequest(f"a{lora_id}", lora_id, f"/x/a{lora_id}") if lora_id else None
     return Request(req_id, [start + i for i in range(prompt_len)],
-                   SamplingParams(max_tokens=max_tokens), eos_token_ids=(2,),
+                   SamplingParams(max_tokens=max_tokens),
                    max_model_len=64, arrival_time=0.0, lora_request=lora)
 
 

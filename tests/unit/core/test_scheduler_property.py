@@ -50,16 +50,16 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(base=st.integers(0, 1), prefix=st.integers(0, 10),
           suffix=st.lists(st.integers(3, 9), max_size=6), max_tokens=st.integers(1, 6),
-          min_tokens=st.integers(0, 2), salt=st.sampled_from([None, "s"]),
+          min_tokens=st.integers(0, 2),
           ignore_eos=st.booleans(), copies=st.integers(1, 3))
-    def add(self, base, prefix, suffix, max_tokens, min_tokens, salt, ignore_eos, copies):
+    def add(self, base, prefix, suffix, max_tokens, min_tokens, ignore_eos, copies):
         prompt = (BASE_PROMPTS[base][:prefix] + suffix)[:self.max_model_len] or [7]
         for _ in range(copies):  # copies > 1: like n > 1 siblings
             req_id = f"r{len(self.added)}"
             self.added.append(req_id)
             self.sched.add_request(make_request(
                 req_id, prompt, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
-                salt=salt, ignore_eos=ignore_eos, arrival_time=self.now,
+                ignore_eos=ignore_eos, arrival_time=self.now,
                 max_model_len=self.max_model_len, stop_token_ids=[5]))
 
     @precondition(lambda self: self.added)

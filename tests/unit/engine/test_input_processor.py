@@ -69,7 +69,6 @@ def test_text_prompt_is_tokenized(proc, info):
     (req,) = proc.process("r1", "hello world", SamplingParams(max_tokens=4), arrival_time=5.0)
     assert req.request_id == "r1"
     assert req.prompt_token_ids == info.tokenizer.encode("hello world")
-    assert req.eos_token_ids == [2]
     assert req.arrival_time == 5.0
     assert req.sampling_params.max_tokens == 4
 

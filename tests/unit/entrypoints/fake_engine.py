@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bladellm.engine.embedding import EmbeddingOutput, check_prompt
-from bladellm.errors import ContextLengthError, EngineDeadError, ServerShuttingDownError
-from bladellm.engine.input_processor import context_length_message
+from bladellm.engine.input_processor import InputProcessor
+from bladellm.errors import EngineDeadError, ServerShuttingDownError
 from bladellm.engine.messages import SchedulerStats
 from bladellm.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from bladellm.sampling_params import SamplingParams
@@ -33,6 +33,11 @@ class FakeTokenizer:
     def __call__(self, text: str, add_special_tokens: bool = True) -> Any:
         return type("Enc", (), {"input_ids": self.encode(text, add_special_tokens)})()
 
+    def apply_chat_template(self, conversation: list[dict], tokenize: bool = False,
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in conversation)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
 
 @dataclass
 class FakeModelInfo:
@@ -46,22 +51,20 @@ class FakeModelInfo:
                                                                         "top_k": 20})
 
 
-class FakeInputProcessor:
+class FakeInputProcessor(InputProcessor):
+    """The real checks and message handling over the fake tokenizer; remembers the template
+    arguments of the last chat."""
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         self.last_kwargs = kwargs
-        text = ""
-        for m in messages:
-            if m["role"] not in ("system", "user", "assistant", "tool"):
-                raise ValueError(f"messages: role {m['role']!r} is not supported")
-            text += f"<{m['role']}>{m['content']}"
-        return text + ("<assistant>" if add_generation_prompt else "")
+        return super().apply_chat_template(messages, add_generation_prompt, **kwargs)
 
 
 class FakeAsyncLLM:
     def __init__(self, step_delay: float = 0.0) -> None:
         self.model_info = FakeModelInfo()
-        self.input_processor = FakeInputProcessor()
+        self.input_processor = FakeInputProcessor(self.model_info)
         self.step_delay = step_delay
         self.raise_on_generate: Exception | None = None  # raised before the first output
         self.fail_after_tokens: int | None = None  # per-request error after that many tokens
@@ -121,14 +124,10 @@ class FakeAsyncLLM:
         await self.check_health()
         if self.raise_on_generate is not None:
             raise self.raise_on_generate
-        ids = self.model_info.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        max_len = self.model_info.max_model_len
-        budget = max_len - len(ids)
-        if budget < (params.max_tokens or 1):  # what InputProcessor._validate raises
-            raise ContextLengthError(
-                context_length_message(len(ids), params.max_tokens, max_len),
-                num_prompt_tokens=len(ids), max_tokens=params.max_tokens, max_model_len=max_len)
-        max_tokens = params.max_tokens or budget
+        # AsyncLLM's admission: tokenize and check (bad ids, too long: before any output).
+        ids = self.input_processor.process(request_id, prompt, params, 0.0,
+                                           validate_grammar=False)[0].prompt_token_ids
+        max_tokens = params.max_tokens or self.model_info.max_model_len - len(ids)
         n = params.n
         finished = [False] * n
         self.active.add(request_id)

@@ -3,7 +3,6 @@ unpickled; the cluster key file is checked; CURVE keeps out a peer without the k
 
 from __future__ import annotations
 
-import os
 import pickle
 import time
 

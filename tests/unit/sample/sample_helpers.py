@@ -1,4 +1,4 @@
-"""Shared helpers for the sampler tests: metadata builders and independent float64 references."""
+"""Shared helpers for the sampler tests: the runner's metadata builder and independent float64 references."""
 
 from __future__ import annotations
 
@@ -7,19 +7,27 @@ import torch
 
 from bladellm.sample.metadata import SamplingMetadata
 from bladellm.sampling_params import SamplingParams
+from bladellm.worker.sampling_rows import SamplingRows
 
 
 def build_md(params: list[SamplingParams], *, prompts=None, outputs=None, eos=0,
              generators=None) -> SamplingMetadata:
+    """The runner's metadata (``SamplingRows``) for one row per ``params``; ``generators``
+    (row -> generator) replace the ones seeded rows would get."""
     n = len(params)
-    return SamplingMetadata.from_params(
-        params,
-        prompt_token_ids=prompts if prompts is not None else [[] for _ in range(n)],
-        output_token_ids=outputs if outputs is not None else [[] for _ in range(n)],
-        eos_token_ids=[frozenset({eos})] * n,
-        generators=generators or {},
-        device="cpu",
-    )
+    prompts = prompts if prompts is not None else [[] for _ in range(n)]
+    outputs = outputs if outputs is not None else [[] for _ in range(n)]
+    width = max([len(p) + len(o) for p, o in zip(prompts, outputs)] + [1])
+    token_ids = np.zeros((n, width), np.int64)
+    rows = SamplingRows(n, [eos])
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        token_ids[i, :len(p) + len(o)] = list(p) + list(o)
+        rows.set_row(i, params[i])
+    num_prompt = np.array([len(p) for p in prompts], np.int64)
+    num_tokens = num_prompt + np.array([len(o) for o in outputs], np.int64)
+    md = rows.metadata(np.arange(n), token_ids, num_tokens, num_prompt)
+    md.generators = dict(generators or {})
+    return md
 
 
 def reference_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,

@@ -1,13 +1,13 @@
-"""SamplingMetadata.from_params: what gets built, and the fast paths that build nothing."""
+"""The runner's SamplingMetadata (SamplingRows.metadata): what gets built, and the fast paths that build nothing."""
 
 from __future__ import annotations
 
-import pytest
+import numpy as np
 import torch
 from sample_helpers import build_md
 
-from bladellm.sample.metadata import SamplingMetadata
 from bladellm.sampling_params import SamplingParams
+from bladellm.worker.sampling_rows import SamplingRows
 
 
 def test_all_greedy_builds_nothing():
@@ -52,16 +52,18 @@ def test_penalty_token_lists_only_for_rows_that_use_them():
     torch.testing.assert_close(md.presence_penalty, torch.zeros(3))
     assert md.prompt_token_ids == [[1, 2], [], []]
     assert md.output_token_ids == [[7], [], [9]]
-    assert md.prompt_token_ids[0] is prompts[0]  # kept by reference, not copied
 
     md = build_md([SamplingParams(presence_penalty=0.1)], prompts=[[1]], outputs=[[2]])
     assert md.repetition_penalty is None and md.prompt_token_ids is None
 
 
-def test_min_tokens_uses_every_eos_id_of_the_row():
+def test_min_tokens_bans_every_eos_id_of_the_model():
     params = [SamplingParams(min_tokens=2), SamplingParams(min_tokens=2, stop_token_ids=[5])]
-    md = SamplingMetadata.from_params(
-        params, [[1], [1]], [[3], [3, 4]], [frozenset({0, 2}), frozenset({0})], {}, "cpu")
+    rows = SamplingRows(2, eos_token_ids=[0, 2])
+    for i, p in enumerate(params):
+        rows.set_row(i, p)
+    token_ids = np.array([[1, 3, 0], [1, 3, 4]], np.int64)
+    md = rows.metadata(np.arange(2), token_ids, np.array([2, 3]), np.array([1, 1]))
     assert md.min_tokens_banned == {0: [0, 2]}  # row 1 already has 2 tokens
 
 
@@ -71,8 +73,3 @@ def test_logit_bias_and_generators_are_passed_through():
                   generators={1: g})
     assert md.logit_bias == {1: {3: -2.5}}
     assert md.generators == {1: g} and not md.no_logits_processing
-
-
-def test_mismatched_lengths_raise():
-    with pytest.raises(ValueError, match="one entry per row"):
-        SamplingMetadata.from_params([SamplingParams()], [], [[]], [frozenset()], {}, "cpu")

@@ -68,6 +68,7 @@ def params_strategy():
 @given(st.data())
 def test_persistent_batch_matches_from_scratch(data):
     batch = InputBatch(MAX_REQS, MAX_LEN, MAX_TOKENS, BLOCK)
+    batch.sampling.eos_token_ids = [2]  # what ModelRunner.set_eos_token_ids does at start-up
     truth: dict[str, Truth] = {}
     next_block, next_id = 1, 0
     finished: set[str] = set()
@@ -100,7 +101,7 @@ def test_persistent_batch_matches_from_scratch(data):
                                                 t.blocks[t.sent_blocks:], t.computed))
             else:
                 new_reqs.append(NewRequestData(req_id, list(t.tokens), t.num_prompt, t.params,
-                                               list(t.blocks), t.computed, eos_token_ids=[2]))
+                                               list(t.blocks), t.computed))
             t.known, t.sent_tokens, t.sent_blocks = True, len(t.tokens), len(t.blocks)
             num_sched[req_id] = n
         sched = SchedulerOutput(new_reqs, cached, num_sched, sum(num_sched.values()),
