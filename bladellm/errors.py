@@ -74,3 +74,30 @@ def request_error(kind: ErrorKind | None, message: str) -> Exception:
     if kind is ErrorKind.INVALID_GRAMMAR:
         return ValueError(message)
     return RequestFailedError(message)
+
+
+# ---- messages of a structured-output constraint that fails (ErrorKind.INVALID_GRAMMAR) --------
+# Here, not in guided/, because the scheduler (core/) words them when a matcher gives up.
+
+# The request field each constraint kind came from.
+FIELD_OF_KIND = {"json": "guided_json", "json_object": "response_format", "regex": "guided_regex",
+                 "choice": "guided_choice", "grammar": "guided_grammar"}
+
+
+def llguidance_reason(error: str) -> str:
+    """llguidance's error text without the marker it adds when ``verbose_errors`` is off."""
+    return error.replace("<non-verbose/>", "").strip()
+
+
+def unsatisfiable_error(kind: str, reason: str) -> str:
+    """The message of a constraint that fails at its first token (the client's fault: a 400)."""
+    return (f"{FIELD_OF_KIND[kind]}: no output can satisfy the {kind} constraint (it fails at "
+            f"the first token: {llguidance_reason(reason)})")
+
+
+def failed_mid_output_error(kind: str, reason: str, num_output_tokens: int) -> str:
+    """The message of a constraint that llguidance could not follow further after some output,
+    e.g. a right-recursive rule past its parser's 2000-item row limit: the constraint's doing
+    (the message says how to rewrite it), so a 400 as well."""
+    return (f"{FIELD_OF_KIND[kind]}: the {kind} constraint failed after {num_output_tokens} "
+            f"output tokens: {llguidance_reason(reason)}")

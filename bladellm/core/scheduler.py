@@ -33,8 +33,7 @@ from bladellm.core.interface import (CachedRequestData, ModelRunnerOutput, NewRe
                                      SchedulerOutput)
 from bladellm.core.kv_cache_manager import KVCacheManager, cdiv
 from bladellm.core.outputs import QUEUE_TIMEOUT_ERROR, EngineCoreOutput, Logprobs, SchedulerStats
-from bladellm.errors import ErrorKind
-from bladellm.guided.grammar import failed_mid_output_error, unsatisfiable_error
+from bladellm.errors import ErrorKind, failed_mid_output_error, unsatisfiable_error
 from bladellm.request import Request, RequestStatus
 
 

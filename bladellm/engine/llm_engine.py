@@ -21,7 +21,6 @@ from bladellm.engine.output_processor import OutputProcessor
 from bladellm.engine.model_info import model_info_for
 from bladellm.lora.request import LoRARequest
 from bladellm.checkpoint.pooling_config import pooling_config
-from bladellm.model.loader import resolve_model
 from bladellm.outputs import RequestOutput
 from bladellm.platforms.threads import apply_engine_omp_policy
 from bladellm.sampling_params import SamplingParams
@@ -36,6 +35,8 @@ class LLMEngine:
         # The engine core runs in this process: its OpenMP policy must be set before anything
         # loads torch (a no-op if the caller already imported it; platforms/threads.py).
         apply_engine_omp_policy()
+        from bladellm.model.loader import resolve_model  # loads torch: after the policy
+
         self.config = config
         resolved = resolve_model(config.model, snapshot_config=True)
         self.model_info = model_info_for(resolved)

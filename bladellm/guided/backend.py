@@ -16,7 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from bladellm.guided.grammar import FIELD_OF_KIND, to_grammar, unsatisfiable_error
+from bladellm.errors import FIELD_OF_KIND, unsatisfiable_error
+from bladellm.guided.grammar import to_grammar
 from bladellm.sampling_params import GuidedDecodingParams
 
 SUPPORTED_BACKENDS = ("llguidance",)

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    import torch  # at run time only where a mask is applied: the engine imports this module
-    # before it has set the OpenMP policy, which must precede torch (platforms.threads)
+    # Neither at import time (torch loads with either): the engine imports this module before it
+    # has set the OpenMP policy, which must precede torch (platforms.threads).
+    import torch
 
-from bladellm.kernels.interface import Kernels
+    from bladellm.kernels.interface import Kernels
 
 
 def bitmask_width(vocab_size: int) -> int:

@@ -193,7 +193,7 @@ def _check_group_size(cfg: QuantizeConfig, raw: dict) -> None:
 def _remove_previous_output(output_dir: str) -> None:
     """The index first: a half-rewritten checkpoint must not look loadable. A previous GPTQ
     run's quantize_config.json goes too: a W8A8 run writes none, and AutoGPTQ would read it."""
-    from bladellm.quantization.writer import INDEX_FILE
+    from bladellm.quantization.algorithms.writer import INDEX_FILE
 
     index = os.path.join(output_dir, INDEX_FILE)
     if os.path.exists(index):

@@ -112,7 +112,7 @@ def check_shapes(cfg: QuantizeConfig, layer: nn.Module) -> None:
 
 def _layer_tensors(layer: nn.Module, prefix: str, result: LayerResult,
                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from bladellm.quantization.writer import pack_gptq, pack_int8
+    from bladellm.quantization.algorithms.writer import pack_gptq, pack_int8
 
     out = {}
     for name, tensor in layer.state_dict().items():
@@ -133,7 +133,7 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from bladellm.quantization import writer
+    from bladellm.quantization.algorithms import writer
     from bladellm.quantization.calib import load_calibration_texts, tokenize_calibration
 
     start = time.perf_counter()
@@ -190,7 +190,7 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
 
 def _write_config(cfg: QuantizeConfig, model_dir: str, dtype: torch.dtype,
                   inputs: LayerInputs | None, choices: dict[str, Any]) -> None:
-    from bladellm.quantization import writer
+    from bladellm.quantization.algorithms import writer
 
     meta: dict[str, Any] = {
         "quantizer": [f"{TOOL_NAME}:{TOOL_VERSION}"], "quant_algo": cfg.quant_algo,

@@ -10,7 +10,7 @@ MODULES = ["bladellm.quantization", "bladellm.quantization.linear_method",
            "bladellm.quantization.weight_attrs", "bladellm.quantization.base",
            "bladellm.quantization.method", "bladellm.quantization.params",
            "bladellm.quantization.detect", "bladellm.quantization.cpu_kernels",
-           "bladellm.quantization.gpu_kernels", "bladellm.quantization.writer",
+           "bladellm.quantization.gpu_kernels", "bladellm.quantization.algorithms.writer",
            "bladellm.quantization.calib", "bladellm.quantization.algorithms.pipeline",
            "bladellm.quantization.algorithms.model_source"]
 

@@ -1,5 +1,5 @@
 """Test-side readers of the formats blade_llm_quantize writes, written independently of
-bladellm/quantization/writer.py (plain loops over bit fields, from the format descriptions)."""
+bladellm/quantization/algorithms/writer.py (plain loops over bit fields, from the format descriptions)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import torch
 
 from bladellm.quantization.algorithms.layer_io import LINEAR_NAMES
 from bladellm.quantization.algorithms.quantizer import GroupQuantSpec, QuantizedWeight
-from bladellm.quantization.writer import pack_gptq
+from bladellm.quantization.algorithms.writer import pack_gptq
 
 from .helpers import quantize
 from .reference import read_checkpoint, unpack_qweight, unpack_qzeros
