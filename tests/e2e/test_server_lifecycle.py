@@ -33,8 +33,11 @@ def _start(model: str, *extra: str) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_factory):
-    srv = _start(tiny_model_factory("llama"), "--max_request_body_bytes", "16MiB",
-                 "--max_num_seqs", "2")
+    # 4096 positions: room for the long answers test_sigterm_under_load queues (the last
+    # --max_model_len wins).
+    srv = _start(tiny_model_factory("llama", max_position_embeddings=4096),
+                 "--max_request_body_bytes", "16MiB", "--max_num_seqs", "2",
+                 "--max_model_len", "4096")
     yield srv
     if srv.proc.poll() is None:
         srv.proc.kill()
@@ -93,8 +96,9 @@ async def _queued(http: httpx.AsyncClient) -> int:
 
 
 async def test_sigterm_under_load(server):
-    """Last test on this server. 2 run at a time (--max_num_seqs 2): 24 x 240 tokens cannot
-    all finish within the 1 s grace period; every client still gets a well-formed answer.
+    """Last test on this server. 2 run at a time (--max_num_seqs 2): 24 x 2000 tokens are 24,000
+    decode steps, which no CPU runs within the 1 s grace period (24 x 240 drained in 0.9 s on a
+    fast AVX-512 machine); every client still gets a well-formed answer.
     The signal reaches the engine core too, as a process-group stop (systemd) sends it: the
     core must leave its life to the API process, which is draining."""
     (core,) = [pid for pid in _children(server.proc.pid)
@@ -107,7 +111,7 @@ async def test_sigterm_under_load(server):
         while not short.done() and await _queued(http) < 1:
             assert time.monotonic() < deadline, server.log()[-3000:]
             await asyncio.sleep(0.01)
-        jobs = [asyncio.ensure_future(_one(http, stream=i % 2 == 0, max_tokens=240))
+        jobs = [asyncio.ensure_future(_one(http, stream=i % 2 == 0, max_tokens=2000))
                 for i in range(24)]
         # All admitted (waiting or running) before the signal: a fixed sleep was not always
         # enough on a loaded CI machine, and a drain with nothing in flight ends at once.
