@@ -54,7 +54,7 @@ class Sampler(nn.Module):
             raw_logprobs = logits.log_softmax(dim=-1)
 
         if not md.no_logits_processing:
-            logits = self._process_logits(logits if inplace else logits.clone(), md)
+            logits = self.process_logits(logits if inplace else logits.clone(), md)
 
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)
@@ -67,7 +67,10 @@ class Sampler(nn.Module):
             return SamplerOutput(sampled, None, None, None)
         return _gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
 
-    def _process_logits(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def process_logits(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Grammar mask, logit bias, min-tokens bans and penalties applied to ``logits``, which
+        may be modified (callers pass a copy they own); the speculative verification step
+        applies the same before its rejection test."""
         if md.grammar_rows is not None:
             logits = apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask,
                                          self.kernels)

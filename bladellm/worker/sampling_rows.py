@@ -40,9 +40,10 @@ class SamplingRows:
 
     def set_row(self, row: int, params: SamplingParams) -> None:
         self.params[row] = params
-        if params.prompt_logprobs is not None:
-            self.prompt_logprobs[row] = params.prompt_logprobs
-            self.num_prompt_logprobs_rows += 1
+        wanted = -1 if params.prompt_logprobs is None else params.prompt_logprobs
+        # The count follows the column even if a row is set twice without clear_row.
+        self.num_prompt_logprobs_rows += int(wanted >= 0) - int(self.prompt_logprobs[row] >= 0)
+        self.prompt_logprobs[row] = wanted
         self.temperature[row] = params.temperature
         self.top_p[row] = params.top_p
         self.top_k[row] = params.top_k

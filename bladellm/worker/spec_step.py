@@ -155,7 +155,7 @@ class SpecDecoder:
                 if guesses and q is not None and not params.greedy:
                     if processed is None:
                         processed = (logits.float() if md.no_logits_processing else
-                                     self.sampler._process_logits(logits.float().clone(), md))
+                                     self.sampler.process_logits(logits.float().clone(), md))
                     emitted, rows_used = self._rejection(processed, md, root, guess_rows[0],
                                                          guesses[0], q, params, plan)
                 else:

@@ -28,7 +28,7 @@ def reference_penalties(logits: torch.Tensor, params, prompts, outputs) -> torch
 
 
 def processed_logits(logits, md):
-    return Sampler()._process_logits(logits.clone(), md)
+    return Sampler().process_logits(logits.clone(), md)
 
 
 def test_penalties_match_hand_computed_reference():
