@@ -180,11 +180,15 @@ def context_length_message(num_prompt: int, max_tokens: int | None, max_model_le
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    if params.seed is None:
-        return params.clone(n=1)
-    # Wrap into int64 so seed + i stays a valid seed at the top of the range.
-    seed = (params.seed + index + 2**63) % _INT64_SPAN - 2**63
-    return params.clone(n=1, seed=seed)
+    changes: dict = {"n": 1}
+    if index > 0 and params.prompt_logprobs is not None:
+        # The parent shows one set (the first child's): the others need not compute them, and
+        # so keep their prompt-cache hits.
+        changes["prompt_logprobs"] = None
+    if params.seed is not None:
+        # Wrap into int64 so seed + i stays a valid seed at the top of the range.
+        changes["seed"] = (params.seed + index + 2**63) % _INT64_SPAN - 2**63
+    return params.clone(**changes)
 
 
 def normalize_messages(messages: Any) -> list[dict]:

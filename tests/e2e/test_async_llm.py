@@ -144,3 +144,13 @@ async def test_prompt_logprobs_on_the_first_delta_only(engine, tiny_llama):
         assert [e.token_id for e in g] == [e.token_id for e in w]
         assert [e.logprob for e in g] == pytest.approx([e.logprob for e in w], abs=1e-5)
         assert g[0].rank == w[0].rank
+    # n = 2: the same prompt logprobs (the first sample's; batched beside its sibling, so
+    # within float tolerance), once.
+    two = params.clone(n=2, temperature=0.8, seed=1)
+    outs2 = [out async for out in engine.generate([5, 6, 7, 8], two, "plp-two")]
+    got2 = outs2[0].prompt_logprobs
+    assert len(got2) == 4 and got2[0] is None
+    for g, w in zip(got2[1:], got[1:]):
+        assert [e.token_id for e in g] == [e.token_id for e in w]
+        assert [e.logprob for e in g] == pytest.approx([e.logprob for e in w], abs=1e-5)
+    assert all(out.prompt_logprobs is None for out in outs2[1:])

@@ -131,6 +131,13 @@ def test_n_fans_out_into_children_with_consecutive_seeds(proc):
     assert [r.sampling_params.seed for r in top] == [2**63 - 1, -(2**63)]
 
 
+def test_only_the_first_child_computes_prompt_logprobs(proc):
+    """The parent shows one set of prompt logprobs: the other samples neither compute them nor
+    give up their prompt-cache hits for them."""
+    reqs = proc.process("p", "hello", SamplingParams(n=3, prompt_logprobs=2), 1.0)
+    assert [r.sampling_params.prompt_logprobs for r in reqs] == [2, None, None]
+
+
 # --- chat template -----------------------------------------------------------------------------
 
 def test_chat_template_renders_chatml(proc):
