@@ -238,6 +238,10 @@ class ModelRunner:
             result[req_id] = prompt_logprobs(self.model.compute_logits,
                                              hidden[first:first + end - start],
                                              targets.to(hidden.device), num_top)
+            if end == int(ib.num_prompt_tokens[row]) - 1:
+                # The prompt is done: later steps need not look at this row (a recompute after
+                # preemption re-adds it with its params).
+                ib.sampling.stop_prompt_logprobs(row)
         return result
 
     def _logprobs(self, inputs: StepInputs, out: SamplerOutput) -> dict[str, Logprobs]:

@@ -61,11 +61,15 @@ class SamplingRows:
             or params.frequency_penalty != 0.0 or params.logit_bias or params.min_tokens > 0
             or params.logprobs is not None or params.seed is not None)
 
-    def clear_row(self, row: int) -> None:
-        self.params[row] = None
+    def stop_prompt_logprobs(self, row: int) -> None:
+        """The row's prompt logprobs are all computed."""
         if self.prompt_logprobs[row] >= 0:
             self.prompt_logprobs[row] = -1
             self.num_prompt_logprobs_rows -= 1
+
+    def clear_row(self, row: int) -> None:
+        self.params[row] = None
+        self.stop_prompt_logprobs(row)
         self.needs_python[row] = False
 
     def metadata(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
