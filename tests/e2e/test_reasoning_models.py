@@ -95,6 +95,7 @@ async def test_thinking_on_and_off_through_the_template(client):
     msg = on.choices[0].message
     assert msg.content is None and msg.reasoning_content and msg.reasoning == \
         msg.reasoning_content
+    msg_on = msg.reasoning_content
     assert on.usage.completion_tokens_details.reasoning_tokens == 8
     # enable_thinking false: the template closed it, so all is answer, constrained from the
     # first token.
@@ -106,6 +107,14 @@ async def test_thinking_on_and_off_through_the_template(client):
     assert getattr(msg, "reasoning_content", None) is None
     jsonschema.validate(json.loads(msg.content), SCHEMA)
     assert off.usage.completion_tokens_details.reasoning_tokens == 0
+    # Thinking on and a schema: the grammar waits for </think> (its ids cross to the engine
+    # core with the constraint), which a random model never writes: all thinking, unconstrained.
+    gated = await client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=8, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}},
+        extra_body={"ignore_eos": True})
+    assert gated.choices[0].message.content is None
+    assert gated.choices[0].message.reasoning_content == msg_on
 
 
 async def test_earlier_thinking_is_rendered_for_the_next_turn(client):
