@@ -73,7 +73,7 @@ def validate(params: GuidedDecodingParams, limits: GrammarLimits = GrammarLimits
         keywords: list[str] = []
         if params.strict and params.kind == "json":
             try:  # what a lenient compile would have left out, if that is the failure
-                keywords = unenforced_keywords(params.json)  # type: ignore[arg-type]
+                keywords = unenforced_keywords(params.json, limits)  # type: ignore[arg-type]
             except GrammarError:
                 pass
         if keywords:
@@ -120,13 +120,15 @@ def strict_error(field: str, keywords: list[str]) -> str:
             f"to have them ignored")
 
 
-def unenforced_keywords(schema: dict[str, Any] | str) -> list[str]:
+def unenforced_keywords(schema: dict[str, Any] | str,
+                        limits: GrammarLimits = GrammarLimits()) -> list[str]:
     """The keywords of a JSON schema that generation would not enforce (a lenient compile's
     warnings); raises ``GrammarError`` if the schema is invalid anyway."""
     import llguidance
 
     grammar, dropped = _grammar(GuidedDecodingParams(json=schema))
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, None, limits=limits.to_llguidance())
     if is_error:
         raise GrammarError(f"guided_json: invalid json constraint: {messages[0].strip()}")
     return list(dict.fromkeys(dropped + ignored_keywords(messages)))
