@@ -40,6 +40,20 @@ QWEN3_LIKE_TEMPLATE = (
 def test_grammar_starts_after_the_thinking_offline(tiny_llama):
     llm = LLM(model=tiny_llama, dtype="float32", max_model_len=512, num_kv_blocks=128,
               max_num_seqs=4, num_threads=1)
+    _check_gated_generation(llm)
+
+
+def test_speculative_decoding_across_the_end_of_the_thinking(tiny_llama):
+    """A self-draft proposes the model's own tokens: drafts run through the thinking and across
+    its end tag into the grammar's rows; greedy output is the same as without speculation."""
+    llm = LLM(model=tiny_llama, dtype="float32", max_model_len=512, num_kv_blocks=128,
+              max_num_seqs=4, num_threads=1, decode_algo="sps", draft_model=tiny_llama,
+              gamma=3, spec_policy="always")
+    _check_gated_generation(llm)
+    assert llm.engine.core.scheduler.get_stats().num_spec_draft_tokens > 0
+
+
+def _check_gated_generation(llm):
     prompt = "Think, then answer in JSON:"
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].token_ids
