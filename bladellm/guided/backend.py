@@ -12,13 +12,18 @@ schema (deep nesting, a huge grammar) fails with llguidance's reason instead of 
 from __future__ import annotations
 
 import functools
+import json
+import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from bladellm.errors import FIELD_OF_KIND, unsatisfiable_error
-from bladellm.guided.grammar import to_grammar
+from bladellm.guided.grammar import grammar_and_dropped
 from bladellm.sampling_params import GuidedDecodingParams
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_BACKENDS = ("llguidance",)
 
@@ -44,27 +49,89 @@ class GrammarLimits:
 
 def grammar_text(params: GuidedDecodingParams) -> str:
     """The grammar for ``params``; malformed input raises ``GrammarError``."""
+    return _grammar(params)[0]
+
+
+def _grammar(params: GuidedDecodingParams) -> tuple[str, list[str]]:
     try:
-        return to_grammar(params)
+        return grammar_and_dropped(params)
     except ValueError as e:
         msg = str(e)
         field = FIELD_OF_KIND[params.kind]
         raise GrammarError(msg if msg.startswith("guided_") else f"{field}: {msg}") from None
 
 
-def validate(params: GuidedDecodingParams, limits: GrammarLimits = GrammarLimits()) -> None:
-    """Raise ``GrammarError`` (a ``ValueError``) with llguidance's reason if ``params`` is bad."""
+def validate(params: GuidedDecodingParams, limits: GrammarLimits = GrammarLimits()) -> list[str]:
+    """Raise ``GrammarError`` (a ``ValueError``) with llguidance's reason if ``params`` is bad;
+    return the JSON-schema keywords the grammar ignores (``ignored_keywords``; non-strict)."""
     import llguidance
 
-    grammar = grammar_text(params)
+    grammar, dropped = _grammar(params)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, None, limits=limits.to_llguidance())
     if is_error:
+        keywords: list[str] = []
+        if params.strict and params.kind == "json":
+            try:  # what a lenient compile would have left out, if that is the failure
+                keywords = unenforced_keywords(params.json, limits)  # type: ignore[arg-type]
+            except GrammarError:
+                pass
+        if keywords:
+            raise GrammarError(strict_error(FIELD_OF_KIND[params.kind], keywords))
         raise GrammarError(f"{FIELD_OF_KIND[params.kind]}: invalid {params.kind} constraint: "
                            f"{messages[0].strip()}")
     reason = first_step_error(grammar, limits)
     if reason is not None:
         raise GrammarError(unsatisfiable_error(params.kind, reason))
+    if params.kind != "json":
+        return []
+    return list(dict.fromkeys(dropped + ignored_keywords(messages)))
+
+
+_UNIMPLEMENTED = "Unimplemented keys: "
+_UNKNOWN_FORMAT = "Unknown format: "
+_TIMES = re.compile(r" \(\d+ times\)$")
+
+
+def ignored_keywords(messages: list[str]) -> list[str]:
+    """The schema keywords named in llguidance's warnings (``Unimplemented keys: [...]``,
+    ``Unknown format: X`` → ``format: X``), in order, without repeats."""
+    found: list[str] = []
+    for message in messages:
+        # llguidance folds repeats: 'Unimplemented keys: ["uniqueItems"] (2 times)'.
+        message = _TIMES.sub("", message.strip())
+        if message.startswith(_UNIMPLEMENTED):
+            try:
+                names = json.loads(message[len(_UNIMPLEMENTED):])
+            except ValueError:
+                names = [message[len(_UNIMPLEMENTED):]]
+            found.extend(str(n) for n in names)
+        elif message.startswith(_UNKNOWN_FORMAT):
+            found.append(f"format: {message[len(_UNKNOWN_FORMAT):]}")
+    return list(dict.fromkeys(found))
+
+
+def strict_error(field: str, keywords: list[str]) -> str:
+    """The 400 of a ``strict`` schema using keywords the grammar cannot enforce (OpenAI also
+    refuses keywords it does not support in strict mode)."""
+    names = ", ".join(f"'{k}'" for k in keywords)
+    return (f"{field}: keyword(s) {names} not supported in a strict schema: they cannot be "
+            f"enforced while generating; remove them, or send the schema without strict: true "
+            f"to have them ignored")
+
+
+def unenforced_keywords(schema: dict[str, Any] | str,
+                        limits: GrammarLimits = GrammarLimits()) -> list[str]:
+    """The keywords of a JSON schema that generation would not enforce (a lenient compile's
+    warnings); raises ``GrammarError`` if the schema is invalid anyway."""
+    import llguidance
+
+    grammar, dropped = _grammar(GuidedDecodingParams(json=schema))
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, None, limits=limits.to_llguidance())
+    if is_error:
+        raise GrammarError(f"guided_json: invalid json constraint: {messages[0].strip()}")
+    return list(dict.fromkeys(dropped + ignored_keywords(messages)))
 
 
 class _ByteTokenizer:
@@ -160,21 +227,29 @@ class GrammarValidator:
 
         self.capacity = capacity
         self.limits = limits
-        self._valid: OrderedDict[str, None] = OrderedDict()
+        self._valid: OrderedDict[str, list[str]] = OrderedDict()  # key -> ignored keywords
         self._lock = threading.Lock()
         self.num_validations = 0
 
-    def validate(self, params: GuidedDecodingParams) -> None:
+    def validate(self, params: GuidedDecodingParams) -> list[str]:
+        """``validate``, remembered; logs the ignored keywords for every request that has any."""
         from bladellm.guided.grammar import cache_key
 
         key = cache_key(params)
         with self._lock:
-            if key in self._valid:
+            ignored = self._valid.get(key)
+            if ignored is not None:
                 self._valid.move_to_end(key)
-                return
-            self.num_validations += 1
-        validate(params, self.limits)
-        with self._lock:
-            self._valid[key] = None
-            while len(self._valid) > self.capacity:
-                self._valid.popitem(last=False)
+        if ignored is None:
+            with self._lock:
+                self.num_validations += 1
+            ignored = validate(params, self.limits)
+            with self._lock:
+                self._valid[key] = ignored
+                while len(self._valid) > self.capacity:
+                    self._valid.popitem(last=False)
+        if ignored:
+            logger.info("%s: the schema's keyword(s) %s cannot be enforced while generating "
+                           "and are ignored (strict: true refuses them instead)",
+                           FIELD_OF_KIND[params.kind], ", ".join(ignored))
+        return ignored
