@@ -7,11 +7,22 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
-from bladellm.entrypoints.anthropic.protocol import TextOut, ToolUseOut, Usage
+from bladellm.entrypoints.anthropic.protocol import ThinkingOut, TextOut, ToolUseOut, Usage
+from bladellm.entrypoints.openai.reasoning import ReasoningParser
 from bladellm.entrypoints.openai.serving_common import UsageCounter
 from bladellm.entrypoints.openai.tool_calls import ToolChoice, forced_calls, parse_auto
+
+
+@dataclass(frozen=True)
+class OutputShape:
+    """How one request's output becomes blocks."""
+
+    tools: ToolChoice | None
+    reasoning: ReasoningParser | None  # --reasoning_parser, adapted to the prompt
+    omit_thinking: bool = False  # thinking.display "omitted": the block without its text
 
 
 def tool_use_id() -> str:
@@ -33,6 +44,18 @@ def call_input(call: dict[str, Any]) -> dict[str, Any] | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
+
+
+def message_blocks(text: str, shape: OutputShape) -> list[ThinkingOut | TextOut | ToolUseOut]:
+    """The whole output's blocks: its thinking (with ``--reasoning_parser``), then the answer."""
+    if shape.reasoning is None:
+        return list(answer_blocks(text, shape.tools))
+    thinking, answer = shape.reasoning.split(text)
+    blocks: list[Any] = []
+    if thinking:
+        blocks.append(ThinkingOut(thinking="" if shape.omit_thinking else thinking,
+                                  signature=thinking_signature(thinking)))
+    return blocks + answer_blocks(answer, shape.tools)
 
 
 def answer_blocks(text: str, tools: ToolChoice | None) -> list[TextOut | ToolUseOut]:

@@ -13,13 +13,15 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from bladellm.entrypoints.anthropic.convert import to_chat_request
-from bladellm.entrypoints.anthropic.output import answer_blocks, stop_reason, usage
+from bladellm.entrypoints.anthropic.output import (
+    OutputShape, message_blocks, stop_reason, usage)
 from bladellm.entrypoints.anthropic.protocol import (
     CountTokensRequest, CountTokensResponse, MessageResponse, MessagesRequest, _PromptRequest)
 from bladellm.entrypoints.anthropic.streaming import message_events
 from bladellm.entrypoints.openai.chat_template import template_options
 from bladellm.entrypoints.openai.protocol import ChatCompletionRequest
 from bladellm.entrypoints.openai.serving_chat import _prompt_ids
+from bladellm.entrypoints.openai.structured_output import after_reasoning
 from bladellm.entrypoints.openai.serving_common import (
     SSE_HEADERS, ServingContext, UsageCounter, build_sampling_params, check_output,
     merge_streams, naming_context_errors, until_disconnect)
@@ -31,6 +33,7 @@ class Prepared:
     chat: ChatCompletionRequest  # the same request in chat-completions terms
     tools: ToolChoice | None
     prompt: list[int]
+    prompt_text: str  # as rendered: its end tells whether the template opened the thinking
     lora: Any
 
 
@@ -40,8 +43,8 @@ async def prepare(req: _PromptRequest, ctx: ServingContext) -> Prepared:
     chat = to_chat_request(req)
     tools = parse_tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
     template_options(chat, ctx.trust_request_chat_template)  # 400s before any CPU work
-    prompt = await ctx.offload.run(_prompt_ids, chat, ctx, tools)
-    return Prepared(chat, tools, prompt, lora)
+    prompt, text = await ctx.offload.run(_prompt_ids, chat, ctx, tools)
+    return Prepared(chat, tools, prompt, text, lora)
 
 
 async def count_tokens(req: CountTokensRequest, raw: Request, ctx: ServingContext) -> Response:
@@ -54,20 +57,26 @@ async def create_message(req: MessagesRequest, raw: Request, ctx: ServingContext
     p = await prepare(req, ctx)
     params = build_sampling_params(p.chat, ctx, max_tokens=req.max_tokens, logprobs=None,
                                    forced_constraint=forced_constraint(p.tools))
+    parser = ctx.reasoning_parser.for_prompt(p.prompt_text) \
+        if ctx.reasoning_parser is not None else None
+    # Forced tool calls and output_config.format constrain the answer, not the thinking.
+    params.guided_decoding = after_reasoning(params.guided_decoding, parser, ctx.tokenizer)
+    shape = OutputShape(p.tools, parser,
+                        omit_thinking=getattr(req.thinking, "display", None) == "omitted")
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     merged = merge_streams([ctx.generate(p.prompt, params, message_id, p.lora)])
     model = p.lora.lora_name if p.lora is not None else ctx.model_name
     if req.stream:
         first = await naming_context_errors(until_disconnect(anext(merged), raw), "messages")
-        body = message_events(message_id, model, first, merged, p.tools)
+        body = message_events(message_id, model, first, merged, shape)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
     message = await naming_context_errors(
-        until_disconnect(_collect(message_id, model, merged, p.tools), raw), "messages")
+        until_disconnect(_collect(message_id, model, merged, shape), raw), "messages")
     return Response(message.model_dump_json(), media_type="application/json")
 
 
 async def _collect(message_id: str, model: str, merged: Any,
-                   tools: ToolChoice | None) -> MessageResponse:
+                   shape: OutputShape) -> MessageResponse:
     counter = UsageCounter()
     texts: list[str] = []
     finish, stop = None, None
@@ -78,7 +87,7 @@ async def _collect(message_id: str, model: str, merged: Any,
         texts.append(comp.text)
         if comp.finish_reason is not None:
             finish, stop = comp.finish_reason, comp.stop_reason
-    blocks = answer_blocks("".join(texts), tools)
+    blocks = message_blocks("".join(texts), shape)
     reason, sequence = stop_reason(finish, stop, any(b.type == "tool_use" for b in blocks))
     return MessageResponse(id=message_id, model=model, content=blocks, stop_reason=reason,
                            stop_sequence=sequence, usage=usage(counter))

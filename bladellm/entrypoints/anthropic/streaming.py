@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 
 from bladellm.entrypoints.anthropic.errors import from_api_error
 from bladellm.entrypoints.anthropic.output import (
-    call_input, stop_reason, thinking_signature, tool_use_id, usage)
+    OutputShape, call_input, stop_reason, thinking_signature, tool_use_id, usage)
 from bladellm.entrypoints.openai.serving_common import UsageCounter, check_output
 from bladellm.entrypoints.openai.tool_calls import AutoToolStream, ToolChoice, forced_calls
 from bladellm.http.handlers import from_exception
@@ -35,7 +35,8 @@ PING = event("ping", {"type": "ping"})
 class Blocks:
     """The message's content blocks as events: numbered in order, one open at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, omit_thinking: bool = False) -> None:
+        self.omit_thinking = omit_thinking  # thinking blocks carry their signature only
         self.index = -1
         self.open: str | None = None  # the open block's type
         self.thinking: list[str] = []  # the open thinking block's text (for its signature)
@@ -77,6 +78,8 @@ class Blocks:
         events = [] if self.open == "thinking" else \
             self._start({"type": "thinking", "thinking": "", "signature": ""})
         self.thinking.append(delta)
+        if self.omit_thinking:
+            return events
         return events + [self._delta({"type": "thinking_delta", "thinking": delta})]
 
     def tool_use(self, name: str, partial_json: str, new: bool = False) -> list[str]:
@@ -130,13 +133,35 @@ class AnswerStream:
         return events
 
 
+class OutputStream:
+    """A generation's deltas as events: the thinking (``--reasoning_parser``), then the
+    answer."""
+
+    def __init__(self, shape: OutputShape) -> None:
+        self.blocks = Blocks(shape.omit_thinking)
+        self.answer = AnswerStream(shape.tools, self.blocks)
+        self.reasoning = shape.reasoning.streamer() if shape.reasoning is not None else None
+
+    def feed(self, text: str) -> list[str]:
+        if self.reasoning is None:
+            return self.answer.feed(text)
+        thinking, answer = self.reasoning.feed(text)
+        return self.blocks.thinking_text(thinking) + self.answer.feed(answer)
+
+    def finish(self) -> list[str]:
+        events = []
+        if self.reasoning is not None:
+            thinking, answer = self.reasoning.finish()
+            events = self.blocks.thinking_text(thinking) + self.answer.feed(answer)
+        return events + self.answer.finish() + self.blocks.close()
+
+
 async def message_events(message_id: str, model: str, first: Any, merged: Any,
-                         tools: ToolChoice | None) -> AsyncIterator[str]:
+                         shape: OutputShape) -> AsyncIterator[str]:
     """The event stream of one message; ``first``: the engine's first output, awaited before
     the response started (so that a request the engine refuses still gets its 4xx)."""
     counter = UsageCounter()
-    blocks = Blocks()
-    answer = AnswerStream(tools, blocks)
+    output = OutputStream(shape)
     finish, stop = None, None
     pending: asyncio.Future | None = None
     try:
@@ -153,7 +178,7 @@ async def message_events(message_id: str, model: str, first: Any, merged: Any,
             if item is not first:
                 counter.add(0, out)
             comp = out.outputs[0]
-            for e in answer.feed(comp.text):
+            for e in output.feed(comp.text):
                 yield e
             if comp.finish_reason is not None:
                 finish, stop = comp.finish_reason, comp.stop_reason
@@ -166,9 +191,9 @@ async def message_events(message_id: str, model: str, first: Any, merged: Any,
                 break
             finally:
                 pending = None
-        for e in answer.finish() + blocks.close():
+        for e in output.finish():
             yield e
-        reason, sequence = stop_reason(finish, stop, blocks.num_tool_uses > 0)
+        reason, sequence = stop_reason(finish, stop, output.blocks.num_tool_uses > 0)
         yield event("message_delta", {"type": "message_delta",
                                       "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                       "usage": usage(counter).model_dump()})

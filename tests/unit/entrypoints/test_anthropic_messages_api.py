@@ -281,3 +281,58 @@ async def test_disconnect_mid_stream_aborts():
              "client": ("c", 1)}
     await asyncio.wait_for(app(scope, receive, send), 10)
     assert engine.aborted and not engine.active and not engine.completed
+
+
+# --------------------------------------------------------------------------------- thinking
+
+
+@pytest.fixture
+async def reasoning_client(engine):
+    app = build_app(engine, ServerConfig(reasoning_parser="qwen3"))
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app),
+                                  base_url="http://t") as http:
+        yield anthropic.AsyncAnthropic(api_key="none", base_url="http://t", http_client=http,
+                                       max_retries=0)
+
+
+async def test_thinking_blocks(reasoning_client, engine):
+    engine.script = ["<thi", "nk>\nLet me ", "think.\n</th", "ink>\n\nHello", " there"]
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    msg = await reasoning_client.messages.create(model="fake-model", max_tokens=2000,
+                                                 messages=HI, thinking=thinking)
+    assert [b.type for b in msg.content] == ["thinking", "text"]
+    assert msg.content[0].thinking == "Let me think." and msg.content[0].signature
+    assert msg.content[1].text == "Hello there" and msg.stop_reason == "end_turn"
+    async with reasoning_client.messages.stream(model="fake-model", max_tokens=2000,
+                                                messages=HI, thinking=thinking) as stream:
+        final = await stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in msg.content]
+    # display "omitted": the block and its signature, not the text.
+    omitted = {**thinking, "display": "omitted"}
+    msg = await reasoning_client.messages.create(model="fake-model", max_tokens=2000,
+                                                 messages=HI, thinking=omitted)
+    assert msg.content[0].type == "thinking" and msg.content[0].thinking == ""
+    async with reasoning_client.messages.stream(model="fake-model", max_tokens=2000,
+                                                messages=HI, thinking=omitted) as stream:
+        final = await stream.get_final_message()
+    assert final.content[0].thinking == "" and final.content[1].text == "Hello there"
+
+
+async def test_thinking_then_tool_use(reasoning_client, engine):
+    engine.script = ["<think>I need the weather.</think>",
+                     '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+                     "</tool_call>"]
+    async with reasoning_client.messages.stream(model="fake-model", max_tokens=100,
+                                                messages=HI, tools=[WEATHER]) as stream:
+        final = await stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "tool_use"]
+    assert final.content[1].input == {"city": "Oslo"} and final.stop_reason == "tool_use"
+    # The thinking of that turn comes back with the tool result; it is not shown again.
+    follow_up = [*HI, final.to_param(), {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": final.content[1].id, "content": "cold"}]}]
+    engine.script = ["<think>ok</think>It is cold."]
+    msg = await reasoning_client.messages.create(model="fake-model", max_tokens=100,
+                                                 messages=follow_up, tools=[WEATHER])
+    assert msg.content[-1].text == "It is cold."
+    prompt = "".join(chr(i) for i in engine.calls[-1][0])
+    assert "I need the weather." not in prompt and "cold" in prompt
