@@ -112,9 +112,10 @@ async def test_errors_through_the_sdk(server, client):
                 "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
     assert info.value.body["error"]["type"] == "invalid_request_error"
     assert "messages[0].content[0]" in info.value.body["error"]["message"]
-    with pytest.raises(anthropic.BadRequestError) as info:  # prompt + max_tokens too long
-        await client.messages.create(model="tiny", max_tokens=MAX_MODEL_LEN, messages=HI)
-    assert "max_tokens" in info.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as info:  # no room left for output
+        await client.messages.create(model="tiny", max_tokens=8, messages=[
+            {"role": "user", "content": "hello " * MAX_MODEL_LEN}])
+    assert info.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
         await client.messages.create(model="claude-opus", max_tokens=8, messages=HI)
     bad = anthropic.AsyncAnthropic(base_url=server.url, api_key="wrong", max_retries=0)

@@ -23,6 +23,7 @@ class OutputShape:
     tools: ToolChoice | None
     reasoning: ReasoningParser | None  # --reasoning_parser, adapted to the prompt
     omit_thinking: bool = False  # thinking.display "omitted": the block without its text
+    context_bound: bool = False  # max_tokens was lowered to the room the context leaves
 
 
 def tool_use_id() -> str:
@@ -78,10 +79,12 @@ def answer_blocks(text: str, tools: ToolChoice | None) -> list[TextOut | ToolUse
     return ([TextOut(text=content)] if content else []) + uses
 
 
-def stop_reason(finish: str | None, stop: int | str | None, called: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) from the engine's finish reason and stop string / token."""
+def stop_reason(finish: str | None, stop: int | str | None, called: bool,
+                context_bound: bool = False) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) from the engine's finish reason and stop string / token;
+    ``context_bound``: the length limit was the context's, not the client's ``max_tokens``."""
     if finish == "length":
-        return "max_tokens", None
+        return ("model_context_window_exceeded" if context_bound else "max_tokens"), None
     if isinstance(stop, str):
         return "stop_sequence", stop
     return ("tool_use" if called else "end_turn"), None

@@ -241,7 +241,8 @@ class Usage(_Response):
     cache_read_input_tokens: int = 0
 
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use",
+                     "model_context_window_exceeded"]
 
 
 class MessageResponse(_Response):

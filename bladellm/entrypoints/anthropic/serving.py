@@ -24,7 +24,8 @@ from bladellm.entrypoints.openai.serving_chat import _prompt_ids
 from bladellm.entrypoints.openai.structured_output import after_reasoning
 from bladellm.entrypoints.openai.serving_common import (
     SSE_HEADERS, ServingContext, UsageCounter, build_sampling_params, check_output,
-    merge_streams, naming_context_errors, until_disconnect)
+    context_length_error, merge_streams, naming_context_errors, until_disconnect)
+from bladellm.errors import ContextLengthError
 from bladellm.entrypoints.openai.tool_calls import ToolChoice, forced_constraint, parse_tool_choice
 
 
@@ -55,14 +56,16 @@ async def count_tokens(req: CountTokensRequest, raw: Request, ctx: ServingContex
 
 async def create_message(req: MessagesRequest, raw: Request, ctx: ServingContext) -> Response:
     p = await prepare(req, ctx)
-    params = build_sampling_params(p.chat, ctx, max_tokens=req.max_tokens, logprobs=None,
+    max_tokens = _fit_max_tokens(req.max_tokens, len(p.prompt), ctx.max_model_len)
+    params = build_sampling_params(p.chat, ctx, max_tokens=max_tokens, logprobs=None,
                                    forced_constraint=forced_constraint(p.tools))
     parser = ctx.reasoning_parser.for_prompt(p.prompt_text) \
         if ctx.reasoning_parser is not None else None
     # Forced tool calls and output_config.format constrain the answer, not the thinking.
     params.guided_decoding = after_reasoning(params.guided_decoding, parser, ctx.tokenizer)
     shape = OutputShape(p.tools, parser,
-                        omit_thinking=getattr(req.thinking, "display", None) == "omitted")
+                        omit_thinking=getattr(req.thinking, "display", None) == "omitted",
+                        context_bound=max_tokens < req.max_tokens)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     merged = merge_streams([ctx.generate(p.prompt, params, message_id, p.lora)])
     model = p.lora.lora_name if p.lora is not None else ctx.model_name
@@ -73,6 +76,18 @@ async def create_message(req: MessagesRequest, raw: Request, ctx: ServingContext
     message = await naming_context_errors(
         until_disconnect(_collect(message_id, model, merged, shape), raw), "messages")
     return Response(message.model_dump_json(), media_type="application/json")
+
+
+def _fit_max_tokens(max_tokens: int, num_prompt: int, max_model_len: int) -> int:
+    """``max_tokens`` lowered to the room the context leaves, as Anthropic's API does (the
+    output then ends with ``model_context_window_exceeded``; clients such as Claude Code send
+    a large ``max_tokens`` whatever the model). A prompt that leaves no room is a 400."""
+    room = max_model_len - num_prompt
+    if room < 1:
+        raise context_length_error(ContextLengthError(
+            "", num_prompt_tokens=num_prompt, max_tokens=None, max_model_len=max_model_len),
+            "messages")
+    return min(max_tokens, room)
 
 
 async def _collect(message_id: str, model: str, merged: Any,
@@ -88,6 +103,7 @@ async def _collect(message_id: str, model: str, merged: Any,
         if comp.finish_reason is not None:
             finish, stop = comp.finish_reason, comp.stop_reason
     blocks = message_blocks("".join(texts), shape)
-    reason, sequence = stop_reason(finish, stop, any(b.type == "tool_use" for b in blocks))
+    reason, sequence = stop_reason(finish, stop, any(b.type == "tool_use" for b in blocks),
+                                   shape.context_bound)
     return MessageResponse(id=message_id, model=model, content=blocks, stop_reason=reason,
                            stop_sequence=sequence, usage=usage(counter))

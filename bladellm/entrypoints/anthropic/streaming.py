@@ -193,7 +193,8 @@ async def message_events(message_id: str, model: str, first: Any, merged: Any,
                 pending = None
         for e in output.finish():
             yield e
-        reason, sequence = stop_reason(finish, stop, output.blocks.num_tool_uses > 0)
+        reason, sequence = stop_reason(finish, stop, output.blocks.num_tool_uses > 0,
+                                       shape.context_bound)
         yield event("message_delta", {"type": "message_delta",
                                       "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                       "usage": usage(counter).model_dump()})

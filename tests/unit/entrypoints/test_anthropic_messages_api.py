@@ -180,6 +180,32 @@ async def test_any_tool_sends_whole_calls(client, engine):
     assert len({b.id for b in final.content}) == 2 and final.stop_reason == "tool_use"
 
 
+async def test_max_tokens_beyond_the_context_is_lowered_to_fit():
+    engine = FakeAsyncLLM()  # a 128-token context
+    app = build_app(engine, ServerConfig())
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app),
+                                  base_url="http://t") as http:
+        client = anthropic.AsyncAnthropic(api_key="x", base_url="http://t", http_client=http,
+                                          max_retries=0)
+        msg = await client.messages.create(model="fake-model", max_tokens=20000, messages=HI)
+        prompt = len(engine.calls[-1][0])
+        assert engine.calls[-1][1].max_tokens == 128 - prompt
+        assert msg.stop_reason == "model_context_window_exceeded"
+        assert msg.usage.output_tokens == 128 - prompt
+        async with client.messages.stream(model="fake-model", max_tokens=20000,
+                                          messages=HI) as stream:
+            final = await stream.get_final_message()
+        assert final.stop_reason == "model_context_window_exceeded"
+        # Within the context, max_tokens is the client's own limit.
+        msg = await client.messages.create(model="fake-model", max_tokens=5, messages=HI)
+        assert msg.stop_reason == "max_tokens"
+        # A prompt that leaves no room for output is still a 400.
+        with pytest.raises(anthropic.BadRequestError) as info:
+            await client.messages.create(model="fake-model", max_tokens=5, messages=[
+                {"role": "user", "content": "x" * 200}])
+        assert "messages" in info.value.body["error"]["message"]
+
+
 async def test_thinking_flag_reaches_the_template(client, engine):
     await client.messages.create(model="fake-model", max_tokens=2000, messages=HI,
                                  thinking={"type": "enabled", "budget_tokens": 1024})
@@ -254,33 +280,58 @@ async def test_openapi_declares_the_bodies(http):
 # ------------------------------------------------------------------------------ disconnects
 
 
-async def test_disconnect_mid_stream_aborts():
-    engine = FakeAsyncLLM(step_delay=0.01)
+async def _leave_early(engine: FakeAsyncLLM, stream: bool) -> list[dict]:
+    """POST /v1/messages and disconnect at the first token (streamed: the first text_delta
+    sent; not streamed: the engine's first token). httpx's ASGI transport sends the whole body
+    and waits for the whole answer, so the app is driven by hand."""
     app = build_app(engine, ServerConfig())
-    # httpx2's ASGI transport buffers the whole body; drive the app by hand to leave early.
     sent: list[dict] = []
     gone = asyncio.Event()
-    body = json.dumps({"model": "fake-model", "max_tokens": 100, "stream": True,
+    body = json.dumps({"model": "fake-model", "max_tokens": 100, "stream": stream,
                        "messages": HI}).encode()
     requests = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def receive() -> dict:
         if requests:
             return requests.pop()
+        if not stream:
+            await engine.started.wait()
+            gone.set()
         await gone.wait()
         return {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
         sent.append(message)
         if b"text_delta" in message.get("body", b""):
-            gone.set()  # the client leaves at its first token
+            gone.set()
 
     scope = {"type": "http", "method": "POST", "path": "/v1/messages", "root_path": "",
              "headers": [(b"content-type", b"application/json")], "query_string": b"",
              "http_version": "1.1", "scheme": "http", "server": ("t", 80),
              "client": ("c", 1)}
     await asyncio.wait_for(app(scope, receive, send), 10)
+    return sent
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_disconnect_aborts(stream):
+    engine = FakeAsyncLLM(step_delay=0.01)
+    sent = await _leave_early(engine, stream)
     assert engine.aborted and not engine.active and not engine.completed
+    if not stream:
+        assert sent[0]["status"] == 499  # nobody reads it: the server's "client closed"
+
+
+async def test_pings_while_the_engine_is_silent(http, engine, monkeypatch):
+    from bladellm.entrypoints.anthropic import streaming
+
+    monkeypatch.setattr(streaming, "PING_INTERVAL", 0.01)
+    engine.step_delay = 0.1
+    events = await _events(http, {"model": "fake-model", "max_tokens": 3, "messages": HI})
+    kinds = [k for k, _ in events]
+    assert kinds.count("ping") > 2 and kinds[-1] == "message_stop"
+    text = "".join(e["delta"]["text"] for k, e in events if k == "content_block_delta")
+    assert text == "abc"
 
 
 # --------------------------------------------------------------------------------- thinking
