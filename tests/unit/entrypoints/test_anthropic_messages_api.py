@@ -247,6 +247,25 @@ async def test_errors_in_anthropic_shape(client, http, engine):
     assert info.value.body["error"]["type"] == "overloaded_error"
 
 
+async def test_stopping_server_and_dead_engine_are_503_api_error(engine):
+    app = build_app(engine, ServerConfig(api_key=KEY))
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app),
+                                  base_url="http://t") as http:
+        client = anthropic.AsyncAnthropic(api_key=KEY, base_url="http://t", http_client=http,
+                                          max_retries=0)
+        engine.dead_reason = "the core crashed"
+        with pytest.raises(anthropic.ServiceUnavailableError) as info:
+            await client.messages.create(model="fake-model", max_tokens=5, messages=HI)
+        assert info.value.body["error"]["type"] == "api_error"
+        assert info.value.response.headers["retry-after"] == "1"
+        engine.dead_reason = None
+        app.state.lifecycle.draining = True  # SIGTERM: the middleware refuses new requests
+        with pytest.raises(anthropic.ServiceUnavailableError) as info:
+            await client.messages.count_tokens(model="fake-model", messages=HI)
+        assert info.value.body["type"] == "error"
+        assert "shutting down" in info.value.body["error"]["message"]
+
+
 async def test_other_paths_keep_openai_errors(http):
     r = await http.post("/v1/chat/completions", headers={"x-api-key": KEY}, json={})
     assert r.status_code == 400 and "type" not in r.json() and "error" in r.json()
