@@ -286,6 +286,10 @@ async def test_bearer_and_x_api_key_both_accepted(http):
         assert r.status_code == 200, r.text
     r = await http.post("/v1/messages/count_tokens", json=body)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    # The header works on every /v1 route (the same check), a wrong one nowhere.
+    assert (await http.get("/v1/models", headers={"x-api-key": KEY})).status_code == 200
+    r = await http.get("/v1/models", headers={"x-api-key": KEY + "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 async def test_openapi_declares_the_bodies(http):
