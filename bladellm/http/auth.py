@@ -12,16 +12,22 @@ from bladellm.http.errors import APIError
 
 def api_key_check(api_key: str | None):
     """A FastAPI dependency: 401 unless the request sends ``Authorization: Bearer <api_key>``
-    (no check when ``api_key`` is None)."""
+    or, as Anthropic's clients do, ``x-api-key: <api_key>`` (no check when ``api_key`` is
+    None)."""
     expected = hashlib.sha256(f"Bearer {api_key}".encode()).digest() if api_key else None
+    expected_key = hashlib.sha256(api_key.encode()).digest() if api_key else None
 
     async def check(request: Request) -> None:
         if expected is None:
             return
         got = hashlib.sha256(request.headers.get("authorization", "").encode()).digest()
-        if not hmac.compare_digest(got, expected):  # constant time; lengths hidden by hashing
+        # Both compared, always: constant time; lengths hidden by hashing.
+        bearer_ok = hmac.compare_digest(got, expected)
+        got_key = hashlib.sha256(request.headers.get("x-api-key", "").encode()).digest()
+        key_ok = hmac.compare_digest(got_key, expected_key)  # type: ignore[arg-type]
+        if not (bearer_ok or key_ok):
             raise APIError(401, "Incorrect or missing API key; send 'Authorization: Bearer "
-                                "<key>'.", "invalid_request_error", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+                                "<key>' (or 'x-api-key: <key>').", "invalid_request_error",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     return check

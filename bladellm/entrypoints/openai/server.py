@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from bladellm.config import EngineConfig
+from bladellm.entrypoints.anthropic.routes import add_anthropic_routes
 from bladellm.entrypoints.openai.config import ServerConfig
 from bladellm.entrypoints.openai.lifecycle import Lifecycle, LifecycleMiddleware, watch_engine
 from bladellm.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatLogger
@@ -136,6 +137,7 @@ def build_app(engine: Any, server_config: ServerConfig,
         return Response(card.model_dump_json(), media_type="application/json")
 
     add_lora_routes(v1, engine)
+    add_anthropic_routes(app, v1, serve)  # Anthropic's /v1/messages (entrypoints/anthropic)
 
     app.include_router(v1)
 
