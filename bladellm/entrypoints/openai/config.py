@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from bladellm.config import parse_size, parse_size_flag
+from bladellm.entrypoints.openai.reasoning import REASONING_PARSERS
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -60,6 +61,15 @@ class ServerConfig:
         metadata={"help": "Names of the /metrics series: vllm (vllm:* with a model_name "
                           "label, as vLLM publishes them), bladellm (bladellm_*), or both.",
                   "choices": ("both", "vllm", "bladellm")})
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={"help": "Split a reasoning model's <think>...</think> thinking from its answer: "
+                          "qwen3 (the model opens <think>; no tags, e.g. enable_thinking=false: "
+                          "all answer) or deepseek_r1 (the template opens <think>: output before "
+                          "</think> is thinking). Sent as reasoning_content / reasoning in chat, "
+                          "reasoning items in Responses, thinking blocks in Messages; structured "
+                          "output applies to the answer only.",
+                  "choices": REASONING_PARSERS})
     retry_after: int = field(
         default=1,
         metadata={"help": "Retry-After seconds sent with HTTP 503 (overloaded or engine down)."})
@@ -89,6 +99,9 @@ class ServerConfig:
                    f"no such file: {self.chat_template!r}")
         _check(self.metrics_names in ("both", "vllm", "bladellm"), "metrics_names",
                f"must be one of both, vllm, bladellm; got {self.metrics_names!r}")
+        _check(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+               "reasoning_parser", f"must be one of {', '.join(REASONING_PARSERS)}; "
+               f"got {self.reasoning_parser!r}")
         _check(self.retry_after >= 0, "retry_after", f"must be >= 0, got {self.retry_after}")
         _check(self.responses_store_max_entries >= 0, "responses_store_max_entries",
                f"must be >= 0, got {self.responses_store_max_entries}")

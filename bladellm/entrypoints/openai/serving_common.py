@@ -16,6 +16,7 @@ from bladellm.engine.input_processor import context_length_message
 from bladellm.engine.prompt_limits import prompt_char_limit
 from bladellm.http.disconnect import until_disconnect as _until_disconnect
 from bladellm.http.errors import APIError, bad_request, unsupported
+from bladellm.entrypoints.openai.reasoning import ReasoningParser, get_reasoning_parser
 from bladellm.entrypoints.openai.structured_output import guided_decoding_from_request
 from bladellm.entrypoints.openai.protocol import (
     ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptTokensDetails, SamplingRequest,
@@ -52,6 +53,7 @@ class ServingContext:
     max_prompt_chars: int | None = None  # cheap pre-tokenization bound (prompt_limits.py)
     trust_request_chat_template: bool = False
     default_chat_template: str | None = None  # --chat_template: replaces the tokenizer's
+    reasoning_parser: ReasoningParser | None = None  # --reasoning_parser
 
     @classmethod
     def from_engine(cls, engine: Any, server_config: Any = None) -> "ServingContext":
@@ -65,7 +67,9 @@ class ServingContext:
                    trust_request_chat_template=bool(getattr(
                        server_config, "trust_request_chat_template", False)),
                    default_chat_template=server_config.load_chat_template()
-                   if server_config is not None else None)
+                   if server_config is not None else None,
+                   reasoning_parser=get_reasoning_parser(
+                       getattr(server_config, "reasoning_parser", None)))
 
     def check_model(self, name: str | None) -> Any:
         """None for the base model, the ``LoRARequest`` an adapter name or path resolves to

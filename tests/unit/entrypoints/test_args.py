@@ -128,8 +128,6 @@ def test_quantization_flag_is_ours_now():
 
 @pytest.mark.parametrize("argv,message", [
     (["--swap-space", "4"], "--swap-space: this vLLM flag is not supported yet"),
-    (["--reasoning-parser", "deepseek_r1"],
-     "--reasoning-parser: this vLLM flag is not supported yet"),
     (["-q", "awq"], "-q: this vLLM flag is not supported yet"),
     (["--no-enable-chunked-prefill"], "chunked prefill cannot be turned off"),
     # vLLM's --no-disable-log-requests turns request logging on, as --enable-log-requests does
