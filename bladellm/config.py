@@ -14,6 +14,7 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _SPEC_POLICIES = ("cost", "always")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # --spec_step_overhead default: a decode step's fixed cost in extra-token units, measured on the
 # demo model (SmolLM2-135M, fp32) on a 2-vCPU AVX2 AMD EPYC (docs/speculative.md, "Cost rule").
 SPEC_STEP_OVERHEAD = 14.0
@@ -251,6 +252,22 @@ class SchedulerConfig:
     max_queue_time: float | None = field(
         default=None,
         metadata={"help": "Seconds a request may wait before it starts; past it, 503."})
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata={"help": "fcfs (first come, first served) or priority: waiting requests are "
+                          "admitted by their request's priority (lower first, as in vLLM), then "
+                          "arrival, and a higher-priority request may preempt the "
+                          "lowest-priority running one when KV blocks or sequence slots run "
+                          "out. Under fcfs a request with a priority other than 0 is refused "
+                          "(400 naming priority). See docs/server.md, Priority scheduling.",
+                  "choices": SCHEDULING_POLICIES})
+    priority_aging_interval: float = field(
+        default=60.0,
+        metadata={"help": "--scheduling_policy priority: seconds of waiting that improve a "
+                          "request's effective priority by one level, so that a request is "
+                          "never passed by one of priority q that arrived more than "
+                          "(its priority - q) x this many seconds after it (the starvation "
+                          "bound). A huge value gives strict priority (vLLM's rule)."})
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
@@ -262,6 +279,19 @@ class SchedulerConfig:
                f"must be >= 1, got {self.max_queue_size}")
         _check(self.max_queue_time is None or self.max_queue_time > 0, "max_queue_time",
                f"must be positive, got {self.max_queue_time}")
+        _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+               f"must be one of {list(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
+        _check(math.isfinite(self.priority_aging_interval) and self.priority_aging_interval > 0,
+               "priority_aging_interval",
+               f"must be a finite number of seconds > 0, got {self.priority_aging_interval}")
+        # A knob nothing reads must not be silently accepted.
+        _check(self.scheduling_policy == "priority"
+               or "priority_aging_interval" not in _non_default(self), "priority_aging_interval",
+               "only used with --scheduling_policy priority")
+
+    @property
+    def priority_scheduling(self) -> bool:
+        return self.scheduling_policy == "priority"
 
 
 @dataclass

@@ -85,6 +85,7 @@ class Request:
         max_model_len: int | None = None,
         arrival_time: float | None = None,
         lora_request: Any = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -93,6 +94,9 @@ class Request:
         # The LoRA adapter (``bladellm.lora.LoRARequest``) or None; 0 = the base model.
         self.lora_request = lora_request
         self.lora_id: int = lora_request.lora_int_id if lora_request is not None else 0
+        # --scheduling_policy priority: lower runs first (ignored by fcfs, which the front end
+        # only lets 0 through to).
+        self.priority = priority
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

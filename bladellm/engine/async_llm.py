@@ -69,8 +69,9 @@ class AsyncLLM:
             if self.client is None:  # the engine core loads weights while we load the tokenizer
                 self.client = AsyncMPClient(_local_model_config(config, resolved), wait=False)
             self.model_info = model_info_for(resolved)
-            self.input_processor = InputProcessor(self.model_info,
-                                                  config.guided.guided_max_grammar_size)
+            self.input_processor = InputProcessor(
+                self.model_info, config.guided.guided_max_grammar_size,
+                priority_scheduling=config.scheduler.priority_scheduling)
             self.lora_registry = None  # names/paths -> adapters (bladellm/lora/registry.py)
             if config.lora.enable_lora:
                 from bladellm.lora.registry import LoRARegistry
@@ -138,8 +139,11 @@ class AsyncLLM:
     # ---- requests -----------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
                        request_id: str, *, delta: bool = True,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request. Raises before yielding for bad input or overload."""
+                       lora_request: LoRARequest | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request. Raises before yielding for bad input or overload.
+        ``priority``: lower runs first under ``--scheduling_policy priority`` (refused other
+        than 0 under fcfs)."""
         await self.check_health()
         self._ensure_output_task()
         if request_id in self._queues or request_id in self._not_started:
@@ -154,7 +158,7 @@ class AsyncLLM:
         try:
             core_reqs = await self.cpu_offload.run(
                 self.input_processor.process, request_id, prompt, sampling_params, arrival,
-                lora_request=lora_request, validate_grammar=False)
+                lora_request=lora_request, validate_grammar=False, priority=priority)
             if sampling_params.guided_decoding is not None:
                 # Not in the tokenizer's queue; a client gone before its turn never starts it.
                 await self.grammar_offload.run(self.input_processor.validate_grammar,

@@ -28,6 +28,7 @@ from bladellm.sampling_params import SamplingParams
 
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
 _INT64_SPAN = 2**64
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -35,8 +36,10 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
 
 
 class InputProcessor:
-    def __init__(self, model_info: ModelInfo, max_grammar_size: int | None = None) -> None:
+    def __init__(self, model_info: ModelInfo, max_grammar_size: int | None = None,
+                 priority_scheduling: bool = False) -> None:
         self.model_info = model_info
+        self.priority_scheduling = priority_scheduling  # --scheduling_policy priority
         self.tokenizer = model_info.tokenizer
         self._max_grammar_size = max_grammar_size
         self._grammar_validator = None  # built on the first constrained request
@@ -47,7 +50,7 @@ class InputProcessor:
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float, *, add_special_tokens: bool = True,
                 lora_request: LoRARequest | None = None,
-                validate_grammar: bool = True) -> list[EngineCoreRequest]:
+                validate_grammar: bool = True, priority: int = 0) -> list[EngineCoreRequest]:
         """Tokenize and validate one request; returns one EngineCoreRequest per sample.
 
         ``add_special_tokens=False`` is for text that already carries them (a chat template's
@@ -59,6 +62,7 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: must be a SamplingParams, "
                             f"got {type(params).__name__}")
+        check_priority(priority, self.priority_scheduling)
         prompt_token_ids = self.tokenize(prompt, add_special_tokens)
         info = self.model_info
         check_request(prompt_token_ids, params, info.vocab_size, info.max_model_len)
@@ -67,11 +71,12 @@ class InputProcessor:
         if params.n == 1:
             return [EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                       sampling_params=params, arrival_time=arrival_time,
-                                      lora_request=lora_request)]
+                                      lora_request=lora_request, priority=priority)]
         return [
             EngineCoreRequest(request_id=child_id, prompt_token_ids=prompt_token_ids,
                               sampling_params=_child_params(params, i),
-                              arrival_time=arrival_time, lora_request=lora_request)
+                              arrival_time=arrival_time, lora_request=lora_request,
+                              priority=priority)
             for i, child_id in enumerate(child_request_ids(request_id, params.n))
         ]
 
@@ -128,6 +133,20 @@ class InputProcessor:
         except Exception as e:  # jinja2 TemplateError, raise_exception() inside templates
             raise ValueError(f"messages: chat template failed: {e}") from e
         return text
+
+
+def check_priority(priority: Any, priority_scheduling: bool) -> None:
+    """A request's ``priority`` is an integer (int64: it crosses the process boundary), and one
+    other than 0 needs ``--scheduling_policy priority``: under fcfs it would be accepted and
+    ignored (vLLM refuses it too)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority: must be an integer, got {type(priority).__name__}")
+    if not _INT64_MIN <= priority <= _INT64_MAX:
+        raise ValueError(f"priority: must fit in 64 bits, got {priority}")
+    if priority != 0 and not priority_scheduling:
+        raise ValueError(f"priority: got {priority}, but this engine schedules first come, "
+                         f"first served; a priority other than 0 needs --scheduling_policy "
+                         f"priority")
 
 
 def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:

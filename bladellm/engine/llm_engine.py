@@ -40,7 +40,9 @@ class LLMEngine:
         self.config = config
         resolved = resolve_model(config.model, snapshot_config=True)
         self.model_info = model_info_for(resolved)
-        self.input_processor = InputProcessor(self.model_info, config.guided.guided_max_grammar_size)
+        self.input_processor = InputProcessor(
+            self.model_info, config.guided.guided_max_grammar_size,
+            priority_scheduling=config.scheduler.priority_scheduling)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
         self.core = EngineCore(config, resolved)
         self.core.set_eos_token_ids(self.model_info.eos_token_ids)
@@ -56,11 +58,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, priority: int = 0) -> None:
         arrival_time = time.time() if arrival_time is None else arrival_time
         lora_request = self.check_lora(lora_request)
         core_reqs = self.input_processor.process(request_id, prompt, params, arrival_time,
-                                                 lora_request=lora_request)
+                                                 lora_request=lora_request, priority=priority)
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None,
             core_reqs[0].prompt_token_ids, params, [r.request_id for r in core_reqs],
@@ -131,11 +133,13 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: int | Sequence[int] | None = None,
                  ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs in the order of the prompts.
         ``lora_request``: one adapter for all prompts or one (or None) per prompt; build them
         with ``LLM.lora_request(name, path)`` or as ``LoRARequest(name, id, path)`` (id > 0,
-        one id per adapter)."""
+        one id per adapter). ``priority``: one for all prompts or one per prompt (vLLM's list),
+        lower first; other than 0 only with ``scheduling_policy="priority"``."""
         self._check_open()
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -158,13 +162,19 @@ class LLM:
                  else [lora_request] * len(prompts))
         if len(loras) != len(prompts):
             raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
+        priorities = (list(priority) if isinstance(priority, (list, tuple))
+                      else [0 if priority is None else priority] * len(prompts))
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority: got {len(priorities)} for {len(prompts)} prompts")
         # Adapters are checked (and their files read) before any request is queued.
         loras = [self.engine.check_lora(lora) for lora in loras]
         ids = [str(next(self._ids)) for _ in prompts]
         added: list[str] = []
         try:
-            for request_id, prompt, params, lora in zip(ids, prompts, params_list, loras):
-                self.engine.add_request(request_id, prompt, params, lora_request=lora)
+            for request_id, prompt, params, lora, prio in zip(ids, prompts, params_list, loras,
+                                                              priorities):
+                self.engine.add_request(request_id, prompt, params, lora_request=lora,
+                                        priority=prio)
                 added.append(request_id)
         except Exception:
             # A bad prompt fails the whole call: leave nothing of it in the engine.

@@ -22,6 +22,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defa
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     lora_request: LoRARequest | None = None
+    priority: int = 0  # --scheduling_policy priority: lower runs first
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):

@@ -63,6 +63,7 @@ class SamplingRequest(_Request):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int = 0  # lower first; other than 0 needs --scheduling_policy priority
     # Structured output (docs/structured_output.md): at most one constraint per request.
     response_format: ResponseFormat | None = None
     guided_json: Any = None  # a JSON schema: an object or JSON text

@@ -144,7 +144,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
                                    forced_constraint=forced_constraint(tools),
                                    max_tokens_param=max_tokens_param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    merged = merge_streams([ctx.generate(prompt, params, request_id, lora)])
+    merged = merge_streams([ctx.generate(prompt, params, request_id, lora, req.priority)])
     model = lora.lora_name if lora is not None else ctx.model_name
     choices = [_Choice() for _ in range(req.n)]
     if req.stream:

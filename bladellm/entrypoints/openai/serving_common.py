@@ -91,11 +91,15 @@ class ServingContext:
                        param="model", code="model_not_found")
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 lora: Any = None) -> Any:
-        """The engine's stream for one prompt, with the request's LoRA adapter if any."""
-        if lora is None:
-            return self.engine.generate(prompt, params, request_id)
-        return self.engine.generate(prompt, params, request_id, lora_request=lora)
+                 lora: Any = None, priority: int = 0) -> Any:
+        """The engine's stream for one prompt, with the request's LoRA adapter and scheduling
+        priority if any (the engine refuses a priority other than 0 under fcfs: a 400)."""
+        kwargs: dict[str, Any] = {}
+        if lora is not None:
+            kwargs["lora_request"] = lora
+        if priority != 0:
+            kwargs["priority"] = priority
+        return self.engine.generate(prompt, params, request_id, **kwargs)
 
 
 # ------------------------------------------------------------------------- request checking

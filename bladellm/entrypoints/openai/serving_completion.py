@@ -71,7 +71,7 @@ async def create_completion(req: CompletionRequest, raw: Request,
         # From each prompt's own prefill; they come with its first output (_fold_prompt_logprobs).
         params = params.clone(prompt_logprobs=max(req.prompt_logprobs or 0, echo_top or 0))
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = [ctx.generate(p, params, f"{request_id}-p{i}", lora)
+    streams = [ctx.generate(p, params, f"{request_id}-p{i}", lora, req.priority)
                for i, p in enumerate(prompts)]
     merged = merge_streams(streams)
     choices = [_Choice() for _ in range(len(prompts) * req.n)]

@@ -70,6 +70,7 @@ class FakeAsyncLLM:
         self.fail_after_tokens: int | None = None  # per-request error after that many tokens
         self.eos_after_tokens: int | None = None  # finish "stop" unless ignore_eos
         self.calls: list[tuple[Any, SamplingParams, str]] = []
+        self.priorities: list[int] = []  # the scheduling priority of each generate call
         self.active: set[str] = set()
         self.aborted: list[str] = []
         self.completed: list[str] = []
@@ -119,14 +120,16 @@ class FakeAsyncLLM:
         return [EmbeddingOutput([float(len(one)), float(one[0])], one) for one in ids]
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       *, delta: bool = True):
+                       *, delta: bool = True, priority: int = 0):
         self.calls.append((prompt, params, request_id))
+        self.priorities.append(priority)
         await self.check_health()
         if self.raise_on_generate is not None:
             raise self.raise_on_generate
         # AsyncLLM's admission: tokenize and check (bad ids, too long: before any output).
         ids = self.input_processor.process(request_id, prompt, params, 0.0,
-                                           validate_grammar=False)[0].prompt_token_ids
+                                           validate_grammar=False,
+                                           priority=priority)[0].prompt_token_ids
         max_tokens = params.max_tokens or self.model_info.max_model_len - len(ids)
         n = params.n
         finished = [False] * n
