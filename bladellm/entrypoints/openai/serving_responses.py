@@ -117,10 +117,10 @@ class ResponsesService:
             text=req.text.model_dump(mode="json", by_alias=True, exclude_none=True)
             if req.text is not None and req.text.format is not None else
             {"format": {"type": "text"}}, priority=req.priority)
-        parser = getattr(ctx, "reasoning_parser", None)
+        parser = ctx.reasoning_parser
         run = _Run(OutputBuilder(response), tools,
                    reasoner=parser.streamer() if parser is not None else None)
-        merged = merge_streams([ctx.generate(prompt, params, response.id, lora)])
+        merged = merge_streams([ctx.generate(prompt, params, response.id, lora, req.priority)])
         if req.stream:
             first = await naming_context_errors(until_disconnect(anext(merged), raw), "input",
                                                 "max_output_tokens")
