@@ -12,9 +12,12 @@ import signal
 import subprocess
 import time
 
+from typing import Literal
+
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel
 
 from test_server import ServerProcess
 
@@ -42,6 +45,10 @@ def server(tiny_model_factory):
 def client(server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
                               timeout=120)
+
+
+class Reply(BaseModel):
+    answer: Literal["yes", "no"]
 
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -81,6 +88,10 @@ async def test_json_schema(client):
                          "strict": True}})
     assert resp.status == "completed"
     assert json.loads(resp.output_text)["answer"] in ("yes", "no")
+    # The SDK's parse helper sends a strict schema made from a pydantic model.
+    parsed = await client.responses.parse(model="tiny", input="Is the sky blue?",
+                                          max_output_tokens=64, text_format=Reply)
+    assert parsed.output_parsed.answer in ("yes", "no")
 
 
 async def test_function_call_round_trip(client):
