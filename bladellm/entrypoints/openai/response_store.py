@@ -25,6 +25,7 @@ class StoredResponse:
     # request's input, then its output); the request's ``instructions`` are not part of it, as
     # OpenAI does not carry them over to a follow-up.
     items: list[dict[str, Any]]
+    num_input: int  # items[:num_input] were the request's input (earlier turns included)
     stored_at: float = 0.0
 
 

@@ -11,6 +11,7 @@ message's ``reasoning_content`` (templates that render earlier thinking use it, 
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -131,6 +132,27 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
         if isinstance(item, FunctionCallOutputItem) and isinstance(item.output, list):
             _parts(item.output, f"input[{i}].output")
     return [item.model_dump(mode="json", exclude_none=True) for item in req.input]
+
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+              "reasoning": "rs"}
+
+
+def with_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Items as a stored response lists them (``GET .../input_items``): each with an ``id``, a
+    message's string content as one text part (rendered the same)."""
+    result = []
+    for item in items:
+        kind = item.get("type", "message")
+        item = {"type": kind, **item}
+        item.setdefault("id", f"{_ID_PREFIX[kind]}_{uuid.uuid4().hex}")
+        if kind == "message":
+            item.setdefault("status", "completed")
+            if isinstance(item["content"], str):
+                part = "output_text" if item["role"] == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+        result.append(item)
+    return result
 
 
 def _parts(parts: list[ContentPart], param: str) -> list[dict[str, str]]:

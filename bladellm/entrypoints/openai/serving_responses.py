@@ -9,10 +9,11 @@ the same functions as chat streaming, for both modes (so a stream and a plain re
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
@@ -23,7 +24,7 @@ from bladellm.entrypoints.openai.protocol_responses import (
 from bladellm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from bladellm.entrypoints.openai.responses_events import OutputBuilder, new_id, sse_event
 from bladellm.entrypoints.openai.responses_input import (
-    chat_request, check_request, input_items)
+    chat_request, check_request, input_items, with_ids)
 from bladellm.entrypoints.openai.serving_chat import _Choice, _prompt_ids, _tool_deltas
 from bladellm.entrypoints.openai.serving_common import (
     SSE_HEADERS, ClientDisconnected, ServingContext, UsageCounter, build_sampling_params,
@@ -31,7 +32,7 @@ from bladellm.entrypoints.openai.serving_common import (
 from bladellm.entrypoints.openai.tool_calls import (
     ToolChoice, forced_constraint, parse_tool_choice)
 from bladellm.errors import EngineDeadError
-from bladellm.http.errors import APIError, bad_request
+from bladellm.http.errors import APIError, bad_request, unsupported
 from bladellm.http.handlers import from_exception
 from bladellm.outputs import RequestOutput
 
@@ -101,7 +102,7 @@ class ResponsesService:
         ctx = self.ctx
         lora = ctx.check_model(req.model)
         check_request(req)
-        items = self._history(req) + input_items(req)
+        items = self._history(req) + with_ids(input_items(req))
         chat = chat_request(req, items)
         tools = parse_tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
         prompt = await ctx.offload.run(_prompt, chat, ctx, tools)
@@ -145,7 +146,7 @@ class ResponsesService:
         response = run.builder.response
         if response.store:
             output = [item.model_dump(mode="json") for item in response.output]
-            self.store.put(StoredResponse(response, items + output))
+            self.store.put(StoredResponse(response, items + output, len(items)))
 
     @staticmethod
     async def _collect(run: _Run, merged: AsyncIterator) -> None:
@@ -195,6 +196,30 @@ class ResponsesService:
         self._stored(response_id)
         self.store.delete(response_id)
         return _json(DeletedResponse(id=response_id).model_dump_json())
+
+    def input_items(self, response_id: str, limit: int = 20, order: str = "desc",
+                    after: str | None = None, include: list[str] | None = None) -> Response:
+        """OpenAI's ``GET /v1/responses/{id}/input_items``: the items the model saw as input
+        (earlier turns of a ``previous_response_id`` chain included), a page at a time."""
+        entry = self._stored(response_id)
+        if not 1 <= limit <= 100:
+            raise bad_request(f"limit: must be in [1, 100], got {limit}", "limit")
+        if order not in ("asc", "desc"):
+            raise bad_request(f"order: must be 'asc' or 'desc', got {order!r}", "order")
+        if include:
+            raise unsupported("include", "include on input_items")
+        items = entry.items[:entry.num_input]
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise bad_request(f"after: no input item {after!r} in this response", "after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return _json(json.dumps({
+            "object": "list", "data": page, "has_more": len(items) > limit,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None}))
 
     def cancel(self, response_id: str) -> Response:
         self._stored(response_id)  # 404 first, as OpenAI
@@ -257,6 +282,13 @@ def add_responses_routes(router: APIRouter, ctx: ServingContext, engine: Any,
     @router.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:
         return await guarded(_sync(service.retrieve, response_id))
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, limit: int = 20, order: str = "desc",
+                               after: str | None = None,
+                               include: list[str] | None = Query(None)) -> Response:
+        return await guarded(_sync(service.input_items, response_id, limit, order, after,
+                                   include))
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> Response:

@@ -136,6 +136,28 @@ async def test_store_get_delete_cancel_and_previous_response(fake):
     assert (await http.get(f"/v1/responses/{unstored.id}")).status_code == 404
 
 
+async def test_input_items_of_a_chain(fake):
+    client, http = _sdk(build_app(fake, ServerConfig()))
+    first = await client.responses.create(input="hi")
+    second = await client.responses.create(
+        previous_response_id=first.id,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "more"}]}])
+    page = await client.responses.input_items.list(second.id, order="asc")
+    assert [(i.type, getattr(i, "role", None)) for i in page.data] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert page.data[0].content[0].text == "hi" and page.data[1].id == first.output[0].id
+    assert page.data[2].content[0].text == "more"
+    newest = await client.responses.input_items.list(second.id, limit=1)
+    assert newest.has_more and newest.data[0].id == page.data[2].id
+    rest = await client.responses.input_items.list(second.id, limit=5, after=newest.last_id)
+    assert [i.id for i in rest.data] == [page.data[1].id, page.data[0].id]
+    assert not rest.has_more
+    r = await http.get(f"/v1/responses/{second.id}/input_items", params={"limit": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+    r = await http.get("/v1/responses/nope/input_items")
+    assert r.status_code == 404
+
+
 async def test_store_is_bounded(fake):
     client, http = _sdk(build_app(fake, ServerConfig(responses_store_max_entries=2)))
     ids = [(await client.responses.create(input="hi")).id for _ in range(3)]

@@ -13,7 +13,7 @@ class Clock:
 
 
 def _entry(i: int) -> StoredResponse:
-    return StoredResponse(ResponseObject(id=f"resp_{i}", model="m"), items=[])
+    return StoredResponse(ResponseObject(id=f"resp_{i}", model="m"), items=[], num_input=0)
 
 
 def test_oldest_goes_when_full():
