@@ -244,7 +244,13 @@ async def test_reasoning_items():
 
 async def test_priority_reaches_the_engine(fake):
     client, _ = _sdk(build_app(fake, ServerConfig()))
-    await client.responses.create(input="x", extra_body={"priority": 0})
+    with pytest.raises(openai.BadRequestError) as err:  # fcfs: only the default priority
+        await client.responses.create(input="x", extra_body={"priority": -3})
+    assert err.value.param == "priority"
+    fake.input_processor.priority_scheduling = True  # --scheduling_policy priority
+    resp = await client.responses.create(input="x", extra_body={"priority": -3})
+    assert fake.priorities[-1] == -3 and resp.model_extra["priority"] == -3
+    await client.responses.create(input="x")
     assert fake.priorities[-1] == 0
 
 
