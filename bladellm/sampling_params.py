@@ -51,6 +51,16 @@ class GuidedDecodingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     grammar: str | None = None
     json_object: bool = False
     whitespace_pattern: str | None = None
+    # JSON schema keywords the grammar engine cannot enforce (uniqueItems, contains, if/then,
+    # unknown formats, ...): ignored and reported (False), or an error naming them (True: OpenAI's
+    # ``strict: true``).
+    strict: bool = False
+    # Reasoning models (guided/reasoning_gate.py): the constraint applies after the output has
+    # produced these token ids (the end-of-thinking tag); None: from the first token.
+    reasoning_end: list[int] | None = None
+    # With ``reasoning_end``: the first output token may be this one (the start-of-thinking
+    # tag, which opens the thinking) instead of the answer's first token.
+    reasoning_start: int | None = None
 
     def __post_init__(self) -> None:
         if self.json is not None:
@@ -68,6 +78,15 @@ class GuidedDecodingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise ValueError(f"guided_{name}: must be a non-empty string")
         if self.whitespace_pattern is not None and self.kind not in ("json", "json_object"):
             raise ValueError("guided_whitespace_pattern: only applies to JSON constraints")
+        if self.reasoning_end is not None and (
+                not self.reasoning_end or not all(_is_int(t) and t >= 0
+                                                  for t in self.reasoning_end)):
+            raise ValueError("guided_decoding.reasoning_end: must be a non-empty list of token ids")
+        if self.reasoning_start is not None and (
+                self.reasoning_end is None or not _is_int(self.reasoning_start)
+                or self.reasoning_start < 0):
+            raise ValueError("guided_decoding.reasoning_start: a token id, only with "
+                             "reasoning_end")
 
     @property
     def kinds(self) -> list[str]:

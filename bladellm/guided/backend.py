@@ -12,6 +12,8 @@ schema (deep nesting, a huge grammar) fails with llguidance's reason instead of 
 from __future__ import annotations
 
 import functools
+import json
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +21,8 @@ from typing import Any
 from bladellm.errors import FIELD_OF_KIND, unsatisfiable_error
 from bladellm.guided.grammar import to_grammar
 from bladellm.sampling_params import GuidedDecodingParams
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_BACKENDS = ("llguidance",)
 
@@ -52,19 +56,68 @@ def grammar_text(params: GuidedDecodingParams) -> str:
         raise GrammarError(msg if msg.startswith("guided_") else f"{field}: {msg}") from None
 
 
-def validate(params: GuidedDecodingParams, limits: GrammarLimits = GrammarLimits()) -> None:
-    """Raise ``GrammarError`` (a ``ValueError``) with llguidance's reason if ``params`` is bad."""
+def validate(params: GuidedDecodingParams, limits: GrammarLimits = GrammarLimits()) -> list[str]:
+    """Raise ``GrammarError`` (a ``ValueError``) with llguidance's reason if ``params`` is bad;
+    return the JSON-schema keywords the grammar ignores (``ignored_keywords``; non-strict)."""
     import llguidance
 
     grammar = grammar_text(params)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, None, limits=limits.to_llguidance())
     if is_error:
+        keywords = ignored_keywords(messages[:1]) if params.strict else []
+        if keywords:
+            raise GrammarError(strict_error(FIELD_OF_KIND[params.kind], keywords))
         raise GrammarError(f"{FIELD_OF_KIND[params.kind]}: invalid {params.kind} constraint: "
                            f"{messages[0].strip()}")
     reason = first_step_error(grammar, limits)
     if reason is not None:
         raise GrammarError(unsatisfiable_error(params.kind, reason))
+    return ignored_keywords(messages) if params.kind == "json" else []
+
+
+_UNIMPLEMENTED = "Unimplemented keys: "
+_UNKNOWN_FORMAT = "Unknown format: "
+
+
+def ignored_keywords(messages: list[str]) -> list[str]:
+    """The schema keywords named in llguidance's warnings (``Unimplemented keys: [...]``,
+    ``Unknown format: X`` → ``format: X``), in order, without repeats."""
+    found: list[str] = []
+    for message in messages:
+        message = message.strip()
+        if message.startswith(_UNIMPLEMENTED):
+            try:
+                names = json.loads(message[len(_UNIMPLEMENTED):])
+            except ValueError:
+                names = [message[len(_UNIMPLEMENTED):]]
+            found.extend(str(n) for n in names)
+        elif message.startswith(_UNKNOWN_FORMAT):
+            found.append(f"format: {message[len(_UNKNOWN_FORMAT):]}")
+    return list(dict.fromkeys(found))
+
+
+def strict_error(field: str, keywords: list[str]) -> str:
+    """The 400 of a ``strict`` schema using keywords the grammar cannot enforce (OpenAI also
+    refuses keywords it does not support in strict mode)."""
+    names = ", ".join(f"'{k}'" for k in keywords)
+    return (f"{field}: keyword(s) {names} not supported in a strict schema: they cannot be "
+            f"enforced while generating; remove them, or send the schema without strict: true "
+            f"to have them ignored")
+
+
+def unenforced_keywords(schema: dict[str, Any] | str) -> list[str]:
+    """The keywords of a JSON schema that generation would not enforce (a lenient compile's
+    warnings); raises ``GrammarError`` if the schema is invalid anyway."""
+    import llguidance
+
+    from bladellm.guided.grammar import to_grammar
+
+    grammar = to_grammar(GuidedDecodingParams(json=schema))
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    if is_error:
+        raise GrammarError(f"guided_json: invalid json constraint: {messages[0].strip()}")
+    return ignored_keywords(messages)
 
 
 class _ByteTokenizer:
@@ -160,21 +213,29 @@ class GrammarValidator:
 
         self.capacity = capacity
         self.limits = limits
-        self._valid: OrderedDict[str, None] = OrderedDict()
+        self._valid: OrderedDict[str, list[str]] = OrderedDict()  # key -> ignored keywords
         self._lock = threading.Lock()
         self.num_validations = 0
 
-    def validate(self, params: GuidedDecodingParams) -> None:
+    def validate(self, params: GuidedDecodingParams) -> list[str]:
+        """``validate``, remembered; logs the ignored keywords for every request that has any."""
         from bladellm.guided.grammar import cache_key
 
         key = cache_key(params)
         with self._lock:
-            if key in self._valid:
+            ignored = self._valid.get(key)
+            if ignored is not None:
                 self._valid.move_to_end(key)
-                return
-            self.num_validations += 1
-        validate(params, self.limits)
-        with self._lock:
-            self._valid[key] = None
-            while len(self._valid) > self.capacity:
-                self._valid.popitem(last=False)
+        if ignored is None:
+            with self._lock:
+                self.num_validations += 1
+            ignored = validate(params, self.limits)
+            with self._lock:
+                self._valid[key] = ignored
+                while len(self._valid) > self.capacity:
+                    self._valid.popitem(last=False)
+        if ignored:
+            logger.info("%s: the schema's keyword(s) %s cannot be enforced while generating "
+                           "and are ignored (strict: true refuses them instead)",
+                           FIELD_OF_KIND[params.kind], ", ".join(ignored))
+        return ignored

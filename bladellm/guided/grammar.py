@@ -80,9 +80,13 @@ def _ascii_schema(node: Any) -> Any:
 
 
 def json_options(params: GuidedDecodingParams) -> dict[str, Any]:
+    # lenient: keywords llguidance cannot enforce are dropped (with a warning) instead of
+    # failing the schema; ``strict`` requests refuse them (backend.validate names them).
+    lenient = {"lenient": not params.strict}
     if params.whitespace_pattern is not None:
-        return {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern}
-    return dict(COMPACT_JSON_OPTIONS)
+        return {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern,
+                **lenient}
+    return {**COMPACT_JSON_OPTIONS, **lenient}
 
 
 def choice_lark(choices: list[str]) -> str:
@@ -124,4 +128,5 @@ def to_grammar(params: GuidedDecodingParams) -> str:
 def cache_key(params: GuidedDecodingParams) -> str:
     """The normalised constraint: equal keys compile to the same grammar."""
     return json.dumps([params.kind, params.json, params.regex, params.choice, params.grammar,
-                       params.whitespace_pattern], separators=(",", ":"), ensure_ascii=False)
+                       params.whitespace_pattern, params.strict], separators=(",", ":"),
+                      ensure_ascii=False)

@@ -30,6 +30,7 @@ from bladellm.guided.backend import GrammarError, LLGuidanceBackend
 from bladellm.guided.bitmask import bitmask_width
 from bladellm.guided.cache import CompiledGrammarCache
 from bladellm.guided.grammar import cache_key
+from bladellm.guided.reasoning_gate import OPTIONAL, THINKING, ReasoningGate
 from bladellm.sampling_params import GuidedDecodingParams
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,11 @@ class _CompileTiming:
 class GrammarState:
     """One request's grammar: pending until compiled, then an ``LLMatcher`` following its output."""
 
-    def __init__(self, future: Future, timeout: float, clock: Callable[[], float]) -> None:
+    def __init__(self, future: Future, timeout: float, clock: Callable[[], float],
+                 gate: ReasoningGate | None = None) -> None:
         self._future = future
+        # Reasoning models: the grammar starts after the thinking (reasoning_gate.py).
+        self.gate = gate
         # The clock runs from the start of this grammar's own compilation (``_CompileTiming``
         # on futures from ``GuidedDecodingManager``), not from submission: time queued behind
         # another client's expensive grammar, or building the tokenizer bridge, is not this
@@ -60,6 +64,7 @@ class GrammarState:
         self._clock = clock
         self.matcher: Any = None
         self.compile_error: str | None = None
+        self._num_matched = 0  # tokens the matcher consumed (rollback may reach past them)
 
     def _timed_out(self) -> bool:
         if self._timing is None:
@@ -90,16 +95,36 @@ class GrammarState:
 
     def accept_tokens(self, token_ids: list[int]) -> int:
         """Advance over ``token_ids``; returns how many were valid (all of them, normally)."""
-        return self.matcher.try_consume_tokens(token_ids)
+        gate = self.gate
+        if gate is None or gate.is_open:
+            return self._consume(token_ids)
+        taken = gate.consume(token_ids)
+        if taken == len(token_ids):
+            return taken
+        return taken + self._consume(token_ids[taken:])
+
+    def _consume(self, token_ids: list[int]) -> int:
+        n = self.matcher.try_consume_tokens(token_ids)
+        self._num_matched += n
+        return n
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (rejected speculative tokens)."""
-        if num_tokens and not self.matcher.rollback(num_tokens):
-            raise RuntimeError(f"grammar rollback of {num_tokens} tokens failed: "
+        from_matcher = min(num_tokens, self._num_matched)
+        if from_matcher and not self.matcher.rollback(from_matcher):
+            raise RuntimeError(f"grammar rollback of {from_matcher} tokens failed: "
                                f"{self.matcher.get_error()}")
+        self._num_matched -= from_matcher
+        if num_tokens > from_matcher:
+            if self.gate is None:
+                raise RuntimeError(f"grammar rollback of {num_tokens} tokens, only "
+                                   f"{from_matcher} accepted")
+            self.gate.rollback(num_tokens - from_matcher)
 
     def is_terminated(self) -> bool:
         """The grammar reached an end it cannot extend: the output is complete."""
+        if self.gate is not None and not self.gate.is_open:
+            return False
         return self.matcher.is_stopped()
 
     @property
@@ -175,7 +200,10 @@ class GuidedDecodingManager:
         return self.cache.get(cache_key(params), lambda: self._submit(params))
 
     def grammar_for(self, params: GuidedDecodingParams) -> GrammarState:
-        return GrammarState(self.compiled(params), self.compile_timeout, self._clock)
+        gate = None
+        if params.reasoning_end:
+            gate = ReasoningGate(list(params.reasoning_end), params.reasoning_start)
+        return GrammarState(self.compiled(params), self.compile_timeout, self._clock, gate)
 
     @staticmethod
     def wait_any(states: list[GrammarState], timeout: float) -> None:
@@ -201,35 +229,65 @@ class GuidedDecodingManager:
         accepted by the grammar: the scheduler cut the proposal there)."""
         req_ids: list[str] = []
         jobs: list[tuple[Any, int, list[int]]] = []
+        fixes: list[tuple[int, int, int]] = []  # (row, copied from row, start token) after fill
+        free_rows: list[int] = []  # rows inside the thinking: every token allowed
         for req_id, state, draft in entries:
-            jobs.append((state.matcher, len(req_ids), list(draft)))
+            k = len(req_ids)
             req_ids.extend([req_id] * (1 + len(draft)))
+            gate = state.gate
+            if gate is None or gate.is_open:
+                jobs.append((state.matcher, k, list(draft)))
+                continue
+            gate_rows, grammar_from = gate.plan(list(draft))
+            if grammar_from is not None:
+                jobs.append((state.matcher, k + grammar_from, list(draft[grammar_from:])))
+            for j, where in enumerate(gate_rows):
+                if where == THINKING:
+                    free_rows.append(k + j)
+                elif where == OPTIONAL:
+                    # The matcher has consumed nothing yet, so its mask here is the one of its
+                    # first row (computed now if no grammar row is in this step).
+                    if grammar_from is None:
+                        jobs.append((state.matcher, k + j, []))
+                        fixes.append((k + j, k + j, gate.start_id))  # type: ignore[arg-type]
+                    else:
+                        fixes.append((k + j, k + grammar_from, gate.start_id))  # type: ignore
         self.num_mask_steps += 1
-        return StepBitmask(req_ids, self._mask_pool.submit(self._fill, jobs, len(req_ids)))
+        return StepBitmask(req_ids, self._mask_pool.submit(self._fill, jobs, len(req_ids),
+                                                           free_rows, fixes))
 
-    def _fill(self, jobs: list[tuple[Any, int, list[int]]], num_rows: int) -> np.ndarray:
+    def _fill(self, jobs: list[tuple[Any, int, list[int]]], num_rows: int,
+              free_rows: list[int] = (), fixes: list[tuple[int, int, int]] = ()) -> np.ndarray:
         if num_rows > self._bitmask.shape[0]:  # speculative rows: grow (kept for later steps)
             self._bitmask = np.full((num_rows, self._bitmask.shape[1]), -1, np.int32)
         rows = self._bitmask[:num_rows]
         stride = rows.shape[1] * 4
         executor = self.backend.executor
+        for row in free_rows:
+            rows[row] = -1
         single = [(m, k) for m, k, draft in jobs if not draft]
         drafts = [job for job in jobs if job[2]]
         if single:
             # One mask per matcher; rows are contiguous in the C-ordered buffer.
             executor.unsafe_compute_mask_ptr(single, rows.ctypes.data, stride, num_rows)
-        if not drafts:
-            return rows
-        for _, k, draft in drafts:
-            # Rows past the draft's first rejected (or post-termination) token are not written:
-            # allow every token there. They are never used — the target cannot accept a token
-            # its mask bans, and tokens after the grammar's end are dropped — but an all-banned
-            # row would give NaN probabilities.
-            rows[k + 1:k + 1 + len(draft)] = -1
-        # llguidance consumes each draft, writes row k + j after its first j tokens (while they
-        # are valid), and rolls the matcher back: its state is unchanged afterwards.
-        executor.unsafe_compute_mask_ptr_with_draft_token(drafts, rows.ctypes.data, stride,
-                                                          num_rows)
+        if drafts:
+            for _, k, draft in drafts:
+                # Rows past the draft's first rejected (or post-termination) token are not
+                # written: allow every token there. They are never used — the target cannot
+                # accept a token its mask bans, and tokens after the grammar's end are dropped —
+                # but an all-banned row would give NaN probabilities.
+                rows[k + 1:k + 1 + len(draft)] = -1
+            # llguidance consumes each draft, writes row k + j after its first j tokens (while
+            # they are valid), and rolls the matcher back: its state is unchanged afterwards.
+            executor.unsafe_compute_mask_ptr_with_draft_token(drafts, rows.ctypes.data, stride,
+                                                              num_rows)
+        for row, source, start_id in fixes:
+            # The first output token may open the thinking instead of starting the answer.
+            if row != source:
+                rows[row] = rows[source]
+            if start_id < rows.shape[1] * 32:
+                words = rows[row].view(np.uint32)
+                words[start_id // 32] |= np.uint32(1 << (start_id % 32))
         return rows
 
     def stats(self) -> dict[str, Any]:

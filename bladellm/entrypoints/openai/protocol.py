@@ -99,6 +99,10 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
+    # An earlier assistant turn's thinking (--reasoning_parser), under either name the server
+    # sends it; the chat template gets it as reasoning_content.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -138,11 +142,23 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Response):
+    reasoning_tokens: int = 0  # --reasoning_parser: tokens of the thinking, its tags included
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # only with reasoning
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_details(self, handler):  # type: ignore[no-untyped-def]
+        data = handler(self)
+        if data.get("completion_tokens_details") is None:
+            data.pop("completion_tokens_details", None)
+        return data
 
 
 class CompletionLogprobs(_Response):
@@ -202,6 +218,10 @@ class ChatResponseMessage(_Response):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None  # omitted when the model called no tool
+    # --reasoning_parser: the thinking, under both names clients read (vLLM's reasoning_content
+    # and the newer reasoning); omitted by servers without a reasoning parser.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_empty_tool_calls(self, handler):  # type: ignore[no-untyped-def]
@@ -234,6 +254,8 @@ class DeltaMessage(_Response):
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning_parser: thinking text, also as reasoning
+    reasoning: str | None = None
     # [{"index", "id", "type", "function": {"name", "arguments"}}]; later deltas of the same call
     # carry only "index" and more "arguments" text.
     tool_calls: list[dict[str, Any]] | None = None

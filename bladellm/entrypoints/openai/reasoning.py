@@ -23,7 +23,7 @@ runs the same state machine, so streaming and non-streaming results agree by con
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 START_TAG = "<think>"
 END_TAG = "</think>"
@@ -50,6 +50,20 @@ class ReasoningParser:
     opened_by_prompt: bool
     start_tag: str = START_TAG
     end_tag: str = END_TAG
+    # The prompt already closed the think block (Qwen3 with enable_thinking false renders
+    # "<think>\n\n</think>\n\n" at its end): all output is the answer.
+    closed_by_prompt: bool = False
+
+    def for_prompt(self, prompt: str) -> "ReasoningParser":
+        """This parser as it applies to output following ``prompt`` (the rendered chat
+        template): a prompt ending with the end tag leaves no thinking to the output; one
+        ending with the start tag (DeepSeek-R1, Qwen3-Thinking-2507 templates) opened it."""
+        tail = prompt.rstrip()
+        if tail.endswith(self.end_tag):
+            return replace(self, opened_by_prompt=False, closed_by_prompt=True)
+        if tail.endswith(self.start_tag):
+            return replace(self, opened_by_prompt=True, closed_by_prompt=False)
+        return self
 
     def split(self, text: str) -> tuple[str | None, str]:
         """(reasoning, answer) of a whole output; reasoning is None when there is none."""
@@ -70,7 +84,7 @@ class ReasoningStream:
 
     def __init__(self, parser: ReasoningParser) -> None:
         self._parser = parser
-        self._state = _HEAD
+        self._state = _ANSWER if parser.closed_by_prompt else _HEAD
         self._pending = ""  # text received but not yet assigned (a possible tag or newlines)
         self._reasoning_started = False  # a non-newline reasoning character was emitted
         self._finished = False

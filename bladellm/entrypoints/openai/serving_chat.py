@@ -17,7 +17,10 @@ from bladellm.http.errors import bad_request, unsupported
 from bladellm.http.handlers import from_exception
 from bladellm.entrypoints.openai.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, DeltaMessage, ToolCall)
+    ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, CompletionTokensDetails,
+    DeltaMessage, ToolCall, UsageInfo)
+from bladellm.entrypoints.openai.reasoning import ReasoningStream
+from bladellm.entrypoints.openai.structured_output import after_reasoning
 from bladellm.entrypoints.openai.tool_calls import (
     AutoToolStream, ToolChoice, forced_calls, forced_constraint, new_call, parse_auto,
     parse_tool_choice)
@@ -32,12 +35,30 @@ _MAX_TOP_LOGPROBS = 20
 
 @dataclass
 class _Choice:
-    texts: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # the answer (the thinking split off)
+    reasonings: list[str] = field(default_factory=list)  # the thinking (--reasoning_parser)
+    reasoning: ReasoningStream | None = None  # splits each delta (--reasoning_parser)
+    reasoning_tokens: int = 0
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     tool_stream: AutoToolStream | None = None  # tool_choice "auto", streaming
     call_id: str | None = None  # named tool_choice, streaming: the call being streamed
     stop_reason: int | str | None = None  # the stop string / stop token id that ended it
+
+    def split(self, text: str, num_tokens: int, final: bool) -> tuple[str, str]:
+        """(thinking, answer) of one engine delta; a token counts as thinking when it arrives
+        inside the thinking or opens it."""
+        stream = self.reasoning
+        if stream is None:
+            return "", text
+        before = stream.in_reasoning
+        reasoning, answer = stream.feed(text)
+        if before or stream.in_reasoning:
+            self.reasoning_tokens += num_tokens
+        if final:
+            r_tail, a_tail = stream.finish()
+            reasoning, answer = reasoning + r_tail, answer + a_tail
+        return reasoning, answer
 
 
 def _check(req: ChatCompletionRequest) -> None:
@@ -103,13 +124,36 @@ def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             entry["tool_call_id"] = msg.tool_call_id
         if msg.tool_calls:
             entry["tool_calls"] = _template_tool_calls(i, msg.tool_calls)
+        thinking = _input_reasoning(i, msg)
+        if thinking is not None:
+            # The name Qwen3's and DeepSeek-R1's templates read.
+            entry["reasoning_content"] = thinking
         result.append(entry)
     return result
 
 
+def _input_reasoning(i: int, msg: Any) -> str | None:
+    """An earlier assistant turn's thinking, sent back as ``reasoning_content`` or
+    ``reasoning`` (the names this server answers with)."""
+    given = {name: getattr(msg, name) for name in ("reasoning_content", "reasoning")
+             if getattr(msg, name) is not None}
+    if not given:
+        return None
+    if msg.role != "assistant":
+        name = next(iter(given))
+        raise bad_request(f"messages[{i}].{name}: only assistant messages carry reasoning",
+                          f"messages[{i}].{name}")
+    if len(set(given.values())) > 1:
+        raise bad_request(f"messages[{i}]: reasoning_content and reasoning differ; send one",
+                          f"messages[{i}].reasoning")
+    return next(iter(given.values()))
+
+
 def _prompt_ids(req: ChatCompletionRequest, ctx: ServingContext,
-                tools: ToolChoice | None = None) -> list[int]:
-    """Render and tokenize; CPU-heavy for long conversations, so it runs in ``ctx.offload``."""
+                tools: ToolChoice | None = None) -> tuple[list[int], str]:
+    """Render and tokenize; CPU-heavy for long conversations, so it runs in ``ctx.offload``.
+    Returns the token ids and the rendered text (whose end tells whether the template opened
+    or closed a think block)."""
     options = template_options(req, ctx.trust_request_chat_template)
     kwargs = dict(options.kwargs)
     if tools is not None:
@@ -125,7 +169,7 @@ def _prompt_ids(req: ChatCompletionRequest, ctx: ServingContext,
     except MessageError as e:
         raise bad_request(str(e), e.param, code=e.code) from None
     # The template already wrote the special tokens (BOS, role markers): add none.
-    return processor.tokenize(text, add_special_tokens=False, param="messages")
+    return processor.tokenize(text, add_special_tokens=False, param="messages"), text
 
 
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
@@ -134,7 +178,9 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
     _check(req)
     tools = parse_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
     template_options(req, ctx.trust_request_chat_template)  # 400s before any CPU work
-    prompt = await ctx.offload.run(_prompt_ids, req, ctx, tools)  # bad messages -> 400
+    prompt, prompt_text = await ctx.offload.run(_prompt_ids, req, ctx, tools)  # bad -> 400
+    parser = (ctx.reasoning_parser.for_prompt(prompt_text)
+              if ctx.reasoning_parser is not None else None)
     # OpenAI's newer name wins; errors name the field the client sent.
     max_tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None \
         else "max_tokens"
@@ -143,10 +189,13 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
     params = build_sampling_params(req, ctx, max_tokens=max_tokens, logprobs=logprobs,
                                    forced_constraint=forced_constraint(tools),
                                    max_tokens_param=max_tokens_param)
+    # Structured output and forced tool calls constrain the answer, not the thinking.
+    params.guided_decoding = after_reasoning(params.guided_decoding, parser, ctx.tokenizer)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     merged = merge_streams([ctx.generate(prompt, params, request_id, lora, req.priority)])
     model = lora.lora_name if lora is not None else ctx.model_name
-    choices = [_Choice() for _ in range(req.n)]
+    choices = [_Choice(reasoning=parser.streamer() if parser is not None else None)
+               for _ in range(req.n)]
     if req.stream:
         first = await naming_context_errors(until_disconnect(anext(merged), raw), "messages",
                                             max_tokens_param)
@@ -155,15 +204,27 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
     usage = await naming_context_errors(until_disconnect(_collect(req, merged, choices), raw),
                                         "messages", max_tokens_param)
     response = ChatCompletionResponse(
-        id=request_id, model=model, usage=usage,
+        id=request_id, model=model, usage=_with_reasoning_tokens(usage, choices),
         choices=[_final_choice(k, c, tools) for k, c in enumerate(choices)])
-    return Response(response.model_dump_json(), media_type="application/json")
+    # Without a reasoning parser the reasoning fields are not part of the answer at all.
+    exclude = None if parser is not None else {
+        "choices": {"__all__": {"message": {"reasoning_content", "reasoning"}}}}
+    return Response(response.model_dump_json(exclude=exclude), media_type="application/json")
+
+
+def _with_reasoning_tokens(usage: UsageInfo, choices: list[_Choice]) -> UsageInfo:
+    if choices and choices[0].reasoning is not None:
+        usage.completion_tokens_details = CompletionTokensDetails(
+            reasoning_tokens=sum(c.reasoning_tokens for c in choices))
+    return usage
 
 
 def _final_choice(k: int, c: _Choice, tools: ToolChoice | None) -> ChatChoice:
     """A non-streamed choice: its text, or the tool calls found in / forced into it."""
     text, finish = "".join(c.texts), c.finish_reason
-    content: str | None = text
+    thinking = "".join(c.reasonings) or None
+    # A reasoning model cut off while thinking has no answer (null, as for a tool-only turn).
+    content: str | None = text if text or thinking is None else None
     calls: list[dict[str, Any]] = []
     if tools is not None and tools.mode == "named":
         content, calls = None, forced_calls(tools, text)
@@ -176,18 +237,23 @@ def _final_choice(k: int, c: _Choice, tools: ToolChoice | None) -> ChatChoice:
     if calls and finish == "stop" and (tools.mode != "named"):  # type: ignore[union-attr]
         finish = "tool_calls"
     message = ChatResponseMessage(content=content,
-                                  tool_calls=[ToolCall(**call) for call in calls] or None)
+                                  tool_calls=[ToolCall(**call) for call in calls] or None,
+                                  reasoning_content=thinking, reasoning=thinking)
     return ChatChoice(index=k, message=message, logprobs=c.logprobs, finish_reason=finish,
                       stop_reason=c.stop_reason)
 
 
 def _apply(req: ChatCompletionRequest, out: RequestOutput, choices: list[_Choice]):
-    """Fold one engine output into the choices; return (index, new text, logprobs, finish)."""
+    """Fold one engine output into the choices; return (index, new thinking, new answer text,
+    logprobs, finish)."""
     check_output(out)
     updates = []
     for comp in out.outputs:
         choice = choices[comp.index]
-        choice.texts.append(comp.text)
+        thinking, text = choice.split(comp.text, len(comp.token_ids),
+                                      comp.finish_reason is not None)
+        choice.texts.append(text)
+        choice.reasonings.append(thinking)
         new_lp = chat_logprobs(comp.logprobs) if req.logprobs and comp.logprobs else None
         if new_lp is not None:
             if choice.logprobs is None:
@@ -196,7 +262,7 @@ def _apply(req: ChatCompletionRequest, out: RequestOutput, choices: list[_Choice
         if comp.finish_reason is not None:
             choice.finish_reason = comp.finish_reason
             choice.stop_reason = comp.stop_reason
-        updates.append((comp.index, comp.text, new_lp, comp.finish_reason))
+        updates.append((comp.index, thinking, text, new_lp, comp.finish_reason))
     return updates
 
 
@@ -260,7 +326,7 @@ async def _stream(req: ChatCompletionRequest, request_id: str, model: str, first
             id=request_id, created=created, model=model,
             choices=[ChatChunkChoice(index=k, delta=delta, logprobs=lp, finish_reason=finish,
                                      stop_reason=choices[k].stop_reason if finish else None)],
-            usage=usage.usage() if continuous else None)
+            usage=_with_reasoning_tokens(usage.usage(), choices) if continuous else None)
         return sse(c.model_dump_json(exclude=exclude))
 
     try:
@@ -270,23 +336,27 @@ async def _stream(req: ChatCompletionRequest, request_id: str, model: str, first
         while True:
             _, out = item
             usage.add(0, out)
-            for k, text, lp, finish in _apply(req, out, choices):
+            for k, thinking, text, lp, finish in _apply(req, out, choices):
+                deltas = ([DeltaMessage(reasoning_content=thinking, reasoning=thinking)]
+                          if thinking else [])
                 if tools is not None and tools.mode != "none":
-                    deltas, finish = _tool_deltas(choices[k], text, finish, tools)
-                    for d, delta in enumerate(deltas):
-                        last = d == len(deltas) - 1
-                        yield chunk(k, delta, lp if d == 0 else None, finish if last else None)
-                    if not deltas and (lp is not None or finish is not None):
-                        yield chunk(k, DeltaMessage(), lp, finish)
-                elif text or lp is not None or finish is not None:
-                    yield chunk(k, DeltaMessage(content=text or None), lp, finish)
+                    answer, finish = _tool_deltas(choices[k], text, finish, tools)
+                    deltas.extend(answer)
+                elif text:
+                    deltas.append(DeltaMessage(content=text))
+                for d, delta in enumerate(deltas):
+                    last = d == len(deltas) - 1
+                    yield chunk(k, delta, lp if d == 0 else None, finish if last else None)
+                if not deltas and (lp is not None or finish is not None):
+                    yield chunk(k, DeltaMessage(), lp, finish)
             try:
                 item = await anext(merged)
             except StopAsyncIteration:
                 break
         if include_usage:
             final = ChatCompletionChunk(id=request_id, created=created, model=model,
-                                        choices=[], usage=usage.usage())
+                                        choices=[],
+                                        usage=_with_reasoning_tokens(usage.usage(), choices))
             yield sse(final.model_dump_json())
     except Exception as exc:  # noqa: BLE001 - mid-stream failure: tell the client in-band
         yield sse(json.dumps(from_exception(exc).body()))

@@ -4,11 +4,18 @@ object. At most one constraint per request; two get a 400 naming both fields."""
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
+
+import msgspec
 
 from bladellm.http.errors import APIError, bad_request, unsupported
 from bladellm.entrypoints.openai.protocol import SamplingRequest
+from bladellm.entrypoints.openai.reasoning import ReasoningParser
 from bladellm.sampling_params import GuidedDecodingParams
+
+logger = logging.getLogger(__name__)
 
 _STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar",
                     "json_object": "json_object", "whitespace_pattern": "whitespace_pattern"}
@@ -29,9 +36,44 @@ def _response_format(req: SamplingRequest) -> dict[str, Any] | None:
         if not isinstance(schema, (dict, str)):
             raise bad_request("response_format.json_schema.schema: must be a JSON schema "
                               "object", "response_format")
-        return {"json": schema}
+        strict = spec.get("strict")
+        if strict not in (None, True, False):
+            raise bad_request("response_format.json_schema.strict: must be a boolean",
+                              "response_format")
+        if strict:
+            _check_strict(schema)
+        return {"json": schema, "strict": bool(strict)}
     raise bad_request(f"response_format.type: must be 'text', 'json_object' or 'json_schema', "
                       f"got {fmt.type!r}", "response_format")
+
+
+@functools.lru_cache(maxsize=256)
+def _unenforced(schema_text: str) -> tuple[str, ...] | str:
+    """The keywords of a schema generation cannot enforce, or the schema's error."""
+    from bladellm.guided.backend import unenforced_keywords
+
+    try:
+        return tuple(unenforced_keywords(schema_text))
+    except ValueError as e:
+        return str(e)
+
+
+def _check_strict(schema: Any) -> None:
+    """``strict: true`` promises the output matches the whole schema: a keyword the grammar
+    engine would ignore is a 400 naming it (OpenAI refuses what strict mode does not support),
+    instead of an output that may break it."""
+    from bladellm.guided.backend import strict_error
+
+    try:
+        text = GuidedDecodingParams(json=schema).json
+    except ValueError as e:
+        raise bad_request(f"response_format.json_schema.schema: {e}", "response_format") from None
+    found = _unenforced(text)  # type: ignore[arg-type]
+    if isinstance(found, str):  # invalid anyway: the usual validation reports it
+        return
+    if found:
+        raise APIError(400, strict_error("response_format.json_schema.schema", list(found)),
+                       param="response_format", code="invalid_json_schema")
 
 
 def _structured_outputs(req: SamplingRequest) -> dict[str, Any] | None:
@@ -89,3 +131,30 @@ def guided_decoding_from_request(req: SamplingRequest,
         msg = str(e)
         param = field if not msg.startswith("guided_") else msg.split(":", 1)[0]
         raise APIError(400, msg if ":" in msg else f"{field}: {msg}", param=param) from None
+
+
+def _single_token(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def after_reasoning(guided: GuidedDecodingParams | None, parser: ReasoningParser | None,
+                    tokenizer: Any) -> GuidedDecodingParams | None:
+    """``guided`` applied to the answer only: the engine's grammar waits for the end-of-thinking
+    tag's token ids (``guided/reasoning_gate.py``). ``parser`` is the request's, already adapted
+    to its prompt (``ReasoningParser.for_prompt``): a prompt that closed the thinking leaves the
+    grammar on from the first token; Qwen3's optional thinking lets the first token be
+    ``<think>`` (one token in its vocabulary) or the answer's first."""
+    if guided is None or parser is None or parser.closed_by_prompt:
+        return guided
+    end_ids = _single_token(tokenizer, parser.end_tag)
+    start_id = None
+    if not parser.opened_by_prompt:
+        start_ids = _single_token(tokenizer, parser.start_tag)
+        if len(start_ids) != 1:
+            # No single token can open the thinking: the grammar constrains the output from
+            # its first token (the model answers without thinking).
+            logger.debug("%s is not one token: structured output without thinking",
+                         parser.start_tag)
+            return guided
+        start_id = start_ids[0]
+    return msgspec.structs.replace(guided, reasoning_end=end_ids, reasoning_start=start_id)

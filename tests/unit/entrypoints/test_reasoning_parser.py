@@ -120,3 +120,16 @@ def test_flag_config_and_serving_context():
     ctx = ServingContext.from_engine(Engine(), ServerConfig(reasoning_parser="qwen3"))
     assert ctx.reasoning_parser is get_reasoning_parser("qwen3")
     assert ServingContext.from_engine(Engine(), ServerConfig()).reasoning_parser is None
+
+
+def test_the_prompt_decides_who_opened_the_thinking():
+    closed = QWEN3.for_prompt("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert closed.split("<think>x</think>y") == (None, "<think>x</think>y")
+    assert R1.for_prompt("...</think>\n").split("a</think>b") == (None, "a</think>b")
+    opened = QWEN3.for_prompt("<|im_start|>assistant\n<think>\n")
+    assert opened.split("hmm\n</think>\n\nok") == ("hmm", "ok")
+    assert opened.split("unfinished") == ("unfinished", "")
+    assert QWEN3.for_prompt("<|im_start|>assistant\n") is QWEN3
+    assert R1.for_prompt("<｜Assistant｜><think>\n").split("a</think>b") == ("a", "b")
+    s = closed.streamer()
+    assert s.feed("<thi") == ("", "<thi") and not s.in_reasoning
