@@ -97,6 +97,9 @@ class Request:
         # --scheduling_policy priority: lower runs first (ignored by fcfs, which the front end
         # only lets 0 through to).
         self.priority = priority
+        # Set by the scheduler on arrival: its place under priority scheduling
+        # (core/request_queue.py), fixed for the request's life.
+        self.schedule_key: tuple[float, int] = (0.0, 0)
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

@@ -25,6 +25,8 @@ class RequestOptions:
     eos_logit_bias: tuple[int, ...] = ()
     temperature: float = 0.0
     include_usage: bool = True
+    # --priority_mix without --no_priority_field: send each request's class as ``priority``.
+    send_priority: bool = True
 
 
 @dataclass
@@ -42,6 +44,7 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     usage_reported: bool = False
+    priority: int | None = None  # the request's --priority_mix class
     num_chunks: int = 0
     # Kept only to count its tokens when the server reports no usage; not written to JSON.
     generated_text: str = ""
@@ -112,6 +115,8 @@ def build_payload(req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
         payload["ignore_eos"] = True
     if opts.eos_logit_bias:
         payload["logit_bias"] = {str(i): -100 for i in opts.eos_logit_bias}
+    if req.priority is not None and opts.send_priority:
+        payload["priority"] = req.priority
     return payload
 
 
@@ -211,6 +216,7 @@ async def send_request(session: aiohttp.ClientSession, base_url: str, req: Bench
     url = base_url.rstrip("/") + ENDPOINT_PATHS[opts.endpoint]
     payload = build_payload(req, opts)
     rec = StreamRecorder(time.perf_counter(), req.prompt_len)
+    rec.result.priority = req.priority
     parser = SSEParser()
     try:
         async with session.post(url, json=payload) as resp:

@@ -37,6 +37,8 @@ class BenchRequest:
     prompt_len: int
     output_len: int
     system: str | None = None
+    # --priority_mix: the request's priority class (0 urgent, 1 the rest); None: no classes.
+    priority: int | None = None
 
 
 @dataclass
@@ -262,3 +264,15 @@ def _from_rows(rows: list[dict[str, Any]], cfg: DatasetConfig, maker: PromptMake
             output_len = rng.randint(*cfg.output_len_range)
         out.append(BenchRequest(row["prompt"], prompt_len, output_len, system))
     return out
+
+
+def assign_priority_classes(requests: Sequence[BenchRequest], mix: float,
+                            rng: random.Random) -> None:
+    """``--priority_mix``: round(mix * n) requests, drawn at random, get priority 0 (lower is
+    served first, as in vLLM), the others priority 1."""
+    if not 0 < mix < 1:
+        raise ValueError(f"--priority_mix: the fraction of requests at priority 0 must be in "
+                         f"(0, 1), got {mix}")
+    urgent = set(rng.sample(range(len(requests)), round(mix * len(requests))))
+    for i, req in enumerate(requests):
+        req.priority = 0 if i in urgent else 1

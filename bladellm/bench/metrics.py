@@ -125,6 +125,9 @@ def summarize(results: Sequence[RequestResult], duration_s: float,
         "usage_reported": bool(ok) and all(r.usage_reported for r in ok),
         "error_samples": sorted({r.error for r in errors})[:5],
     }
+    classes = summarize_by_priority(results)
+    if classes is not None:
+        summary["priority_classes"] = classes
     if slo.is_set():
         good = sum(meets_slo(r, slo) for r in results)
         summary["goodput"] = good / duration_s
@@ -133,6 +136,25 @@ def summarize(results: Sequence[RequestResult], duration_s: float,
         summary["goodput"] = None
         summary["slo_attainment"] = None
     return summary
+
+
+def summarize_by_priority(results: Sequence[RequestResult]) -> dict[str, dict] | None:
+    """Per ``--priority_mix`` class (keyed by the priority as text): request counts and the
+    latencies a class's users see; None when the run had no classes."""
+    classes = sorted({r.priority for r in results if r.priority is not None})
+    if not classes:
+        return None
+    out = {}
+    for prio in classes:
+        mine = [r for r in results if r.priority == prio]
+        ok = [r for r in mine if r.success]
+        out[str(prio)] = {
+            "num_requests": len(mine), "completed": len(ok),
+            "ttft_ms": distribution(r.ttft for r in ok),
+            "tpot_ms": distribution(t for t in (tpot(r) for r in ok) if t is not None),
+            "e2e_ms": distribution(r.e2e for r in ok),
+        }
+    return out
 
 
 def meets_slo_target(summary: dict, target: float) -> bool:

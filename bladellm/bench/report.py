@@ -101,6 +101,11 @@ def flat_row(entry: dict[str, Any]) -> dict[str, Any]:
     if entry.get("spec_decode") is not None:
         for key in SPEC_KEYS:
             row[f"spec_{key}"] = entry["spec_decode"].get(key)
+    for prio, cls in (entry.get("priority_classes") or {}).items():
+        row[f"prio{prio}_completed"] = cls["completed"]
+        for key in ("ttft_ms", "e2e_ms"):
+            for stat in STATS:
+                row[f"prio{prio}_{key[:-3]}_{stat}_ms"] = cls[key].get(stat)
     return row
 
 
@@ -168,6 +173,12 @@ def format_table(run: dict[str, Any]) -> str:
         lines.append("accept = draft tokens accepted / draft tokens verified; acc len = mean "
                      "acceptance length, 1 + accepted / drafts (tokens per verifying step), "
                      "from the server's /metrics")
+    for e in run["rates"]:
+        for prio, cls in (e.get("priority_classes") or {}).items():
+            lines.append(f"rate {e['request_rate']} priority {prio}: {cls['completed']}/"
+                         f"{cls['num_requests']} ok, TTFT mean/p50/p90/p99 "
+                         f"{_dist(cls, 'ttft_ms', STATS)}, E2E p50/p99 "
+                         f"{_dist(cls, 'e2e_ms', ('p50', 'p99'))}")
     return "\n".join(lines)
 
 
@@ -200,9 +211,27 @@ def format_markdown_comparison(runs: Sequence[dict[str, Any]], slo_target: float
                     + (f"{b['request_throughput']:.2f} req/s" if b else "none"))
     lines += ["", f"Highest achieved rate with {slo_target:.0%} of requests meeting the SLO: "
               + ", ".join(best) + "."]
+    lines += _priority_class_table(by_rate)
     if spec:
         lines += ["", "Draft acceptance: proposed tokens accepted / proposed tokens verified; "
                   "mean acceptance length: 1 + accepted / drafts (tokens emitted per verifying "
                   "step), from each server's /metrics over the rate's run (\"-\": not "
                   "reported)."]
     return "\n".join(lines)
+
+
+def _priority_class_table(by_rate: dict[str, list[tuple[str, dict[str, Any]]]]) -> list[str]:
+    """TTFT and E2E per ``--priority_mix`` class, one row per rate, server and class; nothing
+    when no run had classes."""
+    rows = []
+    three = ("mean", "p50", "p99")
+    for rate, entries in by_rate.items():
+        for label, e in entries:
+            for prio, cls in (e.get("priority_classes") or {}).items():
+                rows.append(f"| {rate} | {label} | {prio} | {cls['completed']} | "
+                            f"{_dist(cls, 'ttft_ms', three, ' / ')} | "
+                            f"{_dist(cls, 'e2e_ms', ('p50', 'p99'), ' / ')} |")
+    if not rows:
+        return []
+    return ["", "| rate | server | priority | requests | TTFT mean / p50 / p99 ms "
+            "| E2E p50 / p99 ms |", "|---|---|---|---|---|---|", *rows]

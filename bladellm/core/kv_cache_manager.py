@@ -104,13 +104,8 @@ class KVCacheManager:
                 and req.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size):
             return []  # the common decode step: the last block still has room
         _require(not new_computed_blocks or not blocks, "prompt-cache hit for a running request")
-        num_tokens = (req.num_computed_tokens + len(new_computed_blocks) * self.block_size
-                      + num_new_tokens)
-        num_fresh = max(cdiv(num_tokens, self.block_size) - len(blocks)
-                        - len(new_computed_blocks), 0)
-        # Hits sitting in the cached-free list stop being evictable once touched.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
-        if num_fresh > self.pool.get_num_free_blocks() - num_evictable_hits:
+        num_fresh = self._num_fresh(req, num_new_tokens, new_computed_blocks)
+        if self._num_short(num_fresh, new_computed_blocks):
             return None
         self.pool.touch(new_computed_blocks)
         fresh = self.pool.allocate(num_fresh)
@@ -123,6 +118,25 @@ class KVCacheManager:
         if self.enable_caching and fresh:
             self._mark_pending(req, start, len(blocks))
         return list(new_computed_blocks) + fresh
+
+    def num_blocks_short(self, req: Request, num_new_tokens: int,
+                         new_computed_blocks: Sequence[int] = ()) -> int:
+        """How many more free blocks ``allocate_slots`` with these arguments needs (0: it would
+        succeed now); the priority scheduler sizes its preemptions with it."""
+        return self._num_short(self._num_fresh(req, num_new_tokens, new_computed_blocks),
+                               new_computed_blocks)
+
+    def _num_fresh(self, req: Request, num_new_tokens: int,
+                   new_computed_blocks: Sequence[int]) -> int:
+        num_held = len(self.req_to_blocks.get(req.request_id, ()))
+        num_tokens = (req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+                      + num_new_tokens)
+        return max(cdiv(num_tokens, self.block_size) - num_held - len(new_computed_blocks), 0)
+
+    def _num_short(self, num_fresh: int, new_computed_blocks: Sequence[int]) -> int:
+        # Hits sitting in the cached-free list stop being evictable once touched.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
+        return max(num_fresh - (self.pool.get_num_free_blocks() - num_evictable_hits), 0)
 
     def _mark_pending(self, req: Request, start: int, end: int) -> None:
         hashes = self.block_hashes(req)

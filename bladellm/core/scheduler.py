@@ -10,20 +10,29 @@ all this rule; there is no prefill or decode code path.
 2. Running requests, oldest first, get ``min(num_tokens - num_computed_tokens, budget)`` tokens.
    When the pool cannot hold them, the newest running request is preempted (blocks freed,
    recomputed later from the front of the queue) — possibly the one being scheduled.
-3. Unless step 2 preempted, waiting requests are admitted FCFS with their longest cached
-   prefix, chunked to the remaining budget, while budget, ``max_num_seqs`` and blocks allow.
-   A request whose next block is being computed by a running request ("pending") waits a step
-   so it gets a cache hit instead of recomputing it (``n > 1`` siblings, shared system prompts).
+3. Unless step 2 preempted, waiting requests are admitted in queue order with their longest
+   cached prefix, chunked to the remaining budget, while budget, ``max_num_seqs`` and blocks
+   allow. A request whose next block is being computed by a running request ("pending") waits
+   a step so it gets a cache hit instead of recomputing it (``n > 1`` siblings, shared system
+   prompts).
+
+``--scheduling_policy`` (core/request_queue.py): under fcfs the queue is arrival order and
+"newest" is admission order. Under priority both follow ``Request.schedule_key`` (priority, aged
+by waiting time, then arrival): ``running`` is kept sorted by it, so step 2 serves the most
+urgent first and preempts the least urgent, and in step 3 a waiting request that lacks blocks
+or a sequence slot preempts running requests with a larger key (taking back their grant if
+they were scheduled this step).
 
 Progress guarantee: the pool holds at least one ``max_model_len`` request (checked at
-construction), and the oldest running request only ever preempts newer ones, so it always
-advances.
+construction), and the first running request (oldest, or most urgent) only ever preempts ones
+after it, so it always advances.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Iterable
 
 from bladellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
@@ -33,6 +42,7 @@ from bladellm.core.interface import (CachedRequestData, ModelRunnerOutput, NewRe
                                      SchedulerOutput)
 from bladellm.core.kv_cache_manager import KVCacheManager, cdiv
 from bladellm.core.outputs import QUEUE_TIMEOUT_ERROR, EngineCoreOutput, Logprobs, SchedulerStats
+from bladellm.core.request_queue import make_queue, schedule_key
 from bladellm.errors import ErrorKind, failed_mid_output_error, unsatisfiable_error
 from bladellm.request import Request, RequestStatus
 
@@ -69,8 +79,11 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
                                                cache_config.enable_prompt_cache)
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order: the last is the newest
+        self.waiting = make_queue(scheduler_config.scheduling_policy)
+        self.priority = scheduler_config.priority_scheduling
+        self._arrival_seq = itertools.count()
+        # fcfs: admission order; priority: schedule_key order. The last is preempted first.
+        self.running: list[Request] = []
         self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self._pending_outputs: list[EngineCoreOutput] = []  # sent by the next update_from_output
         self._runner_num_tokens: dict[str, int] = {}  # tokens the runner knows, per request
@@ -101,8 +114,10 @@ class Scheduler:
                                f"max_model_len={self.max_model_len}"))
             return
         req.status = RequestStatus.WAITING
+        req.schedule_key = schedule_key(req.priority, req.arrival_time, next(self._arrival_seq),
+                                        self.config.priority_aging_interval)
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def abort_requests(self, req_ids: Iterable[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
@@ -218,44 +233,95 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._runner_num_tokens.pop(req.request_id, None)
-        self.waiting.appendleft(req)
+        self.waiting.prepend([req])
+
+    def _make_room(self, req: Request, num_tokens: int, hit_blocks: list[int], room: int,
+                   out: SchedulerOutput) -> tuple[int, int] | None:
+        """Priority scheduling: preempt the fewest running requests from the end of ``running``
+        (the largest keys, all after ``req``) that free what ``req`` lacks to start with
+        ``num_tokens``: blocks, a sequence slot (``max_num_seqs``), a place in this step's
+        batch (``room``: one of them must have been granted this step); their grants of this
+        step are taken back. Returns the (tokens, requests) granted to them this step, or
+        None, preempting nothing, when the requests after ``req`` cannot free enough. (The
+        step's token budget is not taken back for itself: that would throw away prefills.)"""
+        kv = self.kv_cache_manager
+        num_short = kv.num_blocks_short(req, num_tokens, hit_blocks)
+        needs_slot = len(self.running) >= self.config.max_num_seqs
+        needs_room = room <= 0
+        victims: list[Request] = []
+        hits = set(hit_blocks)
+        for victim in reversed(self.running):
+            if num_short <= 0 and not needs_slot and not needs_room:
+                break
+            if victim.schedule_key <= req.schedule_key:
+                return None
+            victims.append(victim)
+            needs_slot = False
+            needs_room = needs_room and victim.request_id not in out.num_scheduled_tokens
+            num_short -= sum(1 for b in kv.get_block_ids(victim.request_id)
+                             if kv.pool.ref_cnt[b] == 1 and b not in hits)
+        if num_short > 0 or needs_slot or needs_room:
+            return None
+        num_granted = num_reqs = 0
+        for victim in victims:
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted_req_ids.add(victim.request_id)
+            granted = out.num_scheduled_tokens.pop(victim.request_id, 0)
+            if granted:
+                num_granted, num_reqs = num_granted + granted, num_reqs + 1
+                out.scheduled_cached_reqs = [c for c in out.scheduled_cached_reqs
+                                             if c.req_id != victim.request_id]
+                out.scheduled_spec_tokens.pop(victim.request_id, None)
+                out.scheduled_spec_tree.pop(victim.request_id, None)
+        return num_granted, num_reqs
+
+    def _start_running(self, req: Request) -> None:
+        if self.priority:
+            bisect.insort(self.running, req, key=lambda r: r.schedule_key)
+        else:
+            self.running.append(req)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, room: int,
                        skip: Collection[str]) -> int:
         kv = self.kv_cache_manager
         held_back: list[Request] = []
         running_loras = self._running_loras()
-        while (self.waiting and budget > 0 and room > 0
-               and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
-            if req.request_id in skip:
-                # Preempted while a step of it is still in flight: resumed once that step's
-                # (ignored) result is back, or the stale result would count.
-                held_back.append(self.waiting.popleft())
-                continue
-            if req.grammar is not None and not req.grammar.is_ready():
-                held_back.append(self.waiting.popleft())  # still compiling: others go first
-                continue
-            if req.lora_id and self._lora_must_wait(req.lora_id, running_loras):
-                held_back.append(self.waiting.popleft())
+        max_num_seqs = self.config.max_num_seqs
+        # Under priority a full batch does not end admission: ``_make_room`` may preempt.
+        while self.waiting and budget > 0 and (
+                self.priority or (room > 0 and len(self.running) < max_num_seqs)):
+            req = self.waiting.peek()
+            if (req.request_id in skip
+                    # Preempted while a step of it is still in flight: resumed once that
+                    # step's (ignored) result is back, or the stale result would count.
+                    or req.request_id in out.preempted_req_ids  # just now, for another
+                    or (req.grammar is not None and not req.grammar.is_ready())  # compiling
+                    or (req.lora_id and self._lora_must_wait(req.lora_id, running_loras))):
+                held_back.append(self.waiting.pop())  # others go first
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(req)
             if kv.pending_owner(req, len(hit_blocks)) is not None:
-                held_back.append(self.waiting.popleft())
+                held_back.append(self.waiting.pop())
                 continue
             num_new = min(req.num_tokens - num_hit, budget)
             lookahead = self._lookahead_new(req, num_hit, num_new)
+            if self.priority:  # out of blocks or sequence slots: preempt requests after it
+                freed = self._make_room(req, num_new + lookahead, hit_blocks, room, out)
+                if freed is None:
+                    break  # queue order: later requests do not jump it
+                budget, room = budget + freed[0], room + freed[1]
             new_blocks = kv.allocate_slots(req, num_new + lookahead, hit_blocks)
             if new_blocks is None:
-                break  # FCFS: later requests do not jump a request that needs blocks
-            self.waiting.popleft()
+                break  # queue order: later requests do not jump a request that needs blocks
+            self.waiting.pop()
             kv.record_prefix_lookup(req.num_tokens, num_hit)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
                 self._queued_time[req.request_id] = max(self.clock() - req.arrival_time, 0.0)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
-            self.running.append(req)
+            self._start_running(req)
             out.scheduled_new_reqs.append(NewRequestData(
                 req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
                 req.sampling_params, list(kv.get_block_ids(req.request_id)), num_hit,
@@ -266,7 +332,7 @@ class Scheduler:
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
             room -= 1
-        self.waiting.extendleft(reversed(held_back))
+        self.waiting.prepend(held_back)
         return budget
 
     def _lookahead_new(self, req: Request, num_hit: int, num_new: int) -> int:
@@ -308,7 +374,7 @@ class Scheduler:
         if not expired:
             return
         self._remove_from_queues({r.request_id for r in expired})
-        for req in expired:
+        for req in sorted(expired, key=lambda r: r.schedule_key):
             self._finish(req, RequestStatus.FINISHED_ERROR)
             output = self._make_output(req, [], error=QUEUE_TIMEOUT_ERROR,
                                        error_kind=ErrorKind.QUEUE_TIMEOUT)
@@ -461,7 +527,7 @@ class Scheduler:
         if any(r.request_id in req_ids for r in self.running):
             self.running = [r for r in self.running if r.request_id not in req_ids]
         if any(r.request_id in req_ids for r in self.waiting):
-            self.waiting = deque(r for r in self.waiting if r.request_id not in req_ids)
+            self.waiting.remove(req_ids)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Mark finished and return its blocks; the caller takes it out of the queues."""

@@ -21,8 +21,9 @@ from typing import Any
 
 from bladellm.bench.client import (RequestOptions, count_tokens_without_usage,
                                    fetch_model_name)
-from bladellm.bench.datasets import (BenchRequest, DatasetConfig, build_dataset,
-                                     check_dataset_args, load_tokenizer, parse_range)
+from bladellm.bench.datasets import (BenchRequest, DatasetConfig, assign_priority_classes,
+                                     build_dataset, check_dataset_args, load_tokenizer,
+                                     parse_range)
 from bladellm.bench.metrics import SLO, max_qps_meeting_slo, parse_slo
 from bladellm.bench.plots import plot_runs
 from bladellm.bench.report import (format_markdown_comparison, format_table, load_json,
@@ -104,6 +105,13 @@ def build_run_parser() -> argparse.ArgumentParser:
     _add(p, "--no_usage", action="store_true",
          help="don't send stream_options.include_usage (output tokens: the generated text "
               "encoded with the tokenizer if there is one, else one per chunk)")
+    _add(p, "--priority_mix", type=float, default=None,
+         help="two priority classes: this fraction of requests (drawn with --seed) is sent "
+              "with priority 0, the rest with priority 1 (lower first, as vLLM); TTFT and E2E "
+              "are reported per class. For a server with --scheduling_policy priority")
+    _add(p, "--no_priority_field", action="store_true",
+         help="with --priority_mix: keep the classes client-side only and send no priority "
+              "field (the fcfs baseline: such a server refuses a priority other than 0)")
     _add(p, "--plot_stat", choices=("mean", "p50", "p90", "p99"), default="mean",
          help="statistic drawn on the latency axes of the plots")
     _add(p, "--disable_tqdm", action="store_true",
@@ -197,6 +205,11 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             raise ValueError("--burstiness must be > 0")
         if args.num_warmup < 0:
             raise ValueError("--num_warmup must be >= 0")
+        if args.priority_mix is not None and not 0 < args.priority_mix < 1:
+            raise ValueError(f"--priority_mix: the fraction of requests at priority 0 must be "
+                             f"in (0, 1), got {args.priority_mix}")
+        if args.no_priority_field and args.priority_mix is None:
+            raise ValueError("--no_priority_field: only used with --priority_mix")
     except ValueError as exc:
         p.error(str(exc))
 
@@ -244,7 +257,8 @@ async def _run(args: argparse.Namespace, tokenizer: Any = None,
                              f"({type(exc).__name__}: {exc}); is the server up? (or pass --model)")
     cfg.options = RequestOptions(model=model, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
                                  eos_logit_bias=args.eos_ids, temperature=args.temperature,
-                                 include_usage=not args.no_usage)
+                                 include_usage=not args.no_usage,
+                                 send_priority=not args.no_priority_field)
     tok_path = args.tokenizer or (model if os.path.isdir(model) else None)
     if tokenizer is None and tok_path:  # --tokenizer was loaded before contacting the server
         try:
@@ -273,6 +287,9 @@ async def _run(args: argparse.Namespace, tokenizer: Any = None,
     for i, rate in enumerate(args.rates):
         # Fresh prompts per rate so a server's prompt cache can't reuse an earlier rate's.
         requests = _build_dataset(_dataset_config(args, f"{args.seed}:{i}"), tokenizer)
+        if args.priority_mix is not None:  # the same classes for the same --seed
+            assign_priority_classes(requests, args.priority_mix,
+                                    random.Random(f"{args.seed}:priority:{i}"))
         res = await run_rate(cfg, rate, requests, random.Random(f"{args.seed}:arrivals:{i}"))
         if tokenizer is not None:
             count_tokens_without_usage(res.results, tokenizer)
