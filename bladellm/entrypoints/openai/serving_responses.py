@@ -29,6 +29,7 @@ from bladellm.entrypoints.openai.serving_chat import _Choice, _prompt_ids, _tool
 from bladellm.entrypoints.openai.serving_common import (
     SSE_HEADERS, ClientDisconnected, ServingContext, UsageCounter, build_sampling_params,
     check_output, merge_streams, naming_context_errors, until_disconnect)
+from bladellm.entrypoints.openai.structured_output import after_reasoning
 from bladellm.entrypoints.openai.tool_calls import (
     ToolChoice, forced_constraint, parse_tool_choice)
 from bladellm.errors import EngineDeadError
@@ -39,30 +40,20 @@ from bladellm.outputs import RequestOutput
 
 @dataclass
 class _Run:
-    """One response in the making: engine outputs in, output items (and events) out."""
+    """One response in the making: engine outputs in, output items (and events) out. The
+    thinking is split off (and its tokens counted) by the chat path's ``_Choice.split``."""
 
     builder: OutputBuilder
     tools: ToolChoice | None
-    reasoner: Any = None  # a ReasoningStream, when the server has a reasoning parser
-    choice: _Choice = field(default_factory=_Choice)
+    choice: _Choice
     usage: UsageCounter = field(default_factory=UsageCounter)
-    reasoning_tokens: int = 0
-    answering: bool = False  # answer text has started (later tokens are not reasoning)
 
     def feed(self, out: RequestOutput) -> None:
         check_output(out)
         self.usage.add(0, out)
         comp = out.outputs[0]
         finish = comp.finish_reason
-        thinking, answer = "", comp.text
-        if self.reasoner is not None:
-            thinking, answer = self.reasoner.feed(comp.text)
-            if finish is not None:
-                more_thinking, more_answer = self.reasoner.finish()
-                thinking, answer = thinking + more_thinking, answer + more_answer
-            if not self.answering and not answer:
-                self.reasoning_tokens += len(comp.token_ids)
-            self.answering = self.answering or bool(answer)
+        thinking, answer = self.choice.split(comp.text, len(comp.token_ids), finish is not None)
         self.builder.reasoning(thinking)
         self.choice.texts.append(answer)
         if finish is not None:
@@ -83,8 +74,7 @@ class _Run:
     def finish(self) -> None:
         u = self.usage.usage()
         details = u.prompt_tokens_details
-        reasoning = self.reasoning_tokens if any(
-            item.type == "reasoning" for item in self.builder.response.output) else 0
+        reasoning = self.choice.reasoning_tokens
         self.builder.finish(self.choice.finish_reason, ResponseUsage(
             input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens,
             total_tokens=u.total_tokens,
@@ -105,8 +95,12 @@ class ResponsesService:
         items = self._history(req) + with_ids(input_items(req))
         chat = chat_request(req, items)
         tools = parse_tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
-        prompt = await ctx.offload.run(_prompt, chat, ctx, tools)
+        prompt, prompt_text = await ctx.offload.run(_prompt, chat, ctx, tools)
+        parser = (ctx.reasoning_parser.for_prompt(prompt_text)
+                  if ctx.reasoning_parser is not None else None)
         params = _sampling_params(chat, ctx, tools)
+        # Structured output and forced tool calls constrain the answer, not the thinking.
+        params.guided_decoding = after_reasoning(params.guided_decoding, parser, ctx.tokenizer)
         response = ResponseObject(
             id=new_id("resp"), model=lora.lora_name if lora is not None else ctx.model_name,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
@@ -118,9 +112,8 @@ class ResponsesService:
             text=req.text.model_dump(mode="json", by_alias=True, exclude_none=True)
             if req.text is not None and req.text.format is not None else
             {"format": {"type": "text"}}, priority=req.priority)
-        parser = ctx.reasoning_parser
         run = _Run(OutputBuilder(response), tools,
-                   reasoner=parser.streamer() if parser is not None else None)
+                   _Choice(reasoning=parser.streamer() if parser is not None else None))
         merged = merge_streams([ctx.generate(prompt, params, response.id, lora, req.priority)])
         if req.stream:
             first = await naming_context_errors(until_disconnect(anext(merged), raw), "input",
@@ -232,7 +225,7 @@ def _json(body: str) -> Response:
 
 
 def _prompt(chat: ChatCompletionRequest, ctx: ServingContext,
-            tools: ToolChoice | None) -> list[int]:
+            tools: ToolChoice | None) -> tuple[list[int], str]:
     """The chat path's rendering; its errors name ``messages``, which here is ``input``."""
     try:
         return _prompt_ids(chat, ctx, tools)

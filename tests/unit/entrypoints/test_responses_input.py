@@ -68,3 +68,14 @@ def test_item_reference_is_refused():
     with pytest.raises(APIError) as err:
         input_items(req)
     assert err.value.param == "input[0]"
+
+
+def test_reasoning_item_reaches_the_chat_message():
+    req = ResponsesRequest.model_validate({"input": [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "think"}]},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "again"}]})
+    chat = chat_request(req, input_items(req))
+    assert chat.messages[1].role == "assistant" and chat.messages[1].reasoning_content == "think"
