@@ -3,9 +3,9 @@
 One builder serves both modes: a streamed response sends ``events`` as they come, a plain one
 drops them and returns ``response``; so both carry the same items, and each streamed item's
 ``id`` is the one in ``response.completed``. Event order per item, as OpenAI sends it:
-``output_item.added`` → ``content_part.added`` → deltas → ``*.done`` → ``content_part.done`` →
-``output_item.done`` (function calls: ``output_item.added`` → ``function_call_arguments.delta`` →
-``function_call_arguments.done`` → ``output_item.done``).
+``output_item.added``, ``content_part.added``, the deltas, ``*.done``, ``content_part.done``,
+``output_item.done`` (function calls: ``output_item.added``, ``function_call_arguments.delta``,
+``function_call_arguments.done``, ``output_item.done``).
 """
 
 from __future__ import annotations
@@ -128,8 +128,7 @@ class OutputBuilder:
 
     def finish(self, finish_reason: str | None, usage: ResponseUsage) -> None:
         """``response.completed``, or ``response.incomplete`` when cut by the token limit."""
-        if not any(isinstance(i, (OutputMessage, FunctionCallOutput))
-                   for i in self.response.output):
+        if not self.response.output:
             self.text("", force=True)  # the answer was empty: still a message, as chat's ""
         incomplete = finish_reason == "length"
         self.close("incomplete" if incomplete else "completed")

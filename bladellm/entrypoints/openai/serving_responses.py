@@ -10,8 +10,9 @@ the same functions as chat streaming, for both modes (so a stream and a plain re
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response, StreamingResponse

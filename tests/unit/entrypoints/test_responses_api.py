@@ -183,7 +183,8 @@ async def test_function_call_round_trip():
     assert message.type == "message" and message.content[0].text == "Let me check. "
     assert fc.type == "function_call" and fc.name == "get_weather" and fc.id.startswith("fc_")
     assert json.loads(fc.arguments) == {"city": "Paris"} and fc.call_id.startswith("call_")
-    async with client.responses.stream(model="fake-model", input="weather in Paris?", tools=tools) as stream:
+    async with client.responses.stream(model="fake-model", input="weather in Paris?",
+                                       tools=tools) as stream:
         types = [e.type async for e in stream]
         final = await stream.get_final_response()
     assert types.index("response.function_call_arguments.done") < types.index(
