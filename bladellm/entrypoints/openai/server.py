@@ -136,8 +136,8 @@ def build_app(engine: Any, server_config: ServerConfig,
                            "invalid_request_error", param="model", code="model_not_found")
         return Response(card.model_dump_json(), media_type="application/json")
 
+    add_responses_routes(v1, ctx, engine, server_config)  # /v1/responses (serving_responses)
     add_lora_routes(v1, engine)
-    add_responses_routes(v1, ctx, engine, server_config)
 
     app.include_router(v1)
 
