@@ -70,9 +70,11 @@ class OutputBuilder:
         self._emit("response.reasoning_text.delta", **self._where(item), content_index=0,
                    delta=delta)
 
-    def text(self, delta: str, force: bool = False) -> None:
-        """Answer text; ``force`` opens a message even for no text (an empty answer)."""
-        if not delta and not force:
+    def text(self, delta: str, force: bool = False,
+             logprobs: list[dict[str, Any]] | None = None) -> None:
+        """Answer text (and its tokens' logprobs, when asked for); ``force`` opens a message
+        even for no text (an empty answer)."""
+        if not delta and not force and not logprobs:
             return
         item = self._open
         if not isinstance(item, OutputMessage):
@@ -81,10 +83,11 @@ class OutputBuilder:
             item.content.append(OutputText(text=""))
             self._emit("response.content_part.added", **self._where(item), content_index=0,
                        part=item.content[0].model_dump(mode="json"))
-        if delta:
+        if delta or logprobs:
             item.content[0].text += delta
+            item.content[0].logprobs.extend(logprobs or [])
             self._emit("response.output_text.delta", **self._where(item), content_index=0,
-                       delta=delta, logprobs=[])
+                       delta=delta, logprobs=logprobs or [])
 
     def call(self, call_id: str, name: str, arguments: str) -> None:
         """A new function call; its ``arguments`` so far (more may follow in ``arguments``)."""
@@ -114,7 +117,7 @@ class OutputBuilder:
         elif isinstance(item, OutputMessage):
             part = item.content[0]
             self._emit("response.output_text.done", **where, content_index=0, text=part.text,
-                       logprobs=[])
+                       logprobs=part.logprobs)
             self._emit("response.content_part.done", **where, content_index=0,
                        part=part.model_dump(mode="json"))
         else:

@@ -24,10 +24,12 @@ from bladellm.http.errors import APIError, bad_request, unsupported
 
 _ITEMS = TypeAdapter(list[InputItem])
 _TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS = "message.output_text.logprobs"
 # What `include` may ask for. Reasoning items always carry their text in the clear (`content`),
 # so a client that asks for the encrypted copy to replay reasoning statelessly gets what it needs
 # by sending the items back; the field itself stays null.
-_INCLUDABLE = ("reasoning.encrypted_content",)
+_INCLUDABLE = ("reasoning.encrypted_content", LOGPROBS)
+MAX_TOP_LOGPROBS = 20
 
 
 def check_request(req: ResponsesRequest) -> None:
@@ -39,8 +41,9 @@ def check_request(req: ResponsesRequest) -> None:
     for name in ("max_tool_calls", "conversation", "prompt"):
         if getattr(req, name) is not None:
             raise unsupported(name)
-    if req.top_logprobs:
-        raise unsupported("top_logprobs", "top_logprobs on /v1/responses")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got "
+                          f"{req.top_logprobs}", "top_logprobs")
     if req.truncation == "auto":
         raise unsupported("truncation", "truncation 'auto' (dropping input items that do not "
                                         "fit)")
@@ -53,6 +56,22 @@ def check_request(req: ResponsesRequest) -> None:
         raise bad_request("input: must not be empty", "input")
     if isinstance(req.input, list) and not req.input and req.previous_response_id is None:
         raise bad_request("input: must contain at least one item", "input")
+
+
+def logprobs(req: ResponsesRequest, may_think: bool, has_tools: bool) -> int | None:
+    """How many alternatives per token the answer's logprobs carry (None: no logprobs). They
+    are given where every generated token is answer text: not with tools (their calls are cut
+    out of the text), nor while the model may think (``--reasoning_parser`` takes the thinking
+    out; a template that closed the thinking in the prompt leaves all of it answer)."""
+    if LOGPROBS not in (req.include or []) and req.top_logprobs is None:
+        return None
+    param = "top_logprobs" if req.top_logprobs is not None else "include"
+    if has_tools:
+        raise unsupported(param, "logprobs together with tools")
+    if may_think:
+        raise unsupported(param, "logprobs for a reasoning model's output that may hold "
+                                 "thinking (--reasoning_parser)")
+    return req.top_logprobs or 0
 
 
 # --------------------------------------------------------------------------------- tools

@@ -25,11 +25,11 @@ from bladellm.entrypoints.openai.protocol_responses import (
 from bladellm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from bladellm.entrypoints.openai.responses_events import OutputBuilder, new_id, sse_event
 from bladellm.entrypoints.openai.responses_input import (
-    chat_request, check_request, input_items, with_ids)
+    chat_request, check_request, input_items, logprobs, with_ids)
 from bladellm.entrypoints.openai.serving_chat import _Choice, _prompt_ids, _tool_deltas
 from bladellm.entrypoints.openai.serving_common import (
     SSE_HEADERS, ClientDisconnected, ServingContext, UsageCounter, build_sampling_params,
-    check_output, merge_streams, naming_context_errors, until_disconnect)
+    chat_logprobs, check_output, merge_streams, naming_context_errors, until_disconnect)
 from bladellm.entrypoints.openai.structured_output import after_reasoning
 from bladellm.entrypoints.openai.tool_calls import (
     ToolChoice, forced_constraint, parse_tool_choice)
@@ -60,7 +60,11 @@ class _Run:
         if finish is not None:
             self.choice.finish_reason = finish
         if self.tools is None or self.tools.mode == "none":
-            self.builder.text(answer)
+            logprobs = None
+            if comp.logprobs:  # asked for: every token is answer text (responses_input.py)
+                logprobs = [t.model_dump(mode="json")
+                            for t in chat_logprobs(comp.logprobs).content or []]
+            self.builder.text(answer, logprobs=logprobs)
             return
         deltas, _ = _tool_deltas(self.choice, answer, finish, self.tools)
         for delta in deltas:
@@ -99,7 +103,9 @@ class ResponsesService:
         prompt, prompt_text = await ctx.offload.run(_prompt, chat, ctx, tools)
         parser = (ctx.reasoning_parser.for_prompt(prompt_text)
                   if ctx.reasoning_parser is not None else None)
-        params = _sampling_params(chat, ctx, tools)
+        num_logprobs = logprobs(req, may_think=parser is not None and not parser.closed_by_prompt,
+                                has_tools=tools is not None and tools.mode != "none")
+        params = _sampling_params(chat, ctx, tools, num_logprobs)
         # Structured output and forced tool calls constrain the answer, not the thinking.
         params.guided_decoding = after_reasoning(params.guided_decoding, parser, ctx.tokenizer)
         response = ResponseObject(
@@ -239,10 +245,11 @@ def _prompt(chat: ChatCompletionRequest, ctx: ServingContext,
 
 
 def _sampling_params(chat: ChatCompletionRequest, ctx: ServingContext,
-                     tools: ToolChoice | None) -> Any:
+                     tools: ToolChoice | None, num_logprobs: int | None) -> Any:
     try:
         return build_sampling_params(chat, ctx, max_tokens=chat.max_completion_tokens,
-                                     logprobs=None, forced_constraint=forced_constraint(tools),
+                                     logprobs=num_logprobs,
+                                     forced_constraint=forced_constraint(tools),
                                      max_tokens_param="max_output_tokens")
     except APIError as exc:  # structured-output errors name the chat field
         if exc.param == "response_format":

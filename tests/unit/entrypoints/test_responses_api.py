@@ -225,6 +225,9 @@ async def test_reasoning_items():
     assert reasoning.type == "reasoning" and reasoning.content[0].text == "I should greet."
     assert message.content[0].text == "Hello!"
     assert resp.usage.output_tokens_details.reasoning_tokens == 3  # up to the answer
+    with pytest.raises(openai.BadRequestError) as err:  # the thinking is not answer text
+        await client.responses.create(input="hi", top_logprobs=1)
+    assert err.value.param == "top_logprobs"
     async with client.responses.stream(model="fake-model", input="hi") as stream:
         events = [e async for e in stream]
         final = await stream.get_final_response()
@@ -241,6 +244,33 @@ async def test_reasoning_items():
                                            for i in resp.output],
                                          {"role": "user", "content": "again"}])
     assert "Hello!" in engine.model_info.tokenizer.decode(engine.calls[-1][0])
+
+
+async def test_logprobs(fake):
+    client, http = _sdk(build_app(fake, ServerConfig()))
+    resp = await client.responses.create(input="x", top_logprobs=2,
+                                         include=["message.output_text.logprobs"])
+    lps = resp.output[0].content[0].logprobs
+    assert [lp.token for lp in lps] == list("abcd") and fake.calls[-1][1].logprobs == 2
+    assert lps[1].logprob == -2.0 and [t.token for t in lps[1].top_logprobs] == ["a", "b"]
+    assert lps[0].bytes == [ord("a")]
+    async with client.responses.stream(model="fake-model", input="x",
+                                       include=["message.output_text.logprobs"]) as stream:
+        events = [e async for e in stream]
+    deltas = [lp.token for e in events if e.type == "response.output_text.delta"
+              for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert deltas == [lp.token for lp in done.logprobs] == list("abcd")
+    assert all(not lp.top_logprobs for lp in done.logprobs)  # top_logprobs unset: 0
+    plain = await client.responses.create(input="x")
+    assert plain.output[0].content[0].logprobs == [] and fake.calls[-1][1].logprobs is None
+    tools = [{"type": "function", "name": "f"}]
+    for body, param in [({"input": "x", "top_logprobs": 21}, "top_logprobs"),
+                        ({"input": "x", "top_logprobs": 1, "tools": tools}, "top_logprobs"),
+                        ({"input": "x", "tools": tools,
+                          "include": ["message.output_text.logprobs"]}, "include")]:
+        r = await http.post("/v1/responses", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 async def test_priority_reaches_the_engine(fake):
@@ -271,7 +301,7 @@ async def test_priority_reaches_the_engine(fake):
     ({"input": "x", "max_output_tokens": 1000}, 400, "max_output_tokens"),
     ({"input": "x", "unknown_field": 1}, 400, "unknown_field"),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, 400, "tool_choice.type"),
-    ({"input": "x", "include": ["message.output_text.logprobs"]}, 400, "include"),
+    ({"input": "x", "include": ["file_search_call.results"]}, 400, "include"),
     ({"input": "x", "model": "other"}, 404, "model"),
 ])
 async def test_bad_requests_get_openai_errors(fake, body, status, param):
