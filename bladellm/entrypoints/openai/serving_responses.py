@@ -173,7 +173,7 @@ class ResponsesService:
             run.finish()
             self._keep(run, items)
         except Exception as exc:  # noqa: BLE001 - mid-stream failure: tell the client in-band
-            builder.events.clear()
+            # Events made before the failure still go out: sequence numbers have no gaps.
             builder.fail(from_exception(exc).message)
         finally:
             await merged.aclose()

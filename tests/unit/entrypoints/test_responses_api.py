@@ -334,7 +334,12 @@ async def test_engine_failure_mid_stream_is_response_failed(fake):
     _, http = _sdk(build_app(fake, ServerConfig()))
     r = await http.post("/v1/responses", json={"input": "x", "stream": True})
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
-    assert events[-1]["type"] == "response.failed"
+    assert [e["type"] for e in events][-6:] == [
+        "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.failed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-2]["item"]["status"] == "incomplete"
     assert events[-1]["response"]["error"]["code"] == "server_error"
     assert events[-1]["response"]["status"] == "failed"
 
