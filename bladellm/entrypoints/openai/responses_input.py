@@ -52,6 +52,7 @@ def check_request(req: ResponsesRequest) -> None:
             raise unsupported("include", f"include {value!r}")
     if req.text is not None and req.text.verbosity not in (None, "medium"):
         raise unsupported("text.verbosity", "text.verbosity other than 'medium'")
+    _check_metadata(req.metadata)
     if isinstance(req.input, str) and not req.input:
         raise bad_request("input: must not be empty", "input")
     if isinstance(req.input, list) and not req.input and req.previous_response_id is None:
@@ -72,6 +73,19 @@ def logprobs(req: ResponsesRequest, may_think: bool, has_tools: bool) -> int | N
         raise unsupported(param, "logprobs for a reasoning model's output that may hold "
                                  "thinking (--reasoning_parser)")
     return req.top_logprobs or 0
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's limits: at most 16 pairs, keys up to 64 characters, values up to 512."""
+    if not metadata:
+        return
+    if len(metadata) > 16:
+        raise bad_request(f"metadata: at most 16 key-value pairs, got {len(metadata)}",
+                          "metadata")
+    for key, value in metadata.items():
+        if len(key) > 64 or len(value) > 512:
+            raise bad_request(f"metadata: keys are at most 64 characters and values at most "
+                              f"512 (key {key[:64]!r})", "metadata")
 
 
 # --------------------------------------------------------------------------------- tools
