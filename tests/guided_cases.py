@@ -128,3 +128,105 @@ GRAMMARS = {
     "lark_arith": 'start: expr\nexpr: NUM | NUM OP expr\nNUM: /[0-9]{1,3}/\nOP: "+" | "-" | "*"',
     "gbnf_greeting": 'root ::= ("hello" | "hi") " " name\nname ::= [a-z]{1,8}',
 }
+
+
+# ------------------------------------------------------------------ real-world pydantic schemas
+# Schemas as applications send them: ``Model.model_json_schema()`` of pydantic models, with the
+# keywords llguidance cannot enforce that pydantic writes on its own (``uniqueItems`` for sets,
+# a look-around ``pattern`` for every Decimal, ``propertyNames`` for constrained dict keys). Lengths are bounded so that a random tiny model
+# finishes. ``PYDANTIC_IGNORED``: what a lenient (non-strict) request ignores for each.
+
+def _pydantic_models() -> dict:
+    import datetime
+    import enum
+    import uuid
+    from decimal import Decimal
+    from typing import Annotated, Literal, Optional, Union
+
+    from pydantic import BaseModel as _Base
+    from pydantic import ConfigDict, Field, conint, constr
+
+    class BaseModel(_Base):
+        # No extra properties (as structured-output apps and OpenAI's strict mode use them):
+        # otherwise a random model may write unbounded extra keys.
+        model_config = ConfigDict(extra="forbid")
+
+    class Color(str, enum.Enum):
+        red = "red"
+        green = "green"
+        blue = "blue"
+
+    class Address(BaseModel):
+        street: constr(max_length=12)
+        zip_code: constr(pattern=r"^\d{5}$")
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: conint(ge=0, le=9)
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        good: bool
+
+    class TaggedItem(BaseModel):  # sets: uniqueItems
+        name: constr(max_length=8)
+        tags: set[constr(max_length=5)] = Field(max_length=3)
+        ids: frozenset[conint(ge=0, le=99)] = Field(max_length=3)
+
+    class Customer(BaseModel):  # Optional, nested model, enum
+        name: constr(min_length=1, max_length=10)
+        age: Optional[conint(ge=0, le=120)] = None
+        favourite: Color
+        address: Address
+
+    class Owner(BaseModel):  # a discriminated union
+        owner: constr(max_length=8)
+        pet: Annotated[Union[Cat, Dog], Field(discriminator="kind")]
+
+    class Invoice(BaseModel):  # Decimal (look-around pattern), date, uuid, tuple
+        id: uuid.UUID
+        issued: datetime.date
+        total: Decimal
+        lines: list[tuple[constr(max_length=6), conint(ge=1, le=9)]] = Field(max_length=2)
+
+    class Settings(BaseModel):  # constrained dict keys: propertyNames
+        flags: dict[constr(max_length=4), bool] = Field(max_length=2)
+
+    class Survey(BaseModel):  # conint / confloat bounds, multipleOf, Literal choices
+        score: conint(ge=1, le=5)
+        weight: float = Field(ge=0, le=1, multiple_of=0.25)
+        answer: Literal["yes", "no", "maybe"]
+        comments: list[constr(max_length=6)] = Field(default_factory=list, max_length=2)
+
+    return {m.__name__: m for m in (TaggedItem, Customer, Owner, Invoice, Survey, Settings)}
+
+
+PYDANTIC_MODELS = _pydantic_models()
+PYDANTIC_SCHEMAS = {name: m.model_json_schema() for name, m in PYDANTIC_MODELS.items()}
+PYDANTIC_IGNORED = {"TaggedItem": ["uniqueItems"], "Customer": [], "Owner": [],
+                    "Invoice": ["pattern"], "Survey": [], "Settings": ["propertyNames"]}
+# Unbounded once their ignored keywords are gone (dict keys of any length): not generated with.
+PYDANTIC_UNBOUNDED = {"Settings"}
+
+# One schema per keyword llguidance cannot enforce -> the names a lenient request reports.
+UNENFORCEABLE = {
+    "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True,
+                     "maxItems": 3}, ["uniqueItems"]),
+    "contains": ({"type": "array", "contains": {"const": 1}, "maxItems": 3}, ["contains"]),
+    "if/then/else": ({"type": "object", "if": {"properties": {"a": {"const": 1}}},
+                      "then": {"required": ["b"]}, "else": {"required": ["c"]}},
+                     ["else", "if", "then"]),
+    "dependentSchemas": ({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}},
+                         ["dependentSchemas"]),
+    "dependentRequired": ({"type": "object", "dependentRequired": {"a": ["b"]}},
+                          ["dependentRequired"]),
+    "not": ({"type": "integer", "not": {"const": 3}}, ["not"]),
+    "propertyNames": ({"type": "object", "propertyNames": {"maxLength": 3}}, ["propertyNames"]),
+    "unevaluatedProperties": ({"type": "object", "unevaluatedProperties": False},
+                              ["unevaluatedProperties"]),
+    "format": ({"type": "string", "format": "phone-number", "maxLength": 8},
+               ["format: phone-number"]),
+    "pattern": ({"type": "string", "pattern": "^(?!x)[a-z]{1,4}$"}, ["pattern"]),
+    "patternProperties": ({"type": "object", "patternProperties": {"(a)\\1": {"type": "null"}},
+                           "additionalProperties": False}, ["patternProperties"]),
+}

@@ -14,12 +14,13 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from bladellm.errors import FIELD_OF_KIND, unsatisfiable_error
-from bladellm.guided.grammar import to_grammar
+from bladellm.guided.grammar import grammar_and_dropped
 from bladellm.sampling_params import GuidedDecodingParams
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,12 @@ class GrammarLimits:
 
 def grammar_text(params: GuidedDecodingParams) -> str:
     """The grammar for ``params``; malformed input raises ``GrammarError``."""
+    return _grammar(params)[0]
+
+
+def _grammar(params: GuidedDecodingParams) -> tuple[str, list[str]]:
     try:
-        return to_grammar(params)
+        return grammar_and_dropped(params)
     except ValueError as e:
         msg = str(e)
         field = FIELD_OF_KIND[params.kind]
@@ -61,11 +66,16 @@ def validate(params: GuidedDecodingParams, limits: GrammarLimits = GrammarLimits
     return the JSON-schema keywords the grammar ignores (``ignored_keywords``; non-strict)."""
     import llguidance
 
-    grammar = grammar_text(params)
+    grammar, dropped = _grammar(params)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, None, limits=limits.to_llguidance())
     if is_error:
-        keywords = ignored_keywords(messages[:1]) if params.strict else []
+        keywords: list[str] = []
+        if params.strict and params.kind == "json":
+            try:  # what a lenient compile would have left out, if that is the failure
+                keywords = unenforced_keywords(params.json, limits)  # type: ignore[arg-type]
+            except GrammarError:
+                pass
         if keywords:
             raise GrammarError(strict_error(FIELD_OF_KIND[params.kind], keywords))
         raise GrammarError(f"{FIELD_OF_KIND[params.kind]}: invalid {params.kind} constraint: "
@@ -73,11 +83,14 @@ def validate(params: GuidedDecodingParams, limits: GrammarLimits = GrammarLimits
     reason = first_step_error(grammar, limits)
     if reason is not None:
         raise GrammarError(unsatisfiable_error(params.kind, reason))
-    return ignored_keywords(messages) if params.kind == "json" else []
+    if params.kind != "json":
+        return []
+    return list(dict.fromkeys(dropped + ignored_keywords(messages)))
 
 
 _UNIMPLEMENTED = "Unimplemented keys: "
 _UNKNOWN_FORMAT = "Unknown format: "
+_TIMES = re.compile(r" \(\d+ times\)$")
 
 
 def ignored_keywords(messages: list[str]) -> list[str]:
@@ -85,7 +98,8 @@ def ignored_keywords(messages: list[str]) -> list[str]:
     ``Unknown format: X`` → ``format: X``), in order, without repeats."""
     found: list[str] = []
     for message in messages:
-        message = message.strip()
+        # llguidance folds repeats: 'Unimplemented keys: ["uniqueItems"] (2 times)'.
+        message = _TIMES.sub("", message.strip())
         if message.startswith(_UNIMPLEMENTED):
             try:
                 names = json.loads(message[len(_UNIMPLEMENTED):])
@@ -106,18 +120,18 @@ def strict_error(field: str, keywords: list[str]) -> str:
             f"to have them ignored")
 
 
-def unenforced_keywords(schema: dict[str, Any] | str) -> list[str]:
+def unenforced_keywords(schema: dict[str, Any] | str,
+                        limits: GrammarLimits = GrammarLimits()) -> list[str]:
     """The keywords of a JSON schema that generation would not enforce (a lenient compile's
     warnings); raises ``GrammarError`` if the schema is invalid anyway."""
     import llguidance
 
-    from bladellm.guided.grammar import to_grammar
-
-    grammar = to_grammar(GuidedDecodingParams(json=schema))
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    grammar, dropped = _grammar(GuidedDecodingParams(json=schema))
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, None, limits=limits.to_llguidance())
     if is_error:
         raise GrammarError(f"guided_json: invalid json constraint: {messages[0].strip()}")
-    return ignored_keywords(messages)
+    return list(dict.fromkeys(dropped + ignored_keywords(messages)))
 
 
 class _ByteTokenizer:

@@ -8,6 +8,7 @@ from Python / JavaScript; llguidance's regex engine would read them as Unicode c
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -60,23 +61,47 @@ def ascii_regex(pattern: str) -> str:
     return "".join(out)
 
 
-def _ascii_schema(node: Any) -> Any:
-    """A copy of a JSON schema with every ``pattern`` / ``patternProperties`` regex ASCII."""
+def _ascii_schema(node: Any, dropped: list[str] | None = None) -> Any:
+    """A copy of a JSON schema with every ``pattern`` / ``patternProperties`` regex ASCII.
+    ``dropped`` (lenient schemas): a regex llguidance cannot compile (look-around, as in the
+    pattern pydantic writes for every ``Decimal``; backreferences) is left out and named here,
+    instead of failing the whole schema."""
     if isinstance(node, list):
-        return [_ascii_schema(x) for x in node]
+        return [_ascii_schema(x, dropped) for x in node]
     if not isinstance(node, dict):
         return node
     result: dict[str, Any] = {}
     for key, value in node.items():
         if key == "pattern" and isinstance(value, str):
-            result[key] = ascii_regex(value)
+            regex = ascii_regex(value)
+            if dropped is not None and not regex_supported(regex):
+                dropped.append("pattern")
+                continue
+            result[key] = regex
         elif key == "patternProperties" and isinstance(value, dict):
-            result[key] = {ascii_regex(k): _ascii_schema(v) for k, v in value.items()}
+            entries = {}
+            for k, v in value.items():
+                regex = ascii_regex(k)
+                if dropped is not None and not regex_supported(regex):
+                    dropped.append("patternProperties")
+                    continue
+                entries[regex] = _ascii_schema(v, dropped)
+            result[key] = entries
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            result[key] = {k: _ascii_schema(v) for k, v in value.items()}
+            result[key] = {k: _ascii_schema(v, dropped) for k, v in value.items()}
         else:
-            result[key] = _ascii_schema(value)
+            result[key] = _ascii_schema(value, dropped)
     return result
+
+
+@functools.lru_cache(maxsize=1024)
+def regex_supported(regex: str) -> bool:
+    """Whether llguidance's regex engine accepts ``regex`` (no look-around, backreferences)."""
+    import llguidance
+
+    is_error, _ = llguidance.LLMatcher.validate_grammar_with_warnings(
+        llguidance.LLMatcher.grammar_from_regex(regex), None)
+    return not is_error
 
 
 def json_options(params: GuidedDecodingParams) -> dict[str, Any]:
@@ -105,22 +130,32 @@ def choice_lark(choices: list[str]) -> str:
 
 def to_grammar(params: GuidedDecodingParams) -> str:
     """llguidance grammar text for ``params`` (raises ``ValueError`` for malformed input)."""
+    return grammar_and_dropped(params)[0]
+
+
+def grammar_and_dropped(params: GuidedDecodingParams) -> tuple[str, list[str]]:
+    """``to_grammar``, and the schema keywords left out before llguidance saw the schema (a
+    lenient schema's unsupported regexes; llguidance reports the keywords it ignores itself)."""
     import llguidance
 
     kind = params.kind
+    dropped: list[str] = []
     if kind in ("json", "json_object"):
-        schema = (_ascii_schema(json.loads(params.json)) if kind == "json"  # type: ignore[arg-type]
-                  else {"type": "object"})
+        schema = (_ascii_schema(json.loads(params.json),  # type: ignore[arg-type]
+                                None if params.strict else dropped)
+                  if kind == "json" else {"type": "object"})
         # The schema's own "x-guidance" options may not override ours (applied last).
         return llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults=json_options(params), overrides=json_options(params))
+            schema, defaults=json_options(params), overrides=json_options(params)), dropped
     if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(ascii_regex(params.regex))  # type: ignore
+        return llguidance.LLMatcher.grammar_from_regex(  # type: ignore[arg-type]
+            ascii_regex(params.regex)), dropped  # type: ignore[arg-type]
     if kind == "choice":
-        return llguidance.LLMatcher.grammar_from_lark(choice_lark(params.choice))  # type: ignore
+        return llguidance.LLMatcher.grammar_from_lark(  # type: ignore[arg-type]
+            choice_lark(params.choice)), dropped  # type: ignore[arg-type]
     # Lark (llguidance's own dialect) or GBNF; grammar_from converts GBNF to Lark.
     try:
-        return llguidance.grammar_from("grammar", params.grammar)  # type: ignore[arg-type]
+        return llguidance.grammar_from("grammar", params.grammar), dropped  # type: ignore
     except ValueError as e:
         raise ValueError(f"guided_grammar: {e}") from None
 

@@ -40,6 +40,20 @@ QWEN3_LIKE_TEMPLATE = (
 def test_grammar_starts_after_the_thinking_offline(tiny_llama):
     llm = LLM(model=tiny_llama, dtype="float32", max_model_len=512, num_kv_blocks=128,
               max_num_seqs=4, num_threads=1)
+    _check_gated_generation(llm)
+
+
+def test_speculative_decoding_across_the_end_of_the_thinking(tiny_llama):
+    """A self-draft proposes the model's own tokens: drafts run through the thinking and across
+    its end tag into the grammar's rows; greedy output is the same as without speculation."""
+    llm = LLM(model=tiny_llama, dtype="float32", max_model_len=512, num_kv_blocks=128,
+              max_num_seqs=4, num_threads=1, decode_algo="sps", draft_model=tiny_llama,
+              gamma=3, spec_policy="always")
+    _check_gated_generation(llm)
+    assert llm.engine.core.scheduler.get_stats().num_spec_draft_tokens > 0
+
+
+def _check_gated_generation(llm):
     prompt = "Think, then answer in JSON:"
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].token_ids
@@ -95,6 +109,7 @@ async def test_thinking_on_and_off_through_the_template(client):
     msg = on.choices[0].message
     assert msg.content is None and msg.reasoning_content and msg.reasoning == \
         msg.reasoning_content
+    msg_on = msg.reasoning_content
     assert on.usage.completion_tokens_details.reasoning_tokens == 8
     # enable_thinking false: the template closed it, so all is answer, constrained from the
     # first token.
@@ -106,6 +121,14 @@ async def test_thinking_on_and_off_through_the_template(client):
     assert getattr(msg, "reasoning_content", None) is None
     jsonschema.validate(json.loads(msg.content), SCHEMA)
     assert off.usage.completion_tokens_details.reasoning_tokens == 0
+    # Thinking on and a schema: the grammar waits for </think> (its ids cross to the engine
+    # core with the constraint), which a random model never writes: all thinking, unconstrained.
+    gated = await client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=8, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}},
+        extra_body={"ignore_eos": True})
+    assert gated.choices[0].message.content is None
+    assert gated.choices[0].message.reasoning_content == msg_on
 
 
 async def test_earlier_thinking_is_rendered_for_the_next_turn(client):

@@ -15,7 +15,8 @@ import jsonschema
 import openai
 import pytest
 
-from guided_cases import EMPLOYEE_PROFILE, IPV4_REGEX, SCHEMAS
+from guided_cases import (
+    EMPLOYEE_PROFILE, IPV4_REGEX, PYDANTIC_IGNORED, PYDANTIC_MODELS, PYDANTIC_SCHEMAS, SCHEMAS)
 from test_server import ServerProcess
 
 MSGS = [{"role": "user", "content": "Reply in JSON."}]
@@ -206,7 +207,10 @@ async def test_tools_reach_the_chat_template_and_tool_turns_are_accepted(client)
 
 @pytest.mark.parametrize("extra,words", [
     ({"guided_json": {"type": "foo"}}, "Invalid type"),
-    ({"guided_json": {"type": "string", "format": "no-such-format"}}, "format"),
+    # A keyword the grammar cannot enforce is refused only in a strict schema.
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "f", "strict": True, "schema": {"type": "string", "format": "no-such-format"}}}},
+     "'format: no-such-format' not supported in a strict schema"),
     ({"guided_regex": "(unclosed"}, "unclosed group"),
     ({"guided_grammar": "start: missing_rule"}, "missing_rule"),
     ({"guided_choice": []}, "non-empty"),
@@ -295,3 +299,33 @@ async def test_openai_client_parse_with_a_pydantic_model(client):
                                                temperature=1.0, seed=11, response_format=Pet)
     pet = resp.choices[0].message.parsed
     assert isinstance(pet, Pet) and 0 <= pet.legs <= 8
+
+
+async def test_schemas_with_unenforceable_keywords(server, client):
+    """Non-strict: served, the unenforceable keywords ignored and logged; strict: a 400 naming
+    the keyword, as OpenAI answers."""
+    schema = PYDANTIC_SCHEMAS["TaggedItem"]  # a pydantic model with set fields: uniqueItems
+    fmt = {"type": "json_schema", "json_schema": {"name": "TaggedItem", "schema": schema}}
+    for extra in ({"guided_json": schema}, {"response_format": fmt}):
+        resp = await client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=150,
+                                                    temperature=1.0, seed=3, extra_body=extra)
+        PYDANTIC_MODELS["TaggedItem"].model_validate_json(resp.choices[0].message.content)
+    assert "uniqueItems" in server.log() and "ignored" in server.log()
+    strict = {"type": "json_schema",
+              "json_schema": {"name": "TaggedItem", "schema": schema, "strict": True}}
+    async with httpx.AsyncClient(timeout=120) as http:
+        resp = await http.post(server.url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": MSGS, "max_tokens": 5, "response_format": strict})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "response_format" and "'uniqueItems'" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    # The openai client's parse() sends the model strict: refused the same way.
+    with pytest.raises(openai.BadRequestError, match="uniqueItems"):
+        await client.chat.completions.parse(model="tiny", messages=MSGS, max_tokens=5,
+                                            response_format=PYDANTIC_MODELS["TaggedItem"])
+    assert not PYDANTIC_IGNORED["Survey"]
+    resp = await client.chat.completions.parse(model="tiny", messages=MSGS, max_tokens=150,
+                                               temperature=1.0, seed=5,
+                                               response_format=PYDANTIC_MODELS["Survey"])
+    assert isinstance(resp.choices[0].message.parsed, PYDANTIC_MODELS["Survey"])

@@ -77,7 +77,7 @@ async def tokenize(req: TokenizeRequest, raw: Request, ctx: ServingContext) -> R
             chat_template_kwargs=req.chat_template_kwargs)
         if not chat.messages:
             raise bad_request("messages: must contain at least one message", "messages")
-        ids = await ctx.offload.run(_prompt_ids, chat, ctx)
+        ids, _ = await ctx.offload.run(_prompt_ids, chat, ctx)  # (ids, rendered text)
     ids = list(ids)
     strs = None
     if req.return_token_strs:
