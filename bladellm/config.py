@@ -256,10 +256,10 @@ class SchedulerConfig:
         default="fcfs",
         metadata={"help": "fcfs (first come, first served) or priority: waiting requests are "
                           "admitted by their request's priority (lower first, as in vLLM), then "
-                          "arrival, and a higher-priority request may preempt the "
-                          "lowest-priority running one when KV blocks or sequence slots run "
-                          "out. Under fcfs a request with a priority other than 0 is refused "
-                          "(400 naming priority). See docs/server.md, Priority scheduling.",
+                          "arrival, and a waiting request may preempt running ones of lower "
+                          "priority when KV blocks or sequence slots run out. Under fcfs a "
+                          "request with a priority other than 0 is refused (400 naming "
+                          "priority). See docs/server.md, Priority scheduling.",
                   "choices": SCHEDULING_POLICIES})
     priority_aging_interval: float = field(
         default=60.0,

@@ -588,6 +588,9 @@ class Scheduler:
         _require(running | waiting == set(self.requests), "queues and request map disagree")
         _require(set(kv.req_to_blocks) == running, "a request holds blocks but is not running")
         _require(len(self.running) <= self.config.max_num_seqs, "more running than max_num_seqs")
+        _require(not self.priority or all(a.schedule_key < b.schedule_key for a, b
+                                          in zip(self.running, self.running[1:])),
+                 "running is out of priority order")
         for req in self.running:
             _require(req.status == RequestStatus.RUNNING, f"{req} in running")
             _require(req.num_computed_tokens <= req.num_tokens, f"{req} computed too much")
