@@ -303,6 +303,9 @@ async def test_priority_reaches_the_engine(fake):
     ({"input": "x", "tool_choice": {"type": "file_search"}}, 400, "tool_choice.type"),
     ({"input": "x", "include": ["file_search_call.results"]}, 400, "include"),
     ({"input": "x", "model": "other"}, 404, "model"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "strict": True,
+                                        "schema": {"type": "array", "uniqueItems": True}}}},
+     400, "text.format"),
     ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata"),
     ({"input": "x", "metadata": {"k": "v" * 513}}, 400, "metadata"),
 ])
