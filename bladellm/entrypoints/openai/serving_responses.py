@@ -266,9 +266,9 @@ def add_responses_routes(router: APIRouter, ctx: ServingContext, engine: Any,
                                                   server_config.responses_store_ttl))
     retry_after = server_config.retry_after
 
-    async def guarded(work: Any) -> Response:
+    async def guarded(work: Any, needs_engine: bool = False) -> Response:
         try:
-            if engine.is_dead:
+            if needs_engine and engine.is_dead:
                 raise EngineDeadError(engine.dead_reason or "the engine died")
             return await work()
         except (ClientDisconnected, ClientDisconnect):
@@ -278,7 +278,7 @@ def add_responses_routes(router: APIRouter, ctx: ServingContext, engine: Any,
 
     @router.post("/v1/responses", response_model=None)
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        return await guarded(lambda: service.create(body, request))
+        return await guarded(lambda: service.create(body, request), needs_engine=True)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:

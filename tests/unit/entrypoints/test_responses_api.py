@@ -318,6 +318,15 @@ async def test_bad_requests_get_openai_errors(fake, body, status, param):
     assert not fake.calls or status == 400 and param in ("input", "max_output_tokens")
 
 
+async def test_dead_engine_is_503_but_stored_responses_stay_readable(fake):
+    client, http = _sdk(build_app(fake, ServerConfig()))
+    resp = await client.responses.create(input="hi")
+    fake.dead_reason = "gone"
+    r = await http.post("/v1/responses", json={"input": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    assert (await client.responses.retrieve(resp.id)).output_text == "abcd"
+
+
 async def test_unknown_response_ids_are_404(fake):
     _, http = _sdk(build_app(fake, ServerConfig()))
     for method, path in [("GET", "/v1/responses/x"), ("DELETE", "/v1/responses/x"),
