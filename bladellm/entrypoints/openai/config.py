@@ -73,6 +73,14 @@ class ServerConfig:
     retry_after: int = field(
         default=1,
         metadata={"help": "Retry-After seconds sent with HTTP 503 (overloaded or engine down)."})
+    responses_store_max_entries: int = field(
+        default=1024,
+        metadata={"help": "Responses kept in memory for /v1/responses (store: true) for "
+                          "previous_response_id and GET /v1/responses/{id}; the oldest goes "
+                          "when full; 0 stores none."})
+    responses_store_ttl: float = field(
+        default=3600.0,
+        metadata={"help": "Seconds a stored /v1/responses response stays retrievable."})
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "host", "must not be empty")
@@ -95,6 +103,10 @@ class ServerConfig:
                "reasoning_parser", f"must be one of {', '.join(REASONING_PARSERS)}; "
                f"got {self.reasoning_parser!r}")
         _check(self.retry_after >= 0, "retry_after", f"must be >= 0, got {self.retry_after}")
+        _check(self.responses_store_max_entries >= 0, "responses_store_max_entries",
+               f"must be >= 0, got {self.responses_store_max_entries}")
+        _check(self.responses_store_ttl > 0, "responses_store_ttl",
+               f"must be > 0, got {self.responses_store_ttl}")
 
     def load_chat_template(self) -> str | None:
         """The template text: the file's content, or the flag's value when given inline."""

@@ -32,6 +32,7 @@ from bladellm.entrypoints.openai.serving_chat import create_chat_completion
 from bladellm.entrypoints.openai.serving_common import ClientDisconnected, ServingContext
 from bladellm.entrypoints.openai.serving_completion import create_completion
 from bladellm.entrypoints.openai.serving_lora import adapter_cards, add_lora_routes
+from bladellm.entrypoints.openai.serving_responses import add_responses_routes
 from bladellm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
 from bladellm.entrypoints.openai.serving_tokenize import (
     DetokenizeRequest, TokenizeRequest, detokenize, tokenize)
@@ -136,6 +137,7 @@ def build_app(engine: Any, server_config: ServerConfig,
                            "invalid_request_error", param="model", code="model_not_found")
         return Response(card.model_dump_json(), media_type="application/json")
 
+    add_responses_routes(v1, ctx, engine, server_config)  # /v1/responses (serving_responses)
     add_lora_routes(v1, engine)
     add_anthropic_routes(app, v1, serve)  # Anthropic's /v1/messages (entrypoints/anthropic)
 
