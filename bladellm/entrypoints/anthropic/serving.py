@@ -20,7 +20,7 @@ from bladellm.entrypoints.anthropic.protocol import (
 from bladellm.entrypoints.anthropic.streaming import message_events
 from bladellm.entrypoints.openai.chat_template import template_options
 from bladellm.entrypoints.openai.protocol import ChatCompletionRequest
-from bladellm.entrypoints.openai.serving_chat import _prompt_ids
+from bladellm.entrypoints.openai.serving_chat import chat_prompt_ids
 from bladellm.entrypoints.openai.structured_output import after_reasoning
 from bladellm.entrypoints.openai.serving_common import (
     SSE_HEADERS, ServingContext, UsageCounter, build_sampling_params, check_output,
@@ -44,7 +44,7 @@ async def prepare(req: _PromptRequest, ctx: ServingContext) -> Prepared:
     chat = to_chat_request(req)
     tools = parse_tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
     template_options(chat, ctx.trust_request_chat_template)  # 400s before any CPU work
-    prompt, text = await ctx.offload.run(_prompt_ids, chat, ctx, tools)
+    prompt, text = await ctx.offload.run(chat_prompt_ids, chat, ctx, tools)
     return Prepared(chat, tools, prompt, text, lora)
 
 

@@ -34,7 +34,7 @@ _MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
-class _Choice:
+class ChoiceState:
     texts: list[str] = field(default_factory=list)  # the answer (the thinking split off)
     reasonings: list[str] = field(default_factory=list)  # the thinking (--reasoning_parser)
     reasoning: ReasoningStream | None = None  # splits each delta (--reasoning_parser)
@@ -149,7 +149,7 @@ def _input_reasoning(i: int, msg: Any) -> str | None:
     return next(iter(given.values()))
 
 
-def _prompt_ids(req: ChatCompletionRequest, ctx: ServingContext,
+def chat_prompt_ids(req: ChatCompletionRequest, ctx: ServingContext,
                 tools: ToolChoice | None = None) -> tuple[list[int], str]:
     """Render and tokenize; CPU-heavy for long conversations, so it runs in ``ctx.offload``.
     Returns the token ids and the rendered text (whose end tells whether the template opened
@@ -178,7 +178,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
     _check(req)
     tools = parse_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
     template_options(req, ctx.trust_request_chat_template)  # 400s before any CPU work
-    prompt, prompt_text = await ctx.offload.run(_prompt_ids, req, ctx, tools)  # bad -> 400
+    prompt, prompt_text = await ctx.offload.run(chat_prompt_ids, req, ctx, tools)  # bad -> 400
     parser = (ctx.reasoning_parser.for_prompt(prompt_text)
               if ctx.reasoning_parser is not None else None)
     # OpenAI's newer name wins; errors name the field the client sent.
@@ -194,7 +194,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     merged = merge_streams([ctx.generate(prompt, params, request_id, lora, req.priority)])
     model = lora.lora_name if lora is not None else ctx.model_name
-    choices = [_Choice(reasoning=parser.streamer() if parser is not None else None)
+    choices = [ChoiceState(reasoning=parser.streamer() if parser is not None else None)
                for _ in range(req.n)]
     if req.stream:
         first = await naming_context_errors(until_disconnect(anext(merged), raw), "messages",
@@ -212,14 +212,14 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
     return Response(response.model_dump_json(exclude=exclude), media_type="application/json")
 
 
-def _with_reasoning_tokens(usage: UsageInfo, choices: list[_Choice]) -> UsageInfo:
+def _with_reasoning_tokens(usage: UsageInfo, choices: list[ChoiceState]) -> UsageInfo:
     if choices and choices[0].reasoning is not None:
         usage.completion_tokens_details = CompletionTokensDetails(
             reasoning_tokens=sum(c.reasoning_tokens for c in choices))
     return usage
 
 
-def _final_choice(k: int, c: _Choice, tools: ToolChoice | None) -> ChatChoice:
+def _final_choice(k: int, c: ChoiceState, tools: ToolChoice | None) -> ChatChoice:
     """A non-streamed choice: its text, or the tool calls found in / forced into it."""
     text, finish = "".join(c.texts), c.finish_reason
     thinking = "".join(c.reasonings) or None
@@ -243,7 +243,7 @@ def _final_choice(k: int, c: _Choice, tools: ToolChoice | None) -> ChatChoice:
                       stop_reason=c.stop_reason)
 
 
-def _apply(req: ChatCompletionRequest, out: RequestOutput, choices: list[_Choice]):
+def _apply(req: ChatCompletionRequest, out: RequestOutput, choices: list[ChoiceState]):
     """Fold one engine output into the choices; return (index, new thinking, new answer text,
     logprobs, finish)."""
     check_output(out)
@@ -266,7 +266,7 @@ def _apply(req: ChatCompletionRequest, out: RequestOutput, choices: list[_Choice
     return updates
 
 
-async def _collect(req: ChatCompletionRequest, merged: AsyncIterator, choices: list[_Choice]):
+async def _collect(req: ChatCompletionRequest, merged: AsyncIterator, choices: list[ChoiceState]):
     usage = UsageCounter()
     async for i, out in merged:
         usage.add(i, out)
@@ -277,7 +277,7 @@ async def _collect(req: ChatCompletionRequest, merged: AsyncIterator, choices: l
     return usage.usage()
 
 
-def _tool_deltas(choice: _Choice, text: str, finish: str | None,
+def tool_call_deltas(choice: ChoiceState, text: str, finish: str | None,
                  tools: ToolChoice) -> tuple[list[DeltaMessage], str | None]:
     """The deltas one engine update of ``choice`` becomes when tools are involved."""
     deltas: list[DeltaMessage] = []
@@ -316,7 +316,7 @@ def _tool_deltas(choice: _Choice, text: str, finish: str | None,
 
 
 async def _stream(req: ChatCompletionRequest, request_id: str, model: str, first, merged,
-                  choices: list[_Choice], tools: ToolChoice | None = None) -> AsyncIterator[str]:
+                  choices: list[ChoiceState], tools: ToolChoice | None = None) -> AsyncIterator[str]:
     created = int(time.time())
     include_usage, continuous, exclude = stream_usage_flags(req.stream_options)
     usage = UsageCounter()
@@ -340,7 +340,7 @@ async def _stream(req: ChatCompletionRequest, request_id: str, model: str, first
                 deltas = ([DeltaMessage(reasoning_content=thinking, reasoning=thinking)]
                           if thinking else [])
                 if tools is not None and tools.mode != "none":
-                    answer, finish = _tool_deltas(choices[k], text, finish, tools)
+                    answer, finish = tool_call_deltas(choices[k], text, finish, tools)
                     deltas.extend(answer)
                 elif text:
                     deltas.append(DeltaMessage(content=text))

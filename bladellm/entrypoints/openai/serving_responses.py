@@ -26,7 +26,7 @@ from bladellm.entrypoints.openai.response_store import ResponseStore, StoredResp
 from bladellm.entrypoints.openai.responses_events import OutputBuilder, new_id, sse_event
 from bladellm.entrypoints.openai.responses_input import (
     chat_request, check_request, input_items, logprobs, with_ids)
-from bladellm.entrypoints.openai.serving_chat import _Choice, _prompt_ids, _tool_deltas
+from bladellm.entrypoints.openai.serving_chat import ChoiceState, chat_prompt_ids, tool_call_deltas
 from bladellm.entrypoints.openai.serving_common import (
     SSE_HEADERS, ClientDisconnected, ServingContext, UsageCounter, build_sampling_params,
     chat_logprobs, check_output, merge_streams, naming_context_errors, until_disconnect)
@@ -42,11 +42,11 @@ from bladellm.outputs import RequestOutput
 @dataclass
 class _Run:
     """One response in the making: engine outputs in, output items (and events) out. The
-    thinking is split off (and its tokens counted) by the chat path's ``_Choice.split``."""
+    thinking is split off (and its tokens counted) by the chat path's ``ChoiceState.split``."""
 
     builder: OutputBuilder
     tools: ToolChoice | None
-    choice: _Choice
+    choice: ChoiceState
     usage: UsageCounter = field(default_factory=UsageCounter)
 
     def feed(self, out: RequestOutput) -> None:
@@ -66,7 +66,7 @@ class _Run:
                             for t in chat_logprobs(comp.logprobs).content or []]
             self.builder.text(answer, logprobs=logprobs)
             return
-        deltas, _ = _tool_deltas(self.choice, answer, finish, self.tools)
+        deltas, _ = tool_call_deltas(self.choice, answer, finish, self.tools)
         for delta in deltas:
             self.builder.text(delta.content or "")
             for call in delta.tool_calls or []:
@@ -120,7 +120,7 @@ class ResponsesService:
             if req.text is not None and req.text.format is not None else
             {"format": {"type": "text"}}, priority=req.priority)
         run = _Run(OutputBuilder(response), tools,
-                   _Choice(reasoning=parser.streamer() if parser is not None else None))
+                   ChoiceState(reasoning=parser.streamer() if parser is not None else None))
         merged = merge_streams([ctx.generate(prompt, params, response.id, lora, req.priority)])
         if req.stream:
             first = await naming_context_errors(until_disconnect(anext(merged), raw), "input",
@@ -235,7 +235,7 @@ def _prompt(chat: ChatCompletionRequest, ctx: ServingContext,
             tools: ToolChoice | None) -> tuple[list[int], str]:
     """The chat path's rendering; its errors name ``messages``, which here is ``input``."""
     try:
-        return _prompt_ids(chat, ctx, tools)
+        return chat_prompt_ids(chat, ctx, tools)
     except APIError as exc:
         if exc.param and exc.param.startswith("messages"):
             exc.param = "input"

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from bladellm.engine.prompt_limits import check_prompt_chars
 from bladellm.http.errors import bad_request, unsupported
 from bladellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from bladellm.entrypoints.openai.serving_chat import _prompt_ids
+from bladellm.entrypoints.openai.serving_chat import chat_prompt_ids
 from bladellm.engine.input_processor import check_token_ids
 from bladellm.entrypoints.openai.serving_common import ServingContext
 
@@ -77,7 +77,7 @@ async def tokenize(req: TokenizeRequest, raw: Request, ctx: ServingContext) -> R
             chat_template_kwargs=req.chat_template_kwargs)
         if not chat.messages:
             raise bad_request("messages: must contain at least one message", "messages")
-        ids, _ = await ctx.offload.run(_prompt_ids, chat, ctx)  # (ids, rendered text)
+        ids, _ = await ctx.offload.run(chat_prompt_ids, chat, ctx)  # (ids, rendered text)
     ids = list(ids)
     strs = None
     if req.return_token_strs:
