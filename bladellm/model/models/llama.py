@@ -14,7 +14,7 @@ from bladellm.distributed.partition import pipeline_stages
 from bladellm.distributed.pipeline import StageChannel
 from bladellm.model.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead,
                                    PPMissingLayer, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-                                   RowParallelLinear, SiluAndMul, VocabParallelEmbedding, get_rope)
+                                   RowParallelLinear, VocabParallelEmbedding, get_act_fn, get_rope)
 from bladellm.model.utils import KVCacheSpec, load_weights_with_mapping
 
 
@@ -28,8 +28,6 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool,
                  dtype: torch.dtype, quant_config: Any, prefix: str) -> None:
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}; only silu is supported")
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, bias=bias, params_dtype=dtype,
             quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
@@ -38,7 +36,7 @@ class LlamaMLP(nn.Module):
             intermediate_size, hidden_size, bias=bias, params_dtype=dtype,
             quant_config=quant_config, prefix=f"{prefix}.down_proj",
             input_partition=self.gate_up_proj.output_shards[0])
-        self.act_fn = SiluAndMul()
+        self.act_fn = get_act_fn(hidden_act, gated=True)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x, ctx)), ctx)
