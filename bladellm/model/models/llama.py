@@ -110,7 +110,7 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant_config: Any, prefix: str,
-                 make_attn: Any) -> None:
+                 make_attn: Any, layer_cls: type[nn.Module] = LlamaDecoderLayer) -> None:
         super().__init__()
         pp = get_pp_group()
         self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
@@ -123,8 +123,8 @@ class LlamaModel(nn.Module):
             hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype) \
             if self.is_first_stage else PPMissingLayer()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(make_attn(i - self.start_layer, f"{prefix}.layers.{i}.self_attn"),
-                              hf_config, dtype, quant_config, f"{prefix}.layers.{i}")
+            layer_cls(make_attn(i - self.start_layer, f"{prefix}.layers.{i}.self_attn"),
+                      hf_config, dtype, quant_config, f"{prefix}.layers.{i}")
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=dtype) \
@@ -171,6 +171,7 @@ class LlamaForCausalLM(nn.Module):
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer  # Glm4 adds sandwich norms
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  quant_config: Any = None, prefix: str = "") -> None:
@@ -180,7 +181,8 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = get_head_dim(hf_config)
         self.rotary_emb = get_rope(hf_config, self.head_dim, dtype)
         model_prefix = f"{prefix}.model" if prefix else "model"
-        self.model = LlamaModel(hf_config, dtype, quant_config, model_prefix, self.make_attention)
+        self.model = LlamaModel(hf_config, dtype, quant_config, model_prefix, self.make_attention,
+                                self.decoder_layer_cls)
         # Per process: the KV cache holds this pipeline stage's layers and this TP rank's heads.
         self.num_layers = self.model.end_layer - self.model.start_layer
         self.num_kv_heads = self.model.layers[self.model.start_layer].self_attn.num_kv_heads
