@@ -339,6 +339,15 @@ def load_split_shard(model: nn.Module, model_dir: str) -> int:
 def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
     # named_parameters() lists a tied lm_head.weight once, under the embedding's name.
     missing = [name for name, _ in model.named_parameters() if name not in loaded]
+    # A fused parameter is named by the checkpoint tensors it lacks (or is made of).
+    fused = getattr(model, "packed_modules_mapping", {})
+    parts = getattr(loaded, "missing_parts", {})
+    for i, name in enumerate(missing):
+        frag = next((f for f in fused if f".{f}." in name), None)
+        if name in parts:
+            missing[i] = f"{name} (checkpoint: no {', '.join(parts[name])})"
+        elif frag is not None:
+            missing[i] = f"{name} (checkpoint: {', '.join(fused[frag])})"
     if missing:
         shown = ", ".join(missing[:10]) + (f" (+{len(missing) - 10} more)"
                                             if len(missing) > 10 else "")

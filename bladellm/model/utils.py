@@ -94,7 +94,8 @@ def load_weights_with_mapping(module: nn.Module, weights: Iterable[tuple[str, to
                 loader(param, tensor, shard_id)
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} {tuple(tensor.shape)} -> parameter "
-                             f"{name!r} {tuple(param.shape)}: {e}") from e
+                             f"{name!r} {tuple(param.shape)} (its shape from config.json): "
+                             f"{e}") from e
         if shard_id is None:
             loaded.add(name)
             continue
@@ -106,7 +107,23 @@ def load_weights_with_mapping(module: nn.Module, weights: Iterable[tuple[str, to
     if unknown:
         logger.warning("ignored %d checkpoint tensors with no matching parameter: %s",
                        len(unknown), ", ".join(unknown[:8]))
-    return loaded
+    result = LoadedNames(loaded)
+    for name in set(shards_seen) - loaded:  # some of a fused parameter's tensors arrived
+        frag = next(f for f, _, _ in stacked if f".{f}." in name)
+        parts = packed_modules_mapping[frag]
+        result.missing_parts[name] = [name.replace(f".{frag}.", f".{parts[sid]}.")
+                                      for sid in sorted(expected[frag] - shards_seen[name])]
+    return result
+
+
+class LoadedNames(set):
+    """The parameters that received data; ``missing_parts``: for a fused parameter that got
+    only some of its checkpoint tensors, the names of those it did not get (the loader's
+    missing-tensor error names them)."""
+
+    def __init__(self, names: Iterable[str] = ()) -> None:
+        super().__init__(names)
+        self.missing_parts: dict[str, list[str]] = {}
 
 
 def unfuse_checkpoint(weights: Iterable[tuple[str, torch.Tensor]],

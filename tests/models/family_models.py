@@ -128,3 +128,39 @@ def write_chatglm(glm_dir: str, path: str | Path) -> str:
         if src.exists():
             (path / name).write_bytes(src.read_bytes())
     return str(path)
+
+
+# Tiny model variants the tests build: (family, config overrides).
+VARIANTS = {
+    "opt": ("opt", {}),
+    # OPT-350m's shape: norms after each block, project_in / project_out, no final norm.
+    "opt-post-ln-proj": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),
+    "opt-no-bias-untied-gelu": ("opt", {"enable_bias": False, "tie_word_embeddings": False,
+                                        "activation_function": "gelu"}),
+    "phi3-longrope": ("phi3", {}),
+    "phi3-partial-rotary": ("phi3", {"partial_rotary_factor": 0.75}),
+    "glm": ("glm", {}),
+    "glm4": ("glm4", {}),
+}
+
+
+def family_dirs(tmp_path_factory):
+    """variant -> model directory, each built once (a test module's fixture wraps this).
+    ``chatglm`` is ``glm-rope-ratio`` (a GLM with rope_theta 50000) in the ChatGLM layout."""
+    cache: dict = {}
+
+    def get(variant: str) -> str:
+        if variant not in cache:
+            if variant == "chatglm":
+                cache[variant] = write_chatglm(get("glm-rope-ratio"),
+                                               tmp_path_factory.mktemp("chatglm"))
+            elif variant == "glm-rope-ratio":
+                cache[variant] = make_family_model(tmp_path_factory.mktemp("glm"), "glm",
+                                                   rope_theta=50000.0)
+            else:
+                family, overrides = VARIANTS[variant]
+                cache[variant] = make_family_model(tmp_path_factory.mktemp(family), family,
+                                                   **overrides)
+        return cache[variant]
+
+    return get

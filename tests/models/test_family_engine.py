@@ -12,7 +12,12 @@ import torch
 import transformers
 
 from bladellm import LLM, SamplingParams
-from test_family_parity import family_dir  # noqa: F401  (the fixture)
+from family_models import family_dirs
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    return family_dirs(tmp_path_factory)
+
 
 NUM_PROMPTS, MAX_TOKENS = 12, 16
 

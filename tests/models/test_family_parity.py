@@ -14,20 +14,8 @@ from bladellm.config import ModelConfig
 from bladellm.kernels import resolve_kernels
 from bladellm.kernels.scope import building_with
 from bladellm.model.loader import load_model
-from family_models import make_family_model, write_chatglm
+from family_models import VARIANTS, family_dirs
 from test_parity import check_prefill_then_decode
-
-VARIANTS = {
-    "opt": ("opt", {}),
-    # OPT-350m's shape: norms after each block, project_in / project_out, no final norm.
-    "opt-post-ln-proj": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),
-    "opt-no-bias-untied-gelu": ("opt", {"enable_bias": False, "tie_word_embeddings": False,
-                                        "activation_function": "gelu"}),
-    "phi3-longrope": ("phi3", {}),
-    "phi3-partial-rotary": ("phi3", {"partial_rotary_factor": 0.75}),
-    "glm": ("glm", {}),
-    "glm4": ("glm4", {}),
-}
 
 
 def load_ours(model_dir: str, dtype: torch.dtype = torch.float32):
@@ -45,23 +33,7 @@ def load_ref(model_dir: str):
 
 @pytest.fixture(scope="module")
 def family_dir(tmp_path_factory):
-    cache: dict = {}
-
-    def get(variant: str) -> str:
-        if variant not in cache:
-            if variant == "chatglm":
-                glm = get("glm-rope-ratio")
-                cache[variant] = write_chatglm(glm, tmp_path_factory.mktemp("chatglm"))
-            elif variant == "glm-rope-ratio":
-                cache[variant] = make_family_model(tmp_path_factory.mktemp("glm"), "glm",
-                                                   rope_theta=50000.0)
-            else:
-                family, overrides = VARIANTS[variant]
-                cache[variant] = make_family_model(tmp_path_factory.mktemp(family), family,
-                                                   **overrides)
-        return cache[variant]
-
-    return get
+    return family_dirs(tmp_path_factory)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
