@@ -141,6 +141,12 @@ VARIANTS = {
     "phi3-partial-rotary": ("phi3", {"partial_rotary_factor": 0.75}),
     "glm": ("glm", {}),
     "glm4": ("glm4", {}),
+    # Shapes no tensor-parallel degree of 3 divides: 12 heads (4 KV groups over 3 ranks),
+    # intermediate 100, vocab.
+    "opt-uneven": ("opt", {"num_attention_heads": 12, "hidden_size": 96,
+                           "word_embed_proj_dim": 96, "ffn_dim": 100}),
+    "glm4-uneven": ("glm4", {"num_attention_heads": 12, "num_key_value_heads": 4,
+                             "hidden_size": 96, "intermediate_size": 100}),
 }
 
 
