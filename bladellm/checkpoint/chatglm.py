@@ -32,4 +32,9 @@ def chatglm_config(raw: dict[str, Any], path: str) -> Any:
     config.num_hidden_layers = raw["num_layers"]
     config.vocab_size = raw.get("padded_vocab_size", raw.get("vocab_size"))
     config.max_position_embeddings = raw["seq_length"]
+    # What parallel_fit checks a tensor-parallel degree against.
+    heads = raw["num_attention_heads"]
+    config.num_key_value_heads = raw.get("multi_query_group_num", heads) \
+        if raw.get("multi_query_attention") else heads
+    config.intermediate_size = raw["ffn_hidden_size"]
     return config
