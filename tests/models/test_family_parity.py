@@ -48,3 +48,25 @@ def test_chatglm_checkpoint_parity(family_dir):
     ours = load_ours(family_dir("chatglm"))
     assert type(ours).__name__ == "ChatGLMForCausalLM"
     check_prefill_then_decode(ours, load_ref(family_dir("glm-rope-ratio")))
+
+
+@pytest.mark.parametrize("variant", ["opt", "glm4", "phi3-longrope"])
+@torch.no_grad()
+def test_bfloat16_close_to_transformers(family_dir, variant):
+    """bf16 (LayerNorm, interleaved rotary, LongRoPE tables in bf16): close to transformers in
+    bf16, each side's greedy token within the other's top 3 (near-ties may flip)."""
+    from test_parity import prompt
+    from tiny_paged_kv import PagedKV, Seq
+
+    model_dir = family_dir(variant)
+    ours = load_ours(model_dir, torch.bfloat16)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    ids = prompt(ref.config.vocab_size, 13)
+    kv = PagedKV(ours.get_kv_cache_spec(), num_blocks=16, block_size=4, dtype=torch.bfloat16)
+    ctx, pos = kv.step([Seq()], [13])
+    logits = ours.compute_logits(ours(ids, pos, ctx))
+    want = ref.eval()(ids[None]).logits[0].float()
+    assert (logits - want).abs().max() < 0.1 * want.abs().max()
+    ours_top, want_top = logits.topk(3).indices, want.topk(3).indices
+    assert (ours_top == want_top[:, :1]).any(-1).all()
+    assert (want_top == ours_top[:, :1]).any(-1).all()
