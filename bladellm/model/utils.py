@@ -127,23 +127,36 @@ class LoadedNames(set):
 
 
 def unfuse_checkpoint(weights: Iterable[tuple[str, torch.Tensor]],
-                      fused: dict[str, list[tuple[str, int]]]
+                      fused: dict[str, list[tuple[str, int]]],
+                      params: dict[str, nn.Parameter] | None = None
                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Split checkpoint tensors that fuse several modules along their output rows: a tensor
-    whose name holds ``.{frag}.`` for a key of ``fused`` (``{"qkv_proj": [("q_proj", q_rows),
+    """Split checkpoint tensors that fuse several modules along their outputs: a tensor whose
+    name holds ``.{frag}.`` for a key of ``fused`` (``{"qkv_proj": [("q_proj", q_rows),
     ("k_proj", kv_rows), ("v_proj", kv_rows)]}``) becomes one tensor per part, renamed, so
     the model's ``packed_modules_mapping`` loads each as its shard (and TP cuts each part on
-    its own). A row count that disagrees with config.json is a one-line ValueError."""
+    its own). A quantized tensor (its parameter in ``params``, the model's, named like the
+    checkpoint tensor, carries a ``quant_spec``) is split along its spec's output dimension in
+    packed units (GPTQ / AWQ ``qweight``, ``qzeros``, ``scales``), or handed whole to every part
+    where it has none (GPTQ's shared ``g_idx``). A size that disagrees with config.json is a
+    one-line ValueError."""
+    params = params or {}
     for name, tensor in weights:
         frag = next((f for f in fused if f".{f}." in name), None)
         if frag is None:
             yield name, tensor
             continue
         parts = fused[frag]
-        sizes = [size for _, size in parts]
-        if tensor.dim() == 0 or tensor.shape[0] != sum(sizes):
+        spec = getattr(params.get(name), "quant_spec", None)
+        dim, div = (0, 1) if spec is None else (spec.output_dim, spec.output_div)
+        if dim is None:
+            for part, _ in parts:
+                yield name.replace(f".{frag}.", f".{part}."), tensor
+            continue
+        sizes = [size // div for _, size in parts]
+        if tensor.dim() <= dim or tensor.shape[dim] != sum(sizes):
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; "
-                             f"config.json gives {sum(sizes)} rows "
-                             f"({' + '.join(f'{p} {s}' for p, s in parts)})")
-        for (part, _), piece in zip(parts, tensor.split(sizes)):
+                             f"config.json gives {sum(sizes)} in dim {dim} "
+                             f"({' + '.join(f'{p} {s}' for p, s in parts)}"
+                             f"{f', in units of {div}' if div > 1 else ''})")
+        for (part, _), piece in zip(parts, tensor.split(sizes, dim=dim)):
             yield name.replace(f".{frag}.", f".{part}."), piece

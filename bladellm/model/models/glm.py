@@ -16,18 +16,9 @@ from bladellm.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM, get
 from bladellm.model.utils import unfuse_checkpoint
 
 
-def refuse_fused_quantized(quant_config: Any, arch: str) -> None:
-    """The checkpoints of these families fuse tensors we split at load time (``unfuse``);
-    a quantized tensor's packing (GPTQ / AWQ columns, scales, zeros) is not split that way."""
-    if quant_config is not None:
-        raise ValueError(f"quantized {arch} checkpoints (fused qkv / gate_up tensors) are not "
-                         f"supported yet; serve the unquantized checkpoint")
-
-
 class GlmForCausalLM(LlamaForCausalLM):
     def __init__(self, hf_config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  quant_config: Any = None, prefix: str = "") -> None:
-        refuse_fused_quantized(quant_config, type(self).__name__)
         super().__init__(hf_config, dtype, attn_backend, quant_config, prefix)
         # One table shared by every layer: GLM pairs dims (2i, 2i + 1), not (i, i + d / 2).
         self.rotary_emb.interleaved = True
@@ -41,7 +32,8 @@ class GlmForCausalLM(LlamaForCausalLM):
         return {"gate_up_proj": [("gate_proj", inter), ("up_proj", inter)]}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(unfuse_checkpoint(weights, self.fused_checkpoint_modules()))
+        return super().load_weights(unfuse_checkpoint(weights, self.fused_checkpoint_modules(),
+                                                      dict(self.named_parameters())))
 
 
 class Glm4DecoderLayer(LlamaDecoderLayer):
