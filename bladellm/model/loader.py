@@ -29,6 +29,7 @@ from bladellm.attention.backend import AttentionBackend
 from bladellm.checkpoint.locate import ResolvedModel, locate_model
 from bladellm.config import ModelConfig
 from bladellm.model.registry import get_model_class
+from bladellm.model.layers.norm import UnitOffsetRMSNorm
 from bladellm.model.layers.rotary import RotaryEmbedding
 from bladellm.platforms.cpu import CpuInfo, detect_cpu
 from bladellm.platforms.cpu_defaults import choose_cpu_dtype
@@ -356,14 +357,18 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights for benchmarks: normal(0, 0.02); norm weights 1, biases 0."""
+    """Random weights for benchmarks: normal(0, 0.02); norms the identity scale (weights 1, or
+    0 where the weight is an offset from 1), biases 0."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():
-        if "norm" in name.split(".")[-2]:
-            param.fill_(1.0)
-        elif name.endswith("bias"):
+        if name.endswith("bias"):  # LayerNorm's too
             param.zero_()
+        elif "norm" in name.split(".")[-2]:
+            param.fill_(1.0)
         else:
             sample = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02,
                                                                           generator=gen)
             param.copy_(sample)
+    for module in model.modules():  # its weight is the offset from 1: identity is 0
+        if isinstance(module, UnitOffsetRMSNorm):
+            module.weight.zero_()
