@@ -5,6 +5,7 @@ checkpoints, and the compiled decoder stack taken where it fits and declined whe
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bladellm import LLM, SamplingParams
 from bladellm.entrypoints.cli.split import split_checkpoint
@@ -67,3 +68,22 @@ def test_compiled_decoder_stack_only_where_it_fits(family_dir, layer_kernels, va
     if layer_kernels.name != "compiled":
         pytest.skip("no compiled kernels here")
     assert attach_compiled_stack(load_ours(family_dir(variant)), layer_kernels) is attached
+
+
+@pytest.mark.parametrize("variant", ["opt-post-ln-proj", "phi3-longrope", "glm4", "chatglm"])
+@torch.no_grad()
+def test_dummy_weights_run(family_dir, layer_kernels, variant):
+    """``--load_format dummy`` (benchmarks): every family builds and runs on random weights."""
+    from bladellm.attention import get_attn_backend
+    from bladellm.checkpoint.hf_config import load_hf_config
+    from bladellm.config import ModelConfig
+    from bladellm.model.forward_context import ForwardContext
+    from bladellm.model.loader import load_model
+
+    model_dir = family_dir(variant)
+    model = load_model(ModelConfig(model=model_dir, load_format="dummy"),
+                       load_hf_config(model_dir, False), torch.float32, "cpu",
+                       get_attn_backend(None, layer_kernels))
+    logits = model.compute_logits(model(torch.arange(3, 12), torch.arange(9),
+                                        ForwardContext.no_cache()))
+    assert logits.shape[0] == 9 and bool(logits.isfinite().all())
