@@ -174,7 +174,6 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
         # Dims (2i, 2i + 1) form pair i (GPT-J / GLM) instead of (i, i + rotary_dim / 2).
         self.interleaved = interleaved
-        self.rope_type = p["rope_type"]
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
             raise ValueError(f"partial_rotary_factor {p.get('partial_rotary_factor')} gives a "
                              f"rotary dimension of {self.rotary_dim} for head_dim {head_dim}; "

@@ -9,19 +9,14 @@ from typing import Any, Iterable
 
 import torch
 
-from bladellm.attention.backend import AttentionBackend
 from bladellm.model.forward_context import ForwardContext
 from bladellm.model.layers import RMSNorm
-from bladellm.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM, get_head_dim
+from bladellm.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from bladellm.model.utils import unfuse_checkpoint
 
 
 class GlmForCausalLM(LlamaForCausalLM):
-    def __init__(self, hf_config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
-                 quant_config: Any = None, prefix: str = "") -> None:
-        super().__init__(hf_config, dtype, attn_backend, quant_config, prefix)
-        # One table shared by every layer: GLM pairs dims (2i, 2i + 1), not (i, i + d / 2).
-        self.rotary_emb.interleaved = True
+    rope_interleaved = True  # rotary pairs dims (2i, 2i + 1), not (i, i + d / 2)
 
     def attention_biases(self, hf_config: Any) -> tuple[bool, bool]:
         return bool(getattr(hf_config, "attention_bias", True)), False
@@ -62,4 +57,4 @@ class Glm4ForCausalLM(GlmForCausalLM):
     decoder_layer_cls = Glm4DecoderLayer
 
 
-__all__ = ["Glm4ForCausalLM", "GlmForCausalLM", "get_head_dim"]
+__all__ = ["Glm4ForCausalLM", "GlmForCausalLM"]

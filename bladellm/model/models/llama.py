@@ -172,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
     decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer  # Glm4 adds sandwich norms
+    rope_interleaved = False  # GLM pairs rotary dims (2i, 2i + 1)
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  quant_config: Any = None, prefix: str = "") -> None:
@@ -179,7 +180,8 @@ class LlamaForCausalLM(nn.Module):
         self.hf_config, self.dtype, self.quant_config = hf_config, dtype, quant_config
         self.attn_backend = attn_backend
         self.head_dim = get_head_dim(hf_config)
-        self.rotary_emb = get_rope(hf_config, self.head_dim, dtype)
+        self.rotary_emb = get_rope(hf_config, self.head_dim, dtype,
+                                   interleaved=self.rope_interleaved)
         model_prefix = f"{prefix}.model" if prefix else "model"
         self.model = LlamaModel(hf_config, dtype, quant_config, model_prefix, self.make_attention,
                                 self.decoder_layer_cls)
