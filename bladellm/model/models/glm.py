@@ -35,8 +35,9 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
     """GLM-4's sandwich: norms after attention and after the MLP, before each residual add."""
 
     def __init__(self, self_attn: Any, hf_config: Any, dtype: torch.dtype, quant_config: Any,
-                 prefix: str) -> None:
-        super().__init__(self_attn, hf_config, dtype, quant_config, prefix)
+                 prefix: str, *args: Any) -> None:
+        # *args: whatever else LlamaModel hands its layers (an MLP of the model's own).
+        super().__init__(self_attn, hf_config, dtype, quant_config, prefix, *args)
         eps = hf_config.rms_norm_eps
         self.post_self_attn_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype=dtype)
         self.post_mlp_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype=dtype)
