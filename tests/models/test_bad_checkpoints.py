@@ -94,9 +94,13 @@ def test_fused_tensor_rows_against_config(family_dir, tmp_path):
     assert "config.json gives" in message
 
 
-def test_unsupported_chatglm_variant(family_dir, tmp_path):
-    bad = _copy(family_dir("chatglm"), tmp_path / "m", rmsnorm=False)
-    assert "ChatGLM config rmsnorm=False" in _one_line_error(bad)
+@pytest.mark.parametrize("change, message", [
+    ({"rmsnorm": False}, "ChatGLM config rmsnorm=False"),
+    ({"quantization_bit": 4}, "ChatGLM config quantization_bit=4"),
+    ({"pre_seq_len": 128}, "ChatGLM config pre_seq_len=128")])
+def test_unsupported_chatglm_variant(family_dir, tmp_path, change, message):
+    bad = _copy(family_dir("chatglm"), tmp_path / "m", **change)
+    assert message in _one_line_error(bad)
 
 
 @pytest.mark.slow

@@ -45,6 +45,13 @@ def glm_config_from_chatglm(cfg: Any) -> SimpleNamespace:
     for name, bad, what in refused:
         if bool(field(name, not bad)) == bad:
             raise ValueError(f"ChatGLM config {name}={bad} ({what}) is not supported")
+    if field("quantization_bit", 0):
+        raise ValueError(f"ChatGLM config quantization_bit={field('quantization_bit')}: the "
+                         f"checkpoint's own int4/int8 format is not supported; serve the "
+                         f"unquantized checkpoint (or a GPTQ / AWQ one)")
+    if field("pre_seq_len"):
+        raise ValueError(f"ChatGLM config pre_seq_len={field('pre_seq_len')}: P-tuning v2 "
+                         f"prefixes are not supported")
     heads = cfg.num_attention_heads
     kv_heads = field("multi_query_group_num", heads) if field("multi_query_attention") else heads
     head_dim = field("kv_channels") or cfg.hidden_size // heads
