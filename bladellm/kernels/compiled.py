@@ -69,6 +69,9 @@ class _RmsNormArgs(ctypes.Structure):
 
 # _RmsNormArgs.kind (norm.cpp NormKind).
 NORM_RMS, NORM_RMS_UNIT_OFFSET, NORM_LAYER = 0, 1, 2
+# Fewer rows than this: F.layer_norm (one fused torch op) beats the call's fixed cost, so the
+# LayerNorm kernel takes prefill-sized inputs only (docs/kernels.md).
+LAYER_NORM_MIN_ROWS = 16
 # bl_activation's codes (elementwise.cpp Act), by ref.ACTIVATIONS name.
 ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "gelu_new": 3, "relu": 4}
 
@@ -398,6 +401,8 @@ class CompiledKernels(Kernels):
         if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
             return None
         grid = _rows_view(x)
+        if kind == NORM_LAYER and (grid is None or grid[0] * grid[1] < LAYER_NORM_MIN_ROWS):
+            return None
         rgrid = None if residual is None else _rows_view(residual)
         if grid is None or (residual is not None and (
                 rgrid is None or residual.dtype != x.dtype or residual.shape != x.shape
@@ -516,7 +521,9 @@ class CompiledKernels(Kernels):
         return super().act_and_mul(x, act) if out is None else out
 
     def activation(self, x: torch.Tensor, act: str) -> torch.Tensor:
-        out = self._activation_rows(x, act, gated=False)
+        # torch's own ReLU and erf GELU are as fast (docs/kernels.md) and bit-exact: the
+        # kernel takes the tanh GELUs and SiLU.
+        out = None if act in ("relu", "gelu") else self._activation_rows(x, act, gated=False)
         return super().activation(x, act) if out is None else out
 
     def lora_sgmv(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

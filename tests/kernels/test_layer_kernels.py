@@ -27,6 +27,8 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("act", ref.ACTIVATIONS)
 @pytest.mark.parametrize("d", [200, 37, 1024])
 def test_gated_activation_matches_twin(compiled, dtype, act, d):
+    if act == "gelu_new" and dtype != torch.float32:
+        pytest.skip("16-bit gelu_new runs its twin (transformers rounds it op by op)")
     x = randn(9, 2 * d, dtype=dtype, scale=3.0)
     got, want = compiled.act_and_mul(x, act), ref.act_and_mul(x, act)
     if act in ("silu", "relu"):
@@ -36,21 +38,21 @@ def test_gated_activation_matches_twin(compiled, dtype, act, d):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("act", ref.ACTIVATIONS)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu_new"])  # plain relu, gelu: torch's
 def test_plain_activation_matches_twin(compiled, dtype, act):
+    if act == "gelu_new" and dtype != torch.float32:
+        pytest.skip("16-bit gelu_new runs its twin (transformers rounds it op by op)")
     x = randn(3, 5, 300, dtype=dtype, scale=3.0)  # 3-D, as a model may hand it
     got, want = compiled.activation(x, act), ref.activation(x, act)
-    if act == "relu":
-        assert torch.equal(got, want)
-    else:
-        close(got, want, dtype)
+    close(got, want, dtype)
     strided = randn(6, 128, dtype=dtype, seed=1)[:, :100]  # rows with a stride
     close(compiled.activation(strided, act), ref.activation(strided, act), dtype)
 
 
-def test_relu_keeps_nan(compiled):
-    x = torch.tensor([[float("nan"), -1.0, 2.0, 0.0] * 8])
-    assert torch.equal(compiled.activation(x, "relu").isnan(), x.isnan())
+def test_gated_relu_keeps_nan(compiled):
+    gate = torch.tensor([[float("nan"), -1.0, 2.0, 0.0] * 8])
+    out = compiled.act_and_mul(torch.cat([gate, torch.ones_like(gate)], dim=-1), "relu")
+    assert torch.equal(out.isnan(), gate.isnan())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -80,6 +82,9 @@ def test_layer_norm_matches_twin(compiled, dtype, hidden, with_bias):
     want, want_res = ref.fused_add_layer_norm(x, residual, weight, bias, 1e-5)
     close(got, want, dtype)
     assert torch.equal(got_res, want_res)
+    few = x[:3]  # decode-sized: F.layer_norm (the reference) runs
+    close(compiled.layer_norm(few, weight, bias, 1e-5), ref.layer_norm(few, weight, bias, 1e-5),
+          dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

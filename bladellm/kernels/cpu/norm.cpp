@@ -79,22 +79,29 @@ static float sum_squares_lanes(const float* x, int64_t n, int lanes) {
 
 enum NormKind : int32_t { kRms = 0, kRmsUnitOffset = 1, kLayerNorm = 2 };
 
-// LayerNorm of the fp32 row h: two passes (mean, then the centred variance) accumulated in
-// double, then torch's form (x * rstd - mean * rstd) * w + b in fp32, one rounding. Agrees with
-// F.layer_norm (a Welford pass) to float rounding, not bit for bit.
+// LayerNorm of the fp32 row h: two vectorized passes (mean, then the centred variance), then
+// torch's form (x * rstd - mean * rstd) * w + b in fp32, one rounding. Agrees with F.layer_norm
+// (a Welford pass) to float rounding, not bit for bit.
 template <typename T>
 static void layer_norm_row(const RmsNormArgs& a, const float* h, const T* w, T* out) {
   const int H = a.hidden;
-  double sum = 0.0;
-  for (int c = 0; c < H; ++c) sum += h[c];
-  const float mean = float(sum / H);
-  double sq = 0.0;
-  for (int c = 0; c < H; ++c) sq += double(h[c] - mean) * double(h[c] - mean);
-  const float rstd = 1.0f / std::sqrt(float(sq / H) + a.eps);
+  vfloat vsum = vfloat{};
+  float sum = 0.0f;
+  int c = 0;
+  for (; c + VLEN <= H; c += VLEN) vsum += loadu(h + c);
+  for (; c < H; ++c) sum += h[c];
+  const float mean = (hsum(vsum) + sum) / float(H);
+  vfloat vsq = vfloat{};
+  float sq = 0.0f;
+  for (c = 0; c + VLEN <= H; c += VLEN) {
+    vfloat d = loadu(h + c) - mean;
+    vsq += d * d;
+  }
+  for (; c < H; ++c) sq += (h[c] - mean) * (h[c] - mean);
+  const float rstd = 1.0f / std::sqrt((hsum(vsq) + sq) / float(H) + a.eps);
   const float shift = -mean * rstd;
   const T* b = static_cast<const T*>(a.bias);
-  int c = 0;
-  for (; c + VLEN <= H; c += VLEN) {
+  for (c = 0; c + VLEN <= H; c += VLEN) {
     vfloat y = (loadu(h + c) * rstd + shift) * loadu(w + c);
     storeu(out + c, b != nullptr ? y + loadu(b + c) : y);
   }
