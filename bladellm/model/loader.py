@@ -29,6 +29,7 @@ from bladellm.attention.backend import AttentionBackend
 from bladellm.checkpoint.locate import ResolvedModel, locate_model
 from bladellm.config import ModelConfig
 from bladellm.model.registry import get_model_class
+from bladellm.model.layers.norm import UnitOffsetRMSNorm
 from bladellm.model.layers.rotary import RotaryEmbedding
 from bladellm.platforms.cpu import CpuInfo, detect_cpu
 from bladellm.platforms.cpu_defaults import choose_cpu_dtype
@@ -339,6 +340,15 @@ def load_split_shard(model: nn.Module, model_dir: str) -> int:
 def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
     # named_parameters() lists a tied lm_head.weight once, under the embedding's name.
     missing = [name for name, _ in model.named_parameters() if name not in loaded]
+    # A fused parameter is named by the checkpoint tensors it lacks (or is made of).
+    fused = getattr(model, "packed_modules_mapping", {})
+    parts = getattr(loaded, "missing_parts", {})
+    for i, name in enumerate(missing):
+        frag = next((f for f in fused if f".{f}." in name), None)
+        if name in parts:
+            missing[i] = f"{name} (checkpoint: no {', '.join(parts[name])})"
+        elif frag is not None:
+            missing[i] = f"{name} (checkpoint: {', '.join(fused[frag])})"
     if missing:
         shown = ", ".join(missing[:10]) + (f" (+{len(missing) - 10} more)"
                                             if len(missing) > 10 else "")
@@ -347,14 +357,18 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights for benchmarks: normal(0, 0.02); norm weights 1, biases 0."""
+    """Random weights for benchmarks: normal(0, 0.02); norms the identity scale (weights 1, or
+    0 where the weight is an offset from 1), biases 0."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():
-        if "norm" in name.split(".")[-2]:
-            param.fill_(1.0)
-        elif name.endswith("bias"):
+        if name.endswith("bias"):  # LayerNorm's too
             param.zero_()
+        elif "norm" in name.split(".")[-2]:
+            param.fill_(1.0)
         else:
             sample = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02,
                                                                           generator=gen)
             param.copy_(sample)
+    for module in model.modules():  # its weight is the offset from 1: identity is 0
+        if isinstance(module, UnitOffsetRMSNorm):
+            module.weight.zero_()

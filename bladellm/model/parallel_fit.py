@@ -40,8 +40,18 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, model_dir: str | None = 
         raise ValueError(f"--tensor_parallel_size {tp_size}: {exc}") from None
 
 
+# Architectures whose model file has no pipeline stages (models/opt.py).
+SINGLE_STAGE_ARCHITECTURES = ("OPTForCausalLM",)
+
+
 def check_pipeline_parallel(hf_config: Any, pp_size: int) -> None:
-    """Refuse more stages than the model has layers, before any worker process starts."""
+    """Refuse more stages than the model has layers, or stages for an architecture that has
+    none, before any worker process starts."""
+    single = [a for a in getattr(hf_config, "architectures", None) or []
+              if a in SINGLE_STAGE_ARCHITECTURES]
+    if pp_size > 1 and single:
+        raise ValueError(f"--pipeline_parallel_size {pp_size}: {single[0]} runs on one pipeline "
+                         f"stage only (use --tensor_parallel_size to spread it)")
     try:
         pipeline_stages(hf_config.num_hidden_layers, pp_size)
     except ValueError as exc:
