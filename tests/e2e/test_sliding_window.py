@@ -10,23 +10,28 @@ import pytest
 from bladellm import LLM, SamplingParams
 from test_offline_llm import _hf_greedy, _prompts
 
+# (arch, config overrides, KV blocks): every layer sliding frees blocks, so a pool of 14
+# blocks (52 tokens; prompts reach 100 + 24 tokens) still serves all requests, preempting; with
+# one global layer nothing is freed (the stress pool of 48).
 WINDOWED = {
-    "mistral-w8": ("mistral", dict(sliding_window=8)),
+    "mistral-w8": ("mistral", dict(sliding_window=8), 14),
     "qwen2-w8-mixed": ("qwen2", dict(use_sliding_window=True, sliding_window=8,
-                                     max_window_layers=1)),
+                                     max_window_layers=1), 48),
     "qwen2-w8-all": ("qwen2", dict(use_sliding_window=True, sliding_window=8,
-                                   max_window_layers=0)),
+                                   max_window_layers=0), 14),
 }
 STRESS = dict(dtype="float32", block_size=4, max_num_batched_tokens=32, max_num_seqs=8,
-              num_kv_blocks=48, max_model_len=160, debug_block_accounting=True)
+              max_model_len=160, debug_block_accounting=True)
 MAX_TOKENS = 24
 
 
 @pytest.mark.parametrize("variant", list(WINDOWED))
 def test_greedy_identical_to_transformers_under_stress(tiny_model_factory, variant):
-    arch, overrides = WINDOWED[variant]
+    arch, overrides, num_kv_blocks = WINDOWED[variant]
     model_dir = tiny_model_factory(arch, **overrides)
-    llm = LLM(model=model_dir, **STRESS)
+    llm = LLM(model=model_dir, num_kv_blocks=num_kv_blocks, **STRESS)
+    assert llm.engine.core.scheduler.kv_cache_manager.sliding_window == \
+        (None if num_kv_blocks == 48 else 8)
     prompts = _prompts(llm.engine.model_info.vocab_size)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                         use_tqdm=False)

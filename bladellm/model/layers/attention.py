@@ -4,13 +4,13 @@ soft-capping; ``AttentionFeatures``) to the backend chosen once at startup."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from bladellm.attention.backend import PLAIN, AttentionBackend, AttentionFeatures
+from bladellm.checkpoint.attention_layout import layer_sliding_window, layer_types  # noqa: F401
 from bladellm.kernels import ref
 from bladellm.model.forward_context import ForwardContext
 
@@ -67,45 +67,6 @@ class Attention(nn.Module):
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             is_causal=True, scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
         return out[0].transpose(0, 1)
-
-
-def layer_types(hf_config: Any) -> list[str]:
-    """Each layer's ``full_attention`` / ``sliding_attention``, as transformers reads the
-    config: ``layer_types`` where given; else Qwen2's ``use_sliding_window`` with
-    ``max_window_layers`` (layers from that index on slide), Gemma 2 / 3's
-    ``sliding_window_pattern`` (every n-th layer global), or a ``sliding_window`` on all."""
-    n = hf_config.num_hidden_layers
-    types = getattr(hf_config, "layer_types", None)
-    if types is not None:
-        if len(types) != n:
-            raise ValueError(f"config.json: layer_types has {len(types)} entries for "
-                             f"{n} layers")
-        unknown = set(types) - {"full_attention", "sliding_attention"}
-        if unknown:
-            raise ValueError(f"config.json: unsupported layer_types {sorted(unknown)}; "
-                             f"supported: full_attention, sliding_attention")
-        return list(types)
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None or getattr(hf_config, "use_sliding_window", True) is False:
-        return ["full_attention"] * n
-    pattern = getattr(hf_config, "sliding_window_pattern", None)
-    if pattern:
-        return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                for i in range(n)]
-    first = getattr(hf_config, "max_window_layers", 0) \
-        if hasattr(hf_config, "use_sliding_window") else 0
-    return ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-
-
-def layer_sliding_window(hf_config: Any, layer: int) -> int | None:
-    """The window of (global) decoder layer ``layer``, None for a global one."""
-    if layer_types(hf_config)[layer] != "sliding_attention":
-        return None
-    window = getattr(hf_config, "sliding_window", None)
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"config.json: layer {layer} slides but sliding_window is "
-                         f"{window!r}")
-    return window
 
 
 def layer_index(prefix: str) -> int:
