@@ -65,7 +65,13 @@ class _RmsNormArgs(ctypes.Structure):
                [(n, c_int64) for n in ("x_outer_stride", "x_inner_stride", "r_outer_stride",
                                        "r_inner_stride", "outer", "inner")] + \
                [(n, c_int32) for n in ("hidden", "dtype", "sum_lanes", "num_threads")] + \
-               [("eps", c_float)]
+               [("eps", c_float), ("kind", c_int32), ("bias", c_void_p)]
+
+
+# _RmsNormArgs.kind (norm.cpp NormKind).
+NORM_RMS, NORM_RMS_UNIT_OFFSET, NORM_LAYER = 0, 1, 2
+# bl_activation's codes (elementwise.cpp Act), by ref.ACTIVATIONS name.
+ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "gelu_new": 3, "relu": 4}
 
 
 class _RotaryArgs(ctypes.Structure):
@@ -74,7 +80,8 @@ class _RotaryArgs(ctypes.Structure):
                [(n, c_int64) for n in ("q_in_stride", "q_out_stride", "k_in_stride",
                                        "k_out_stride", "tokens", "max_position")] + \
                [(n, c_int32) for n in ("num_q_heads", "num_k_heads", "head_dim", "rotary_dim",
-                                       "dtype", "positions_int64", "num_threads")]
+                                       "dtype", "positions_int64", "num_threads",
+                                       "interleaved")]
 
 
 class _CacheWriteArgs(ctypes.Structure):
@@ -242,6 +249,9 @@ class CompiledKernels(Kernels):
         self._cache_write = self._bind(lib.bl_reshape_and_cache, [POINTER(_CacheWriteArgs)])
         self._silu = self._bind(lib.bl_silu_and_mul, [c_void_p, c_void_p, c_int64, c_int64,
                                                       c_int64, c_int64, c_int32, c_int32])
+        self._activation = self._bind(lib.bl_activation, [
+            c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int32, c_int32, c_int64, c_int32,
+            c_int32])
         # torch's elementwise loops take two vectors per step and finish rows with scalar code;
         # silu's scalar exp differs from its vector one, so the kernel splits rows the same way.
         cap = torch.backends.cpu.get_cpu_capability().upper()
@@ -394,9 +404,12 @@ class CompiledKernels(Kernels):
             raise ValueError(f"reshape_and_cache: unsupported key dtype {key.dtype}")
 
     def _norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-              eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+              eps: float, kind: int = NORM_RMS, bias: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         code = _DTYPES.get(x.dtype)
         if code is None or not x.is_cpu or weight.dtype != x.dtype or not weight.is_contiguous():
+            return None
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
             return None
         grid = _rows_view(x)
         rgrid = None if residual is None else _rows_view(residual)
@@ -412,9 +425,35 @@ class CompiledKernels(Kernels):
             out.data_ptr(), 0 if res_out is None else res_out.data_ptr(), x.data_ptr(),
             0 if residual is None else residual.data_ptr(), weight.data_ptr(),
             so, si, ro, ri, outer, inner, x.shape[-1], code, self.sum_lanes,
-            torch.get_num_threads(), eps)
+            torch.get_num_threads(), eps, kind, None if bias is None else bias.data_ptr())
         self._rms_norm(args)
         return out, res_out
+
+    def rms_norm_unit_offset(self, x: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> torch.Tensor:
+        done = self._norm(x, None, weight, eps, NORM_RMS_UNIT_OFFSET)
+        return super().rms_norm_unit_offset(x, weight, eps) if done is None else done[0]
+
+    def fused_add_rms_norm_unit_offset(self, x: torch.Tensor, residual: torch.Tensor,
+                                       weight: torch.Tensor, eps: float
+                                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        done = self._norm(x, residual, weight, eps, NORM_RMS_UNIT_OFFSET)
+        if done is None:
+            return super().fused_add_rms_norm_unit_offset(x, residual, weight, eps)
+        return done[0], done[1]
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   eps: float) -> torch.Tensor:
+        done = self._norm(x, None, weight, eps, NORM_LAYER, bias)
+        return super().layer_norm(x, weight, bias, eps) if done is None else done[0]
+
+    def fused_add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                             weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        done = self._norm(x, residual, weight, eps, NORM_LAYER, bias)
+        if done is None:
+            return super().fused_add_layer_norm(x, residual, weight, bias, eps)
+        return done[0], done[1]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         done = self._norm(x, None, weight, eps)
@@ -429,7 +468,7 @@ class CompiledKernels(Kernels):
 
     def rotary_embedding(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
-                         rotary_dim: int, *, inplace: bool = True
+                         rotary_dim: int, *, inplace: bool = True, interleaved: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = q.dtype
         code = _DTYPES.get(dtype)
@@ -442,7 +481,8 @@ class CompiledKernels(Kernels):
                         and sin_cache.is_contiguous())
                 or cos_cache.shape[-1] * 2 != rotary_dim):
             return super().rotary_embedding(positions, q, k, cos_cache, sin_cache, head_dim,
-                                            rotary_dim, inplace=inplace)
+                                            rotary_dim, inplace=inplace,
+                                            interleaved=interleaved)
         q_out = q if inplace else torch.empty(q.shape, dtype=dtype)
         k_out = k if inplace else torch.empty(k.shape, dtype=dtype)
         args = _RotaryArgs(
@@ -450,7 +490,7 @@ class CompiledKernels(Kernels):
             cos_cache.data_ptr(), sin_cache.data_ptr(), q.stride(0), q_out.stride(0),
             k.stride(0), k_out.stride(0), q.shape[0], cos_cache.shape[0],
             q.shape[1] // head_dim, k.shape[1] // head_dim, head_dim, rotary_dim, code,
-            positions.dtype == torch.int64, torch.get_num_threads())
+            positions.dtype == torch.int64, torch.get_num_threads(), int(interleaved))
         if self._rotary(args) == 1:
             raise IndexError(f"rotary_embedding: a position is outside [0, {cos_cache.shape[0]})")
         return q_out, k_out
@@ -468,6 +508,30 @@ class CompiledKernels(Kernels):
         self._silu(out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], d, self.silu_chunk,
                    code, torch.get_num_threads())
         return out
+
+    def _activation_rows(self, x: torch.Tensor, act: str, gated: bool) -> torch.Tensor | None:
+        code, act_code = _DTYPES.get(x.dtype), ACT_CODES.get(act)
+        # gelu_new's twin is transformers' op-by-op formula, which rounds a 16-bit tensor
+        # after every op: only fp32 computes it as the kernel does.
+        if (code is None or act_code is None or not x.is_cpu or x.stride(-1) != 1
+                or (gated and x.shape[-1] % 2) or (act == "gelu_new" and code != 0)):
+            return None
+        rows = x if x.dim() == 2 else (x.view(-1, x.shape[-1]) if x.is_contiguous() else None)
+        if rows is None:
+            return None
+        d = rows.shape[1] // 2 if gated else rows.shape[1]
+        out = torch.empty((rows.shape[0], d), dtype=x.dtype)
+        self._activation(out.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], d,
+                         act_code, int(gated), self.silu_chunk, code, torch.get_num_threads())
+        return out.view(*x.shape[:-1], d)
+
+    def act_and_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        out = self._activation_rows(x, act, gated=True)
+        return super().act_and_mul(x, act) if out is None else out
+
+    def activation(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        out = self._activation_rows(x, act, gated=False)
+        return super().activation(x, act) if out is None else out
 
     def lora_sgmv(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                   order: torch.Tensor, seg_start: torch.Tensor, seg_slot: torch.Tensor,

@@ -44,15 +44,42 @@ class Kernels:
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return ref.fused_add_rms_norm(x, residual, weight, eps)
 
+    def rms_norm_unit_offset(self, x: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> torch.Tensor:
+        """RMSNorm scaling by ``1 + weight`` in fp32 (``ref.rms_norm_unit_offset``)."""
+        return ref.rms_norm_unit_offset(x, weight, eps)
+
+    def fused_add_rms_norm_unit_offset(self, x: torch.Tensor, residual: torch.Tensor,
+                                       weight: torch.Tensor, eps: float
+                                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.fused_add_rms_norm_unit_offset(x, residual, weight, eps)
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   eps: float) -> torch.Tensor:
+        return ref.layer_norm(x, weight, bias, eps)
+
+    def fused_add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                             weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.fused_add_layer_norm(x, residual, weight, bias, eps)
+
     def rotary_embedding(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
-                         rotary_dim: int, *, inplace: bool = True
+                         rotary_dim: int, *, inplace: bool = True, interleaved: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         return ref.rotary_embedding(positions, q, k, cos_cache, sin_cache, head_dim, rotary_dim,
-                                    inplace=inplace)
+                                    inplace=inplace, interleaved=interleaved)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return ref.silu_and_mul(x)
+
+    def act_and_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """[..., 2d] (gate | up) -> act(gate) * up; ``act`` one of ``ref.ACTIVATIONS``."""
+        return ref.act_and_mul(x, act)
+
+    def activation(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """``act`` (one of ``ref.ACTIVATIONS``) elementwise."""
+        return ref.activation(x, act)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                packed: object | None = None) -> torch.Tensor:

@@ -9,6 +9,8 @@ dequantize only the blocks they gather.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -149,9 +151,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
-                     rotary_dim: int, *, inplace: bool = True
+                     rotary_dim: int, *, inplace: bool = True, interleaved: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox (rotate-half) rotary embedding of q [T, nh*d] and k [T, kvh*d] at ``positions``.
+    """Neox (rotate-half) rotary embedding of q [T, nh*d] and k [T, kvh*d] at ``positions``;
+    ``interleaved``: the GPT-J / GLM layout instead, where dims (2i, 2i + 1) form pair i
+    (frequency i) rather than (i, i + rotary_dim / 2).
 
     ``cos_cache``/``sin_cache`` are [max_position, rotary_dim / 2]; dims >= rotary_dim pass
     through. Each of ``x1*cos``, ``x2*sin``, ... is rounded to the dtype, as torch does on
@@ -165,6 +169,10 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         T = x.shape[0]
         x = x.view(T, -1, head_dim)
         rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+        if interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            pairs = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            return torch.cat((pairs.flatten(-2), rest), dim=-1).reshape(T, -1)
         x1, x2 = rot.chunk(2, dim=-1)
         # Equals transformers' x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), bit for bit.
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1).view(T, -1)
@@ -182,6 +190,66 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     product does."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+# Activations the kernels take, by their kernel names (the layers map transformers' names
+# to these, model/layers/activation.py). Each twin is the expression transformers evaluates.
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gelu_new", "relu")
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    """``act`` applied elementwise in x's dtype: ``silu`` (F.silu), ``gelu`` (erf, F.gelu),
+    ``gelu_tanh`` (F.gelu approximate="tanh", transformers' gelu_pytorch_tanh), ``gelu_new``
+    (transformers' NewGELU formula, op by op), ``relu``."""
+    if act == "silu":
+        return F.silu(x)
+    if act == "gelu":
+        return F.gelu(x)
+    if act == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if act == "gelu_new":
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi)
+                                           * (x + 0.044715 * torch.pow(x, 3.0))))
+    if act == "relu":
+        return F.relu(x)
+    raise ValueError(f"activation {act!r} is not a kernel activation ({', '.join(ACTIVATIONS)})")
+
+
+def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+    """[T, 2d] (gate | up) -> act(gate) * up [T, d] (SwiGLU, GeGLU, ...): the activation
+    rounds to the dtype, then the product does."""
+    gate, up = x.chunk(2, dim=-1)
+    return activation(gate, act) * up
+
+
+def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm whose weight is stored as an offset from 1 (Gemma's): normalise and scale by
+    ``1 + weight`` all in fp32, one rounding to x's dtype at the end (transformers' order)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
+def fused_add_rms_norm_unit_offset(x: torch.Tensor, residual: torch.Tensor,
+                                   weight: torch.Tensor, eps: float
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm_unit_offset(x + residual), x + residual); the sum rounded to the dtype."""
+    x = x + residual
+    return rms_norm_unit_offset(x, weight, eps), x
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               eps: float) -> torch.Tensor:
+    """nn.LayerNorm over the last dimension (F.layer_norm: statistics in fp32, one rounding)."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def fused_add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None, eps: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(x + residual), x + residual); the sum rounded to the dtype."""
+    x = x + residual
+    return layer_norm(x, weight, bias, eps), x
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

@@ -1,5 +1,5 @@
 """``TritonKernels``: the kernel set of the GPU path. The Triton kernels (``kernels/triton``) where
-they exist: paged attention, the KV store, RMSNorm (+ residual), rotary, SiLU-and-mul; the
+they exist: paged attention, the KV store, the norms (+ residual), rotary, the activations; the
 reference methods elsewhere (``linear`` is ``F.linear``, i.e. cuBLAS on a GPU; LoRA and the
 grammar bitmask run as torch ops on the tensors' device).
 
@@ -47,19 +47,55 @@ class TritonKernels(Kernels):
 
         return fused_add_rms_norm(x, residual, weight, eps)
 
+    def rms_norm_unit_offset(self, x: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> torch.Tensor:
+        from bladellm.kernels.triton.elementwise import rms_norm_unit_offset
+
+        return rms_norm_unit_offset(x, weight, eps)
+
+    def fused_add_rms_norm_unit_offset(self, x: torch.Tensor, residual: torch.Tensor,
+                                       weight: torch.Tensor, eps: float
+                                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        from bladellm.kernels.triton.elementwise import fused_add_rms_norm_unit_offset
+
+        return fused_add_rms_norm_unit_offset(x, residual, weight, eps)
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   eps: float) -> torch.Tensor:
+        from bladellm.kernels.triton.elementwise import layer_norm
+
+        return layer_norm(x, weight, bias, eps)
+
+    def fused_add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                             weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        from bladellm.kernels.triton.elementwise import fused_add_layer_norm
+
+        return fused_add_layer_norm(x, residual, weight, bias, eps)
+
     def rotary_embedding(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
-                         rotary_dim: int, *, inplace: bool = True
+                         rotary_dim: int, *, inplace: bool = True, interleaved: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         from bladellm.kernels.triton.elementwise import rotary_embedding
 
         return rotary_embedding(positions, q, k, cos_cache, sin_cache, head_dim, rotary_dim,
-                                inplace=inplace)
+                                inplace=inplace, interleaved=interleaved)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         from bladellm.kernels.triton.elementwise import silu_and_mul
 
         return silu_and_mul(x)
+
+    def act_and_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        from bladellm.kernels.triton.elementwise import act_and_mul
+
+        return act_and_mul(x, act)
+
+    def activation(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        from bladellm.kernels.triton.elementwise import activation
+
+        return activation(x, act)
 
     def describe(self) -> str:
         return "triton"

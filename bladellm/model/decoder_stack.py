@@ -124,6 +124,7 @@ class CompiledDecoderStack:
     @staticmethod
     def _unsupported(model: nn.Module, kernels: Any) -> str | None:
         from bladellm.kernels.compiled import CompiledKernels
+        from bladellm.model.layers.activation import SiluAndMul
         from bladellm.model.layers.linear import LinearBase, UnquantizedLinearMethod
         from bladellm.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
@@ -143,6 +144,8 @@ class CompiledDecoderStack:
                     LlamaAttention or type(layer.mlp) is not LlamaMLP:
                 return f"{type(layer.self_attn).__name__} is not the plain Llama layout"
             attn = layer.self_attn
+            if type(layer.mlp.act_fn) is not SiluAndMul:
+                return f"activation {layer.mlp.act_fn.act} (the stack runs SiLU)"
             if attn.rotary_emb is not layers[0].self_attn.rotary_emb:
                 return "layers with their own rotary tables"
             if not attn.attn.features.is_plain:
@@ -172,6 +175,8 @@ class CompiledDecoderStack:
         if len(shapes) != 1:
             return "layers of different shapes"
         rope = layers[0].self_attn.rotary_emb
+        if rope.interleaved:
+            return "interleaved rotary (the stack runs the neox layout)"
         if rope.cos_cache.dtype != model.dtype or rope.cos_cache.shape[-1] * 2 != \
                 rope.rotary_dim:
             return "a rotary table the kernel does not take"

@@ -12,6 +12,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("bladellm.model.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("bladellm.model.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("bladellm.model.models.qwen3", "Qwen3ForCausalLM"),
+    "OPTForCausalLM": ("bladellm.model.models.opt", "OPTForCausalLM"),
+    "Phi3ForCausalLM": ("bladellm.model.models.phi3", "Phi3ForCausalLM"),
+    "GlmForCausalLM": ("bladellm.model.models.glm", "GlmForCausalLM"),
+    "Glm4ForCausalLM": ("bladellm.model.models.glm", "Glm4ForCausalLM"),
+    "ChatGLMModel": ("bladellm.model.models.chatglm", "ChatGLMForCausalLM"),
+    "ChatGLMForConditionalGeneration": ("bladellm.model.models.chatglm", "ChatGLMForCausalLM"),
 }
 
 

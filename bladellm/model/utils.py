@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -107,3 +107,26 @@ def load_weights_with_mapping(module: nn.Module, weights: Iterable[tuple[str, to
         logger.warning("ignored %d checkpoint tensors with no matching parameter: %s",
                        len(unknown), ", ".join(unknown[:8]))
     return loaded
+
+
+def unfuse_checkpoint(weights: Iterable[tuple[str, torch.Tensor]],
+                      fused: dict[str, list[tuple[str, int]]]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Split checkpoint tensors that fuse several modules along their output rows: a tensor
+    whose name holds ``.{frag}.`` for a key of ``fused`` (``{"qkv_proj": [("q_proj", q_rows),
+    ("k_proj", kv_rows), ("v_proj", kv_rows)]}``) becomes one tensor per part, renamed, so
+    the model's ``packed_modules_mapping`` loads each as its shard (and TP cuts each part on
+    its own). A row count that disagrees with config.json is a one-line ValueError."""
+    for name, tensor in weights:
+        frag = next((f for f in fused if f".{f}." in name), None)
+        if frag is None:
+            yield name, tensor
+            continue
+        parts = fused[frag]
+        sizes = [size for _, size in parts]
+        if tensor.dim() == 0 or tensor.shape[0] != sum(sizes):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; "
+                             f"config.json gives {sum(sizes)} rows "
+                             f"({' + '.join(f'{p} {s}' for p, s in parts)})")
+        for (part, _), piece in zip(parts, tensor.split(sizes)):
+            yield name.replace(f".{frag}.", f".{part}."), piece

@@ -35,6 +35,7 @@ struct RotaryArgs {     // mirrored by kernels/compiled.py; strides in elements
   const void* sin;
   int64_t q_in_stride, q_out_stride, k_in_stride, k_out_stride, tokens, max_position;
   int32_t num_q_heads, num_k_heads, head_dim, rotary_dim, dtype, positions_int64, num_threads;
+  int32_t interleaved;  // 0: neox (i, i + rotary_dim / 2); 1: GPT-J / GLM pairs (2i, 2i + 1)
 };
 
 struct CacheWriteArgs {  // mirrored by kernels/compiled.py; strides in elements
@@ -58,6 +59,8 @@ struct RmsNormArgs {  // mirrored by kernels/compiled.py; strides in elements
   int64_t outer, inner;  // rows = outer * inner
   int32_t hidden, dtype, sum_lanes, num_threads;  // sum_lanes: the vector width torch sums with
   float eps;
+  int32_t kind;         // NormKind: RMSNorm, RMSNorm by (1 + weight) in fp32, LayerNorm
+  const void* bias;     // LayerNorm's bias (dtype of x) or nullptr
 };
 
 int bl_paged_attention(const PagedAttentionArgs* a);

@@ -14,7 +14,7 @@ from bladellm.distributed.partition import pipeline_stages
 from bladellm.distributed.pipeline import StageChannel
 from bladellm.model.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead,
                                    PPMissingLayer, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-                                   RowParallelLinear, SiluAndMul, VocabParallelEmbedding, get_rope)
+                                   RowParallelLinear, VocabParallelEmbedding, get_act_fn, get_rope)
 from bladellm.model.layers.attention import layer_index, layer_sliding_window
 from bladellm.model.utils import KVCacheSpec, load_weights_with_mapping
 
@@ -29,8 +29,6 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool,
                  dtype: torch.dtype, quant_config: Any, prefix: str) -> None:
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}; only silu is supported")
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, bias=bias, params_dtype=dtype,
             quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
@@ -39,7 +37,7 @@ class LlamaMLP(nn.Module):
             intermediate_size, hidden_size, bias=bias, params_dtype=dtype,
             quant_config=quant_config, prefix=f"{prefix}.down_proj",
             input_partition=self.gate_up_proj.output_shards[0])
-        self.act_fn = SiluAndMul()
+        self.act_fn = get_act_fn(hidden_act, gated=True)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x, ctx)), ctx)
@@ -117,7 +115,7 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant_config: Any, prefix: str,
-                 make_attn: Any) -> None:
+                 make_attn: Any, layer_cls: type[nn.Module] = LlamaDecoderLayer) -> None:
         super().__init__()
         pp = get_pp_group()
         self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
@@ -130,8 +128,8 @@ class LlamaModel(nn.Module):
             hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype) \
             if self.is_first_stage else PPMissingLayer()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(make_attn(i - self.start_layer, f"{prefix}.layers.{i}.self_attn"),
-                              hf_config, dtype, quant_config, f"{prefix}.layers.{i}")
+            layer_cls(make_attn(i - self.start_layer, f"{prefix}.layers.{i}.self_attn"),
+                      hf_config, dtype, quant_config, f"{prefix}.layers.{i}")
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=dtype) \
@@ -178,6 +176,7 @@ class LlamaForCausalLM(nn.Module):
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer  # Glm4 adds sandwich norms
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  quant_config: Any = None, prefix: str = "") -> None:
@@ -187,7 +186,8 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = get_head_dim(hf_config)
         self.rotary_emb = get_rope(hf_config, self.head_dim, dtype)
         model_prefix = f"{prefix}.model" if prefix else "model"
-        self.model = LlamaModel(hf_config, dtype, quant_config, model_prefix, self.make_attention)
+        self.model = LlamaModel(hf_config, dtype, quant_config, model_prefix, self.make_attention,
+                                self.decoder_layer_cls)
         # Per process: the KV cache holds this pipeline stage's layers and this TP rank's heads.
         self.num_layers = self.model.end_layer - self.model.start_layer
         self.num_kv_heads = self.model.layers[self.model.start_layer].self_attn.num_kv_heads
