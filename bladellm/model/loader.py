@@ -152,7 +152,9 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: str | torch.device,
         quant_config = quant_config.for_model(model_cls.packed_modules_mapping)
     with torch.device(device):
         model = model_cls(hf_config, dtype, attn_backend, quant_config=quant_config)
-    _check_positions(model, max_model_len or hf_config.max_position_embeddings)
+    limit = max_model_len or getattr(hf_config, "max_position_embeddings", None)
+    if limit:  # Bloom (ALiBi) states no position limit
+        _check_positions(model, limit)
     return model
 
 

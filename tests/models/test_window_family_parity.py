@@ -21,7 +21,7 @@ VARIANTS = {
                                         final_logit_softcapping=None)),
     "gemma3": ("gemma3", {}),
     "bloom": ("bloom", {}),
-    "bloom-h6-post-ln": ("bloom", dict(n_head=8, hidden_size=96,
+    "bloom-h6-post-ln": ("bloom", dict(n_head=6, hidden_size=96,
                                        apply_residual_connection_post_layernorm=True)),
 }
 
