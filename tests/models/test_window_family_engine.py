@@ -1,0 +1,118 @@
+"""Gemma 2, Gemma 3 and Bloom through the whole engine (offline ``LLM``) under the stress
+configuration (prompt cache, chunked prefill, a KV pool small enough to force preemption,
+block accounting checked every step), prompts longer than the window: greedy tokens identical
+to transformers' ``generate`` in fp32 (eager attention: its SDPA path skips Gemma 2's logit
+soft-capping); tensor parallelism (Bloom's ALiBi slopes over uneven head splits) identical to
+one rank; int8 KV close to the fp32 cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from bladellm import LLM, SamplingParams
+from window_family_models import make_window_family_model
+
+NUM_PROMPTS, MAX_TOKENS = 12, 16
+STRESS = dict(dtype="float32", block_size=4, max_num_batched_tokens=32, max_num_seqs=8,
+              num_kv_blocks=40, max_model_len=128, debug_block_accounting=True)
+VARIANTS = {
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
+    "bloom": ("bloom", {}),
+    # every layer local: the KV manager frees blocks past the window (soft-capping on)
+    "gemma2-all-local": ("gemma2", dict(layer_types=["sliding_attention"] * 2)),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    cache: dict = {}
+
+    def get(variant: str) -> str:
+        if variant not in cache:
+            family, overrides = VARIANTS[variant]
+            cache[variant] = make_window_family_model(tmp_path_factory.mktemp(variant), family,
+                                                      **overrides)
+        return cache[variant]
+
+    return get
+
+
+def _prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of 1 to 90 tokens (the window is 8); most share one of two long prefixes."""
+    rng = random.Random(seed)
+    shared = [[rng.randrange(3, vocab_size) for _ in range(41)] for _ in range(2)]
+    prompts = []
+    for i in range(NUM_PROMPTS):
+        tail = [rng.randrange(3, vocab_size) for _ in range(rng.randrange(1, 50))]
+        head = shared[i % 2][: rng.choice([0, 9, 17, 41])] if i % 5 else []
+        prompts.append(head + tail)
+    return prompts
+
+
+def _hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def _generate(model_dir: str, prompts, params=None, **kwargs):
+    llm = LLM(model=model_dir, **{**STRESS, **kwargs})
+    try:
+        outs = llm.generate(prompts, params or SamplingParams(temperature=0.0,
+                                                              max_tokens=MAX_TOKENS),
+                            use_tqdm=False)
+        stats = llm.engine.core.scheduler.get_stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+        assert stats.num_used_blocks == 0
+        return [o.outputs[0] for o in outs], llm.engine.core.scheduler.kv_cache_manager
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_identical_to_transformers_under_stress(model_dir, variant):
+    path = model_dir(variant)
+    prompts = _prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)
+    kwargs = dict(num_kv_blocks=16) if variant == "gemma2-all-local" else {}
+    outs, kv = _generate(path, prompts, **kwargs)
+    assert kv.sliding_window == (8 if variant == "gemma2-all-local" else None)
+    for i, (out, exp) in enumerate(zip(outs, _hf_greedy(path, prompts))):
+        assert out.token_ids == exp, f"prompt {i} (len {len(prompts[i])})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,tp", [("gemma2", 2), ("bloom", 3)])
+def test_tensor_parallel_identical_to_one_rank(model_dir, variant, tp):
+    """Bloom: 4 heads over 3 ranks (2 + 1 + 1), each rank with its heads' ALiBi slopes."""
+    path = model_dir(variant)
+    prompts = _prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)[:8]
+    want, _ = _generate(path, prompts)
+    got, _ = _generate(path, prompts, tensor_parallel_size=tp)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.token_ids == w.token_ids, f"prompt {i}: tp={tp}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["gemma2", "bloom"])
+def test_int8_kv_close_to_fp32(model_dir, variant):
+    from test_kv_cache_quant import MIN_AGREEMENT, MAX_LOGPROB_DIFF, _compare
+
+    path = model_dir(variant)
+    prompts = _prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
+    base, _ = _generate(path, prompts, params)
+    quant, _ = _generate(path, prompts, params, kv_cache_quant="int8")
+    agree, total, worst = _compare(base, quant)
+    assert agree >= MIN_AGREEMENT * total and worst < MAX_LOGPROB_DIFF
