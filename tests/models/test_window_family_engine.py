@@ -107,12 +107,22 @@ def test_tensor_parallel_identical_to_one_rank(model_dir, variant, tp):
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["gemma2", "bloom"])
 def test_int8_kv_close_to_fp32(model_dir, variant):
-    from test_kv_cache_quant import MIN_AGREEMENT, MAX_LOGPROB_DIFF, _compare
-
+    """As tests/e2e/test_kv_cache_quant.py judges int8: tokens equal up to a first divergence,
+    which may only happen where fp32's top two are nearly tied; logprobs close before it."""
     path = model_dir(variant)
     prompts = _prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
     base, _ = _generate(path, prompts, params)
     quant, _ = _generate(path, prompts, params, kv_cache_quant="int8")
-    agree, total, worst = _compare(base, quant)
-    assert agree >= MIN_AGREEMENT * total and worst < MAX_LOGPROB_DIFF
+    agree = total = 0
+    for i, (a, b) in enumerate(zip(base, quant)):
+        n = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                 len(a.token_ids))
+        agree, total = agree + n, total + len(a.token_ids)
+        for j in range(n):
+            assert abs(a.logprobs[j][0].logprob - b.logprobs[j][0].logprob) < 0.3, (i, j)
+        if n < len(a.token_ids):  # entries: [emitted, top1, top2]
+            top = a.logprobs[n][1:]
+            assert top[0].logprob - top[1].logprob < 0.25, f"prompt {i} flips at {n}"
+            assert b.token_ids[n] in [e.token_id for e in top[:2]], f"prompt {i} at {n}"
+    assert agree >= 0.6 * total
