@@ -126,3 +126,22 @@ def test_int8_kv_close_to_fp32(model_dir, variant):
             assert top[0].logprob - top[1].logprob < 0.25, f"prompt {i} flips at {n}"
             assert b.token_ids[n] in [e.token_id for e in top[:2]], f"prompt {i} at {n}"
     assert agree >= 0.6 * total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["gemma2", "bloom", "gemma2-all-local"])
+def test_speculative_decoding_greedy_identical(model_dir, variant):
+    """look_ahead (tree verification with windows, soft caps, ALiBi) and sps with the model
+    as its own draft (every proposal accepted) emit the plain greedy tokens."""
+    path = model_dir(variant)
+    prompts = _prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)[:8]
+    kwargs = dict(num_kv_blocks=13) if variant == "gemma2-all-local" else {}
+    want, _ = _generate(path, prompts, **kwargs)
+    got, kv = _generate(path, prompts, decode_algo="look_ahead", look_ahead_window_size=3,
+                        look_ahead_gram_size=3, guess_set_size=3, spec_policy="always",
+                        **kwargs)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    got, kv = _generate(path, prompts, decode_algo="sps", draft_model=path, gamma=3,
+                        spec_policy="always", num_kv_blocks=48)
+    assert kv.sliding_window is None  # the draft reads the whole context: nothing is freed
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
