@@ -69,3 +69,51 @@ def test_chunked_prefill_after_cached_prefix_and_no_cache(model_dir, variant):
         torch.testing.assert_close(got, want[lo:hi], atol=ATOL, rtol=0)
     got = ours.compute_logits(ours(ids, torch.arange(23), ForwardContext.no_cache()))
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def _rewrite(src: str, dst, edit_config=None, edit_tensors=None) -> str:
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    dst = Path(dst)
+    shutil.copytree(src, dst)
+    if edit_config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if edit_tensors is not None:
+        state = load_file(str(dst / "model.safetensors"))
+        edit_tensors(state)
+        save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+def _drop_qkv_rows(state):
+    state["transformer.h.0.self_attention.query_key_value.weight"] = \
+        state["transformer.h.0.self_attention.query_key_value.weight"][:-16].contiguous()
+
+
+def _drop_tensor(state):
+    del state["model.layers.1.post_feedforward_layernorm.weight"]
+
+
+BAD = {
+    "bloom-qkv-rows": ("bloom", None, _drop_qkv_rows, "query_key_value"),
+    "gemma2-activation": ("gemma2", lambda c: c.update(hidden_activation="swishy"), None,
+                          "swishy"),
+    "gemma3-layer-type": ("gemma3", lambda c: c.update(layer_types=["chunked_attention"] * 3),
+                          None, "layer_types"),
+    "gemma2-missing": ("gemma2", None, _drop_tensor, "post_feedforward_layernorm"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_checkpoint_is_one_line_error(model_dir, tmp_path, case):
+    variant, edit_config, edit_tensors, needle = BAD[case]
+    path = _rewrite(model_dir(variant), tmp_path / case, edit_config, edit_tensors)
+    with pytest.raises(ValueError) as err:
+        load_ours(path)
+    assert needle in str(err.value) and "\n" not in str(err.value)
