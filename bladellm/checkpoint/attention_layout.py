@@ -35,13 +35,19 @@ def layer_types(hf_config: Any) -> list[str]:
 
 
 def layer_sliding_window(hf_config: Any, layer: int) -> int | None:
-    """The window of (global) decoder layer ``layer``, None for a global one."""
+    """The window of (global) decoder layer ``layer``; None for a global one, or for a window
+    no shorter than the model's context (``max_position_embeddings``, which bounds
+    ``--max_model_len``): that is exact full attention, which keeps the plain kernels (and the
+    compiled decoder stack)."""
     if layer_types(hf_config)[layer] != "sliding_attention":
         return None
     window = getattr(hf_config, "sliding_window", None)
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"config.json: layer {layer} slides but sliding_window is "
                          f"{window!r}")
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(limit, int) and window >= limit:
+        return None
     return window
 
 
