@@ -142,3 +142,24 @@ def test_tree_attention_honours_features():
         fast = tree.tree_attention(q, k, v, k_cache, v_cache, table, ctx,
                                    tree.tree_bias(mask, ctx, nh // kvh), 0.3, **features)
         torch.testing.assert_close(fast, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_avx2_build_matches_reference(kernel_cache):
+    """The 8-lane (AVX2) build of the features path, on a machine that runs a wider one."""
+    import shutil
+
+    from bladellm.kernels import load_kernels
+
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    avx2 = load_kernels(mode="auto", cache_root=kernel_cache, isa="avx2")
+    if avx2.name != "compiled":
+        pytest.skip("this machine cannot run the AVX2 build")
+    for nh, kvh, d, bs in SHAPES:
+        for name, features in feature_sets(nh).items():
+            b = batch(Q_LENS, SEQ_LENS, nh, kvh, d, bs, torch.float32,
+                      features.get("sliding_window"))
+            torch.testing.assert_close(run(avx2, b, d ** -0.5, features),
+                                       run(Kernels(), b, d ** -0.5, features),
+                                       **TOLERANCE[torch.float32])
