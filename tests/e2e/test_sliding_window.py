@@ -43,3 +43,24 @@ def test_greedy_identical_to_transformers_under_stress(tiny_model_factory, varia
     assert stats.num_used_blocks == 0
     llm.engine.core.scheduler.check_invariants()
     llm.shutdown()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_window_freeing_identical_to_one_rank(tiny_model_factory):
+    """Mistral with an 8-token window over 2 ranks, blocks freed past the window: the tokens
+    of one rank."""
+    arch, overrides, num_kv_blocks = WINDOWED["mistral-w8"]
+    model_dir = tiny_model_factory(arch, **overrides)
+    prompts = _prompts(384)[:8]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(model=model_dir, num_kv_blocks=num_kv_blocks, tensor_parallel_size=tp,
+                  **STRESS)
+        try:
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                      use_tqdm=False)])
+            assert llm.engine.core.scheduler.get_stats().num_preemptions > 0
+        finally:
+            llm.shutdown()
+    assert runs[0] == runs[1]
