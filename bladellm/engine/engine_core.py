@@ -19,6 +19,7 @@ from bladellm.executor import WorkerDiedError, get_executor_class
 from bladellm.executor.base import StepHandle
 from bladellm.engine.guided import GuidedRequests
 from bladellm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from bladellm.checkpoint.attention_layout import kv_free_window
 from bladellm.checkpoint.locate import ResolvedModel
 from bladellm.engine.prompt_logprobs import PromptLogprobs
 from bladellm.request import Request, RequestStatus
@@ -38,6 +39,14 @@ def _check_draft(config: EngineConfig, resolved: ResolvedModel):
 
 
 class EngineCore:
+    @staticmethod
+    def _kv_free_window(config: EngineConfig, resolved: ResolvedModel) -> int | None:
+        """The window past which the KV manager frees blocks (every layer slides). Not with an
+        sps draft: it shares the block table and attends over the whole context."""
+        if config.speculative.decode_algo == "sps":
+            return None
+        return kv_free_window(resolved.hf_config)
+
     def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
         self.config = config
         self.max_model_len = resolved.max_model_len
@@ -58,7 +67,8 @@ class EngineCore:
                     if draft_hf_config is not None and config.speculative.spec_policy == "cost"
                     else None)
                     if config.speculative.enabled else None),
-                max_loras=config.lora.max_loras if self.lora_enabled else None)
+                max_loras=config.lora.max_loras if self.lora_enabled else None,
+                sliding_window=self._kv_free_window(config, resolved))
             self.num_blocks = num_blocks
             if self.scheduler.spec_policy.costs is not None:
                 c = self.scheduler.spec_policy.costs

@@ -56,7 +56,8 @@ class _PagedAttentionArgs(ctypes.Structure):
                [(n, c_int64) for n in ("q_stride_token", "q_stride_head", "block_table_stride")] + \
                [(n, c_int32) for n in ("num_reqs", "num_heads", "num_kv_heads", "head_dim",
                                        "block_size", "dtype", "num_threads")] + \
-               [("scale", c_float), ("kv_int8", c_int32)]
+               [("scale", c_float), ("kv_int8", c_int32), ("sliding_window", c_int32),
+                ("soft_cap", c_float), ("alibi_slopes", c_void_p)]
 
 
 class _RmsNormArgs(ctypes.Structure):
@@ -316,7 +317,10 @@ class CompiledKernels(Kernels):
     def _attention_args(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float) -> tuple[_PagedAttentionArgs, tuple] | None:
+                        scale: float, sliding_window: int | None = None,
+                        alibi_slopes: torch.Tensor | None = None,
+                        soft_cap: float | None = None
+                        ) -> tuple[_PagedAttentionArgs, tuple] | None:
         """The kernel's arguments and the tensors they point into (keep them alive for the
         call), or None where the compiled kernel does not take these tensors."""
         dtype = query.dtype
@@ -332,23 +336,33 @@ class CompiledKernels(Kernels):
                         and v_cache.is_contiguous())):
             return None
         tables, starts, lens = _int32(block_tables), _int32(query_start_loc), _int32(seq_lens)
+        slopes = None
+        if alibi_slopes is not None:
+            if alibi_slopes.shape != (query.shape[1],) or not alibi_slopes.is_cpu:
+                return None
+            slopes = alibi_slopes.to(torch.float32).contiguous()
         args = _PagedAttentionArgs(
             out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
             query.stride(0), query.stride(1), tables.stride(0),
             lens.shape[0], query.shape[1], k_cache.shape[2], head_dim, k_cache.shape[1], code,
-            torch.get_num_threads(), scale, int8)
-        return args, (tables, starts, lens)
+            torch.get_num_threads(), scale, int8, sliding_window or 0, soft_cap or 0.0,
+            slopes.data_ptr() if slopes is not None else None)
+        return args, (tables, starts, lens, slopes)
 
     def paged_attention(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float) -> None:
+                        scale: float, *, sliding_window: int | None = None,
+                        alibi_slopes: torch.Tensor | None = None,
+                        soft_cap: float | None = None) -> None:
+        features = dict(sliding_window=sliding_window, alibi_slopes=alibi_slopes,
+                        soft_cap=soft_cap)
         prepared = self._attention_args(out, query, k_cache, v_cache, block_tables,
-                                        query_start_loc, seq_lens, scale)
+                                        query_start_loc, seq_lens, scale, **features)
         if prepared is None:
             return super().paged_attention(out, query, k_cache, v_cache, block_tables,
-                                           query_start_loc, seq_lens, scale)
+                                           query_start_loc, seq_lens, scale, **features)
         rc = self._attention(prepared[0])
         if rc != 0:
             raise ValueError(f"paged_attention: unsupported arguments (code {rc}): "

@@ -25,9 +25,13 @@ class Kernels:
     def paged_attention(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float) -> None:
+                        scale: float, *, sliding_window: int | None = None,
+                        alibi_slopes: torch.Tensor | None = None,
+                        soft_cap: float | None = None) -> None:
+        """``ref.paged_attention``, per-layer features included (every set takes them)."""
         ref.paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc,
-                            seq_lens, scale)
+                            seq_lens, scale, sliding_window=sliding_window,
+                            alibi_slopes=alibi_slopes, soft_cap=soft_cap)
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

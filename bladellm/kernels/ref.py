@@ -17,10 +17,37 @@ import torch.nn.functional as F
 from bladellm.kernels import kv_int8
 
 
+def attention_scores(scores: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                     visible: torch.Tensor, *, sliding_window: int | None = None,
+                     alibi_slopes: torch.Tensor | None = None,
+                     soft_cap: float | None = None) -> torch.Tensor:
+    """The per-layer attention features on fp32 ``scores [h, q, k]`` (already times the softmax
+    scale), in transformers' order: soft-capping ``cap * tanh(s / cap)`` (Gemma 2), then ALiBi
+    ``+ slope[h] * (k_pos - q_pos)`` (Bloom; equal under softmax to transformers'
+    ``slope * k_pos``), then the mask: ``visible [q, k]`` (causal or a tree) and, with a
+    window, only keys with ``q_pos - k_pos < sliding_window`` (transformers'
+    ``kv_idx > q_idx - sliding_window``)."""
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+    rel = (k_pos[None, :] - q_pos[:, None]).float()
+    if alibi_slopes is not None:
+        scores = scores + alibi_slopes.float().to(scores.device)[:, None, None] * rel
+    if sliding_window is not None:
+        visible = visible & (rel > -sliding_window)
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def window_start(first_pos: int, sliding_window: int | None) -> int:
+    """First key position any query at ``first_pos`` or later can see."""
+    return 0 if sliding_window is None else max(0, first_pos - sliding_window + 1)
+
+
 def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float) -> None:
+                    scale: float, *, sliding_window: int | None = None,
+                    alibi_slopes: torch.Tensor | None = None,
+                    soft_cap: float | None = None) -> None:
     """Causal attention of each request's query tokens over its paged context, into ``out``.
 
     Request r owns query rows ``query_start_loc[r]:query_start_loc[r+1]`` (q_len >= 1); its
@@ -28,6 +55,11 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     sits at position ``seq_len - q_len + j`` and sees keys ``0..position``. Scores and softmax
     in fp32; the output is rounded to ``out.dtype`` once. An int8 cache is read as
     ``q * scale`` in fp32.
+
+    Per-layer features (``attention_scores``): ``sliding_window`` (a query sees only its last
+    ``sliding_window`` keys, itself included; blocks wholly before the first query's window are
+    never read, so the KV manager may have freed them), ``alibi_slopes`` [nh] fp32,
+    ``soft_cap`` (tanh logit cap).
     """
     block_size, num_kv_heads, row = k_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
@@ -35,40 +67,59 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     for r, seq_len in enumerate(lens):
         begin, end = starts[r], starts[r + 1]
         q_len = end - begin
-        blocks = block_tables[r, :-(-seq_len // block_size)].long()
-        k = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, row)[:seq_len]
-        v = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, row)[:seq_len]
+        first_block = window_start(seq_len - q_len, sliding_window) // block_size
+        key0 = first_block * block_size
+        blocks = block_tables[r, first_block:-(-seq_len // block_size)].long()
+        k = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, row)[:seq_len - key0]
+        v = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, row)[:seq_len - key0]
         k = kv_int8.to_float(k).repeat_interleave(group, dim=1)  # [L, nh, d]
         v = kv_int8.to_float(v).repeat_interleave(group, dim=1)
         q = query[begin:end].float()  # [Q, nh, d]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        future = torch.arange(seq_len, device=q.device)[None, :] > positions[:, None]
-        scores.masked_fill_(future, float("-inf"))
+        k_pos = torch.arange(key0, seq_len, device=q.device)
+        scores = attention_scores(scores, positions, k_pos, k_pos[None, :] <= positions[:, None],
+                                  sliding_window=sliding_window, alibi_slopes=alibi_slopes,
+                                  soft_cap=soft_cap)
         out[begin:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(out.dtype)
+
+
+def tree_positions(mask: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """Positions of tree tokens: ``ctx_len`` + depth, a token's depth being the number of
+    tokens it sees in the tree other than itself (its ancestors)."""
+    return ctx_len + mask.sum(-1).long() - 1
 
 
 def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                   ctx_len: int, mask: torch.Tensor, scale: float) -> torch.Tensor:
+                   ctx_len: int, mask: torch.Tensor, scale: float, *,
+                   sliding_window: int | None = None, alibi_slopes: torch.Tensor | None = None,
+                   soft_cap: float | None = None) -> torch.Tensor:
     """Attention of ``t`` tree tokens (query/key/value [t, heads, d]) over a request's first
     ``ctx_len`` cached positions (all visible) and over each other where ``mask [t, t]`` is
-    True. fp32 scores and softmax; returns [t, nh, d] float32. With an int8 cache the tree's
-    own K/V are taken as the cache gives them back (quantized), like every other token's:
-    verification then sees what a plain decode of the same tokens would see."""
+    True (the diagonal included). fp32 scores and softmax; returns [t, nh, d] float32. With an
+    int8 cache the tree's own K/V are taken as the cache gives them back (quantized), like
+    every other token's: verification then sees what a plain decode of the same tokens would
+    see. The features apply as in ``paged_attention`` with tree token positions
+    ``tree_positions`` (context key p at position p)."""
     block_size, num_kv_heads, row = k_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
-    blocks = block_table[:-(-ctx_len // block_size)].long()
-    k = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, row)[:ctx_len]
-    v = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, row)[:ctx_len]
+    first_block = min(window_start(ctx_len, sliding_window), ctx_len) // block_size
+    key0 = first_block * block_size
+    blocks = block_table[first_block:-(-ctx_len // block_size)].long()
+    k = k_cache.index_select(0, blocks).reshape(-1, num_kv_heads, row)[:ctx_len - key0]
+    v = v_cache.index_select(0, blocks).reshape(-1, num_kv_heads, row)[:ctx_len - key0]
     key, value = kv_int8.round_trip(key, k_cache), kv_int8.round_trip(value, v_cache)
-    k = torch.cat([kv_int8.to_float(k), key.float()]).transpose(0, 1)  # [kvh, L + t, d]
-    v = torch.cat([kv_int8.to_float(v), value.float()]).transpose(0, 1)
+    k = torch.cat([kv_int8.to_float(k), key.float()]).repeat_interleave(group, dim=1)
+    v = torch.cat([kv_int8.to_float(v), value.float()]).repeat_interleave(group, dim=1)
     t = query.shape[0]
-    visible = torch.cat([torch.ones((t, ctx_len), dtype=torch.bool), mask], dim=1)
-    out = F.scaled_dot_product_attention(query.float().transpose(0, 1), k, v, attn_mask=visible,
-                                         scale=scale, enable_gqa=group > 1)
-    return out.transpose(0, 1)
+    q_pos = tree_positions(mask, ctx_len)
+    k_pos = torch.cat([torch.arange(key0, ctx_len), q_pos])
+    visible = torch.cat([torch.ones((t, ctx_len - key0), dtype=torch.bool), mask], dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
+    scores = attention_scores(scores, q_pos, k_pos, visible, sliding_window=sliding_window,
+                              alibi_slopes=alibi_slopes, soft_cap=soft_cap)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -49,7 +49,11 @@ class BaseShapes:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "BaseShapes":
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        inter = getattr(cfg, "intermediate_size", None)
+        if inter is None:  # not the q/k/v/o/gate/up/down layout (e.g. Bloom's fused qkv)
+            raise LoRAError(f"--enable_lora: LoRA is not supported for "
+                            f"{'/'.join(getattr(cfg, 'architectures', None) or ['this model'])}")
+        hidden = cfg.hidden_size
         head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
         q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
         return cls(cfg.num_hidden_layers, {

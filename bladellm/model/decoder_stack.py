@@ -148,6 +148,8 @@ class CompiledDecoderStack:
                 return f"activation {layer.mlp.act_fn.act} (the stack runs SiLU)"
             if attn.rotary_emb is not layers[0].self_attn.rotary_emb:
                 return "layers with their own rotary tables"
+            if not attn.attn.features.is_plain:
+                return "attention features (sliding window, ALiBi, soft-capping)"
             if type(attn.attn.backend).__name__ != "PagedAttentionBackend" or \
                     attn.attn.backend.kernels is not kernels:
                 return "an attention backend other than the compiled paged one"

@@ -18,6 +18,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Glm4ForCausalLM": ("bladellm.model.models.glm", "Glm4ForCausalLM"),
     "ChatGLMModel": ("bladellm.model.models.chatglm", "ChatGLMForCausalLM"),
     "ChatGLMForConditionalGeneration": ("bladellm.model.models.chatglm", "ChatGLMForCausalLM"),
+    "Gemma2ForCausalLM": ("bladellm.model.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("bladellm.model.models.gemma3", "Gemma3ForCausalLM"),
+    "BloomForCausalLM": ("bladellm.model.models.bloom", "BloomForCausalLM"),
 }
 
 

@@ -7,7 +7,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from bladellm.attention.backend import AttentionBackend
+from bladellm.attention.backend import AttentionBackend, AttentionFeatures
 from bladellm.model.forward_context import ForwardContext
 from bladellm.distributed.parallel_state import get_pp_group
 from bladellm.distributed.partition import pipeline_stages
@@ -15,6 +15,7 @@ from bladellm.distributed.pipeline import StageChannel
 from bladellm.model.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead,
                                    PPMissingLayer, QKVParallelLinear, RMSNorm, RotaryEmbedding,
                                    RowParallelLinear, VocabParallelEmbedding, get_act_fn, get_rope)
+from bladellm.model.layers.attention import layer_index, layer_sliding_window
 from bladellm.model.utils import KVCacheSpec, load_weights_with_mapping
 
 
@@ -62,8 +63,12 @@ class LlamaAttention(nn.Module):
             params_dtype=dtype, quant_config=quant_config, prefix=f"{prefix}.o_proj",
             input_partition=self.qkv_proj.output_shards[0])
         self.rotary_emb = rotary_emb
+        # Mistral / Qwen2 with a real sliding_window: this layer's window, as transformers reads
+        # the config (layer_types, use_sliding_window, max_window_layers).
+        window = layer_sliding_window(hf_config, layer_index(prefix))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_kv_heads, layer_idx, attn_backend)
+                              self.num_kv_heads, layer_idx, attn_backend,
+                              AttentionFeatures(sliding_window=window))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -244,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Same weights and math as Llama; sliding windows are checked by the loader."""
+    """Same weights and math as Llama; a ``sliding_window`` applies to every layer."""
 
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM"]
