@@ -12,6 +12,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("bladellm.model.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("bladellm.model.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("bladellm.model.models.qwen3", "Qwen3ForCausalLM"),
+    "MixtralForCausalLM": ("bladellm.model.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("bladellm.model.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("bladellm.model.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 
