@@ -12,13 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from bladellm.checkpoint.moe import num_experts
 from bladellm.distributed.partition import attention_partitions, even_shard, pipeline_stages
-
-
-def num_experts(hf_config: Any) -> int:
-    """Routed experts per layer of a mixture-of-experts config (0: a dense model)."""
-    return int(getattr(hf_config, "num_local_experts", None)  # Mixtral
-               or getattr(hf_config, "num_experts", None) or 0)  # Qwen2-MoE, Qwen3-MoE
 
 
 def check_tensor_parallel(hf_config: Any, tp_size: int, model_dir: str | None = None,

@@ -80,3 +80,31 @@ def test_compiled_decoder_stack_declines_moe(tiny_model_factory):
     assert not attach_compiled_stack(ours, resolve_kernels("auto", "cpu"))
     assert ours.model.compiled_stack is None
     assert any(isinstance(m, FusedMoE) for m in ours.modules())
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_rank_shapes_under_tensor_and_expert_parallelism(tiny_model_factory, expert_parallel):
+    """TP 3: each rank holds every expert, cut to its share of the intermediate size (40 =
+    14 + 13 + 13); EP 3: whole experts, an uneven share of them (8 = 3 + 3 + 2)."""
+    from bladellm.attention import get_attn_backend
+    from bladellm.checkpoint.hf_config import load_hf_config
+    from bladellm.distributed.parallel_state import tp_shape_for_split
+    from bladellm.kernels import Kernels
+    from bladellm.kernels.scope import building_with
+    from bladellm.model.registry import get_model_class
+
+    cfg = load_hf_config(tiny_model_factory("qwen3_moe"), trust_remote_code=False)
+    shapes = []
+    for rank in range(3):
+        with tp_shape_for_split(rank, 3, expert_parallel=expert_parallel), \
+                building_with(Kernels()):
+            model = get_model_class(cfg)(cfg, torch.float32, get_attn_backend("torch", Kernels()))
+        experts = model.model.layers[0].mlp.experts
+        shapes.append((tuple(experts.gate_up_proj.shape), tuple(experts.down_proj.shape),
+                       experts.expert_start))
+    if expert_parallel:
+        assert shapes == [((3, 80, 64), (3, 64, 40), 0), ((3, 80, 64), (3, 64, 40), 3),
+                          ((2, 80, 64), (2, 64, 40), 6)]
+    else:
+        assert shapes == [((8, 28, 64), (8, 64, 14), 0), ((8, 26, 64), (8, 64, 13), 0),
+                          ((8, 26, 64), (8, 64, 13), 0)]

@@ -11,16 +11,10 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from bladellm.checkpoint.moe import is_sparse_layer
 from bladellm.model.layers.fused_moe import ExpertWeights, build_sparse_moe_block
 from bladellm.model.models.llama import LlamaMLP
 from bladellm.model.models.qwen2 import Qwen2ForCausalLM
-
-
-def is_sparse_layer(hf_config: Any, layer: int) -> bool:
-    """transformers' rule for Qwen2-MoE and Qwen3-MoE decoder layers."""
-    return (layer not in (getattr(hf_config, "mlp_only_layers", None) or [])
-            and hf_config.num_experts > 0
-            and (layer + 1) % getattr(hf_config, "decoder_sparse_step", 1) == 0)
 
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
@@ -47,4 +41,4 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
         return super().load_weights(experts.route(weights)) | experts.loaded()
 
 
-__all__ = ["Qwen2MoeForCausalLM", "is_sparse_layer"]
+__all__ = ["Qwen2MoeForCausalLM"]

@@ -9,8 +9,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from bladellm.checkpoint.moe import is_sparse_layer
 from bladellm.model.layers.fused_moe import ExpertWeights, build_sparse_moe_block
-from bladellm.model.models.qwen2_moe import is_sparse_layer
 from bladellm.model.models.qwen3 import Qwen3ForCausalLM
 
 
