@@ -133,6 +133,10 @@ class _PackedExperts:
                  source: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.w13, self.w2, self.kind, self.source = w13, w2, kind, source
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w2))
+
 
 class _PackedLinear:
     """Load-time forms of one weight, and the weight they were made from (by identity):
@@ -637,7 +641,7 @@ class CompiledKernels(Kernels):
             raise RuntimeError(f"decoder_stack: a kernel refused its arguments (code {rc})")
 
     def packed_bytes(self, packed: object | None) -> int:
-        return packed.nbytes if isinstance(packed, _PackedLinear) else 0
+        return packed.nbytes if isinstance(packed, (_PackedLinear, _PackedExperts)) else 0
 
     def packed_bytes_bound(self, weight: torch.Tensor) -> int:
         # Mirrors pack_linear_weight: the fp32 panels (at most: the exact-bf16 ones are half),

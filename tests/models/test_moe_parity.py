@@ -76,8 +76,13 @@ def test_missing_expert_is_reported(tiny_model_factory, tmp_path):
 
 
 def test_compiled_decoder_stack_declines_moe(tiny_model_factory):
+    from bladellm.model.decoder_stack import CompiledDecoderStack
+
     ours, _ = load_both(tiny_model_factory("qwen3_moe"))
-    assert not attach_compiled_stack(ours, resolve_kernels("auto", "cpu"))
+    kernels = resolve_kernels("auto", "cpu")
+    if kernels.name == "compiled":
+        assert "mixture-of-experts" in CompiledDecoderStack._unsupported(ours.model, kernels)
+    assert not attach_compiled_stack(ours, kernels)
     assert ours.model.compiled_stack is None
     assert any(isinstance(m, FusedMoE) for m in ours.modules())
 
