@@ -110,7 +110,7 @@ def load_model(model_config: ModelConfig, hf_config: Any, dtype: torch.dtype,
 
             groups = get_groups()
             check_split_parallel(manifest, groups.tp.world_size, groups.pp.world_size,
-                                 model_dir)
+                                 model_dir, groups.expert_parallel)
     quant_config = get_quant_config(hf_config, model_config.quantization)
     if quant_config is not None and model_config.load_format == "dummy":
         raise ValueError(f"--load_format dummy: {model_dir} is a quantized checkpoint "

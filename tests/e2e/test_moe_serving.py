@@ -126,3 +126,32 @@ def test_lora_on_experts_is_refused_by_name(tiny_model_factory, tmp_path, module
     with pytest.raises(LoRAError, match=r"mixture.of.experts.*not supported") as e:
         validate_dir(str(tmp_path), 8, BaseShapes.from_hf_config(cfg))
     assert module.rsplit(".", 1)[-1] in str(e.value) and "layer 1" in str(e.value)
+
+
+def test_split_for_tp_and_ep_serves_the_same_tokens(tiny_model_factory, tmp_path):
+    from bladellm.entrypoints.cli.split import split_checkpoint
+
+    model_dir = tiny_model_factory("qwen3_moe")
+    prompts = _prompts(384)[:6]
+    want, _ = _generate(model_dir, prompts)
+    for ep in (False, True):
+        out = str(tmp_path / f"split-ep{int(ep)}")
+        manifest = split_checkpoint(model_dir, out, 2, enable_expert_parallel=ep)
+        assert manifest["enable_expert_parallel"] is ep
+        got, _ = _generate(out, prompts, tensor_parallel_size=2, enable_expert_parallel=ep)
+        assert got == want, f"split with enable_expert_parallel={ep}"
+        with pytest.raises(ValueError, match="--enable_expert_parallel: .* split"):
+            LLM(model=out, tensor_parallel_size=2, enable_expert_parallel=not ep)
+
+
+def test_quantized_moe_checkpoint_refused_by_name(tiny_model_factory, tmp_path):
+    import shutil
+
+    src = tiny_model_factory("qwen3_moe")
+    shutil.copytree(src, tmp_path / "q", dirs_exist_ok=True)
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                  "desc_act": False, "sym": True}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"experts: quantized mixture-of-experts checkpoints"):
+        LLM(model=str(tmp_path / "q"), dtype="float32")
