@@ -761,11 +761,22 @@ class CompiledKernels(Kernels):
                               torch.stack([pack(w) for w in w2]), kind, (w13, w2))
 
     def moe_max_tokens(self, dtype: torch.dtype, packed: object | None) -> int:
-        """The most tokens ``fused_moe`` runs compiled (the row limit of the GEMM it uses)."""
+        """The most tokens per expert ``fused_moe`` runs compiled (the row limit of the GEMM it
+        uses)."""
         if isinstance(packed, _PackedExperts):
             return (self.linear_max_rows_panel if packed.kind == LINEAR_PANEL
                     else self.linear_max_rows_pairs)
         return self.linear_max_rows.get(dtype, 0)
+
+    @staticmethod
+    def _moe_rows_fit(topk_ids: torch.Tensor, num_experts: int, max_rows: int) -> bool:
+        """Whether every expert gets at most ``max_rows`` tokens (each expert's GEMMs run on
+        just its tokens, so the GEMM's row limit applies per expert, not to the batch)."""
+        if topk_ids.shape[0] <= max_rows:
+            return True
+        ids = topk_ids.reshape(-1)
+        ids = ids[(ids >= 0) & (ids < num_experts)]
+        return ids.numel() == 0 or int(torch.bincount(ids).max()) <= max_rows
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -778,8 +789,9 @@ class CompiledKernels(Kernels):
         if (code is None or x.dim() != 2 or not x.is_cpu or w13.dtype != x.dtype
                 or w2.dtype != x.dtype or not (x.is_contiguous() and w13.is_contiguous()
                                                and w2.is_contiguous())
-                or T == 0 or T > self.moe_max_tokens(x.dtype, packed)
-                or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T):
+                or T == 0 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T
+                or not self._moe_rows_fit(topk_ids, w13.shape[0],
+                                          self.moe_max_tokens(x.dtype, packed))):
             return super().fused_moe(x, w13, w2, topk_weights, topk_ids, packed)
         E, H, inter = w13.shape[0], x.shape[1], w2.shape[2]
         # The twin multiplies in x's dtype: round the weights to it first.

@@ -113,7 +113,7 @@ def test_compiled_takes_foreign_ids_and_large_batches(compiled):
     w13, w2 = experts(E, H, I, torch.float32)
     w, ids = route(40, 2 * E, 2, H)
     ids = ids - E // 2  # ids -2..5: this "rank" holds 0..3
-    for T in (1, 3, 40):  # 40 is past the row limit: the twin's path
+    for T in (1, 3, 40):  # 40: past the row limit per expert only where one gets > 16
         got = compiled.fused_moe(x[:T], w13, w2, w[:T], ids[:T])
         _check(got, ref.fused_moe(x[:T], w13, w2, w[:T], ids[:T]))
 
@@ -140,3 +140,18 @@ def test_reference_set_is_the_twin():
     assert Kernels().pack_moe_weights(w13, w2) is None
     torch.testing.assert_close(Kernels().fused_moe(x, w13, w2, w, ids),
                                ref.fused_moe(x, w13, w2, w, ids), atol=0, rtol=0)
+
+
+def test_compiled_takes_large_batches_spread_over_experts(compiled, monkeypatch):
+    """The GEMMs' row limit applies per expert: 64 tokens over 32 experts run compiled."""
+    E, H, I = 32, 32, 16
+    x = randn(64, H)
+    w13, w2 = experts(E, H, I, torch.float32)
+    ids = torch.arange(128).remainder(E).view(64, 2)  # 4 tokens per expert
+    w = torch.full((64, 2), 0.5)
+    calls = []
+    monkeypatch.setattr(Kernels, "fused_moe", lambda *a, **k: calls.append(1))
+    got = compiled.fused_moe(x, w13, w2, w, ids)
+    assert not calls and got is not None
+    monkeypatch.undo()
+    _check(got, ref.fused_moe(x, w13, w2, w, ids))
