@@ -37,7 +37,7 @@ SOURCES = {
     "linear.cpp": ["-ffp-contract=fast"],
     "linear_int4.cpp": ["-ffp-contract=fast"],
     "lora.cpp": ["-ffp-contract=fast"],
-    "moe.cpp": ["-ffp-contract=off"],  # its GEMMs are linear.cpp's; its weighted sum rounds as torch
+    "moe.cpp": ["-ffp-contract=off"],  # GEMMs are linear.cpp's; the weighted sum rounds as torch
     "sampling.cpp": ["-ffp-contract=off"],
     "decoder.cpp": ["-ffp-contract=off"],  # no arithmetic of its own: it calls the others
 }

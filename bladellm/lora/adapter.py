@@ -34,8 +34,8 @@ TARGETS: dict[str, tuple[str, int]] = {
     "down_proj": ("down_proj", 0)}
 _REFUSED_TARGETS = ("embed_tokens", "lm_head", "wte", "embed_out", "word_embeddings")
 # A mixture-of-experts block's modules (experts, router, shared expert) in a tensor name.
-_MOE_MODULE = re.compile(r"\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.((?:experts|gate|shared_expert"
-                         r"|shared_expert_gate)\b[\w.]*?)\.lora_[AB]")
+_MOE_MODULE = re.compile(r"\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
+                         r"((?:experts|gate|shared_expert|shared_expert_gate)\b[\w.]*?)\.lora_[AB]")
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
                   r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])"
                   r"(?:\.default)?\.weight$")
