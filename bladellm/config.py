@@ -306,6 +306,14 @@ class ParallelConfig:
                                      "into that many stages (lengths differ by at most one), "
                                      "each run by --tensor_parallel_size processes; up to "
                                      "that many micro-batches are in flight (docs/parallel.md)."})
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata={"help": "Mixture-of-experts models: split the experts over the "
+                          "tensor-parallel ranks (whole experts per rank; each token's hidden "
+                          "state goes to the ranks of its experts and back with all-to-all) "
+                          "instead of splitting every expert's intermediate size; attention "
+                          "stays tensor parallel. Needs --tensor_parallel_size > 1 and a "
+                          "mixture-of-experts model (docs/models.md)."})
     distributed_init_method: str | None = field(
         default=None,
         metadata={"help": "torch.distributed rendezvous of the worker ranks (e.g. "
@@ -363,6 +371,9 @@ class ParallelConfig:
         _check(self.distributed_init_method is None or self.world_size > 1,
                "distributed_init_method", "only used with --tensor_parallel_size or "
                "--pipeline_parallel_size > 1")
+        _check(not self.enable_expert_parallel or self.tensor_parallel_size > 1,
+               "enable_expert_parallel", "needs --tensor_parallel_size > 1: the experts are "
+               "split over the tensor-parallel ranks")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
                f"must be >= 1, got {self.num_threads}")
         self._check_nodes()

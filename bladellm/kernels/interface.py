@@ -112,6 +112,24 @@ class Kernels:
         runner decides from it whether the copies fit)."""
         return 0
 
+    def moe_route(self, router_logits: torch.Tensor, top_k: int,
+                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mixture-of-experts routing: (weights [T, top_k] fp32, expert ids [T, top_k])
+        (``ref.moe_route``)."""
+        return ref.moe_route(router_logits, top_k, renormalize)
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  packed: object | None = None) -> torch.Tensor:
+        """The experts of a mixture-of-experts MLP over only the selected experts
+        (``ref.fused_moe``). ``packed``: what ``pack_moe_weights(w13, w2)`` returned (made once
+        at load time); the reference ignores it."""
+        return ref.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+    def pack_moe_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> object | None:
+        """A load-time form of stacked expert weights that makes ``fused_moe`` faster, or None."""
+        return None
+
     def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor,
                             bitmask: torch.Tensor) -> None:
         """Ban, in place, the tokens a packed grammar bitmask bans (structured output)."""

@@ -312,3 +312,50 @@ def linear_int4(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero
     q = unpack_int4_groups(codes, group).to(torch.float32)
     w = (q - zeros.repeat_interleave(group, dim=1)) * scales.repeat_interleave(group, dim=1)
     return torch.nn.functional.linear(x, w.to(x.dtype), bias)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int,
+              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixture-of-experts routing, as transformers' Mixtral / Qwen2-MoE / Qwen3-MoE routers:
+    softmax over the experts in fp32, the ``top_k`` largest (ties to the lower index, as
+    ``torch.topk``), divided by their sum where ``renormalize``. Returns (weights [T, top_k]
+    fp32, expert ids [T, top_k] int64)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The experts' part of a mixture-of-experts MLP: ``out[t] = sum_j topk_weights[t, j] *
+    down_e(silu(gate_e(x[t])) * up_e(x[t]))`` over the ``top_k`` experts ``e = topk_ids[t, j]``.
+
+    x [T, H]; w13 [E, 2I, H] (each expert's gate rows, then its up rows); w2 [E, H, I];
+    topk_weights [T, k] (any float dtype; cast to x's dtype, as transformers does before the
+    weighted sum); topk_ids [T, k] integer, ids outside ``[0, E)`` contribute nothing (expert
+    parallelism: another rank holds that expert). Tokens are grouped by expert and only the
+    selected experts' weights are read; each expert's contributions are added to ``out`` (x's
+    dtype) in ascending expert order, as transformers' loop does."""
+    T, E = x.shape[0], w13.shape[0]
+    out = torch.zeros(T, w2.shape[1], dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    ids = topk_ids.long()
+    weights = topk_weights.to(x.dtype)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat.clamp(-1, E).add(1), minlength=E + 2)[1:E + 1].tolist()
+    start = int((flat < 0).sum())
+    k = ids.shape[1]
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        tok = pairs // k
+        h = silu_and_mul(F.linear(x.index_select(0, tok), w13[e]))
+        y = F.linear(h, w2[e]) * weights.reshape(-1)[pairs, None]
+        out.index_add_(0, tok, y)
+    return out

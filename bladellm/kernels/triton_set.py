@@ -97,6 +97,13 @@ class TritonKernels(Kernels):
 
         return activation(x, act)
 
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  packed: object | None = None) -> torch.Tensor:
+        from bladellm.kernels.triton.moe import fused_moe
+
+        return fused_moe(x, w13, w2, topk_weights, topk_ids)
+
     def describe(self) -> str:
         return "triton"
 

@@ -125,6 +125,7 @@ class CompiledDecoderStack:
     def _unsupported(model: nn.Module, kernels: Any) -> str | None:
         from bladellm.kernels.compiled import CompiledKernels
         from bladellm.model.layers.activation import SiluAndMul
+        from bladellm.model.layers.fused_moe import SparseMoeBlock
         from bladellm.model.layers.linear import LinearBase, UnquantizedLinearMethod
         from bladellm.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
@@ -140,6 +141,8 @@ class CompiledDecoderStack:
         eps = {model.norm.eps}
         shapes = set()  # the scratch buffers are sized once for every layer
         for layer in layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                return "mixture-of-experts layers (the stack runs dense MLPs only)"
             if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not \
                     LlamaAttention or type(layer.mlp) is not LlamaMLP:
                 return f"{type(layer.self_attn).__name__} is not the plain Llama layout"

@@ -111,7 +111,7 @@ def load_model(model_config: ModelConfig, hf_config: Any, dtype: torch.dtype,
 
             groups = get_groups()
             check_split_parallel(manifest, groups.tp.world_size, groups.pp.world_size,
-                                 model_dir)
+                                 model_dir, groups.expert_parallel)
     quant_config = get_quant_config(hf_config, model_config.quantization)
     if quant_config is not None and model_config.load_format == "dummy":
         raise ValueError(f"--load_format dummy: {model_dir} is a quantized checkpoint "
@@ -253,8 +253,14 @@ def read_split_manifest(model_dir: str) -> dict[str, Any] | None:
 
 
 def check_split_parallel(manifest: dict[str, Any], tp_size: int, pp_size: int,
-                         model_dir: str) -> None:
-    """A split checkpoint serves exactly the degrees it was split for."""
+                         model_dir: str, expert_parallel: bool = False) -> None:
+    """A split checkpoint serves exactly the degrees (and expert layout) it was split for."""
+    split_ep = bool(manifest.get("enable_expert_parallel", False))
+    if split_ep != expert_parallel:
+        flag = "with" if split_ep else "without"
+        raise ValueError(f"--enable_expert_parallel: {model_dir} was split by blade_llm_split "
+                         f"{flag} --enable_expert_parallel; serve it {flag} it, or split the "
+                         f"original checkpoint ({manifest.get('source', '?')}) again")
     for key, size in (("tensor_parallel_size", tp_size), ("pipeline_parallel_size", pp_size)):
         split = manifest[key]
         if size != split:

@@ -21,6 +21,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("bladellm.model.models.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("bladellm.model.models.gemma3", "Gemma3ForCausalLM"),
     "BloomForCausalLM": ("bladellm.model.models.bloom", "BloomForCausalLM"),
+    "MixtralForCausalLM": ("bladellm.model.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("bladellm.model.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("bladellm.model.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 
