@@ -151,6 +151,12 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
             context_length_message(num_prompt, params.max_tokens, max_model_len),
             num_prompt_tokens=num_prompt, max_tokens=params.max_tokens,
             max_model_len=max_model_len)
+    if num_prompt + params.min_tokens > max_model_len:
+        # Without max_tokens (chat's default) the context is the cap: min_tokens beyond it can
+        # never be met, so it is refused as completions refuse min_tokens > max_tokens.
+        raise ValueError(f"min_tokens: prompt ({num_prompt} tokens) + min_tokens "
+                         f"({params.min_tokens}) exceeds the model's maximum context length of "
+                         f"{max_model_len} tokens")
     check_token_ids(params.stop_token_ids or (), vocab_size, "stop_token_ids")
     check_token_ids(params.logit_bias or {}, vocab_size, "logit_bias")
 

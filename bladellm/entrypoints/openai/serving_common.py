@@ -133,6 +133,9 @@ def build_sampling_params(req: SamplingRequest, ctx: ServingContext, *, max_toke
     if max_tokens is not None and max_tokens > ctx.max_model_len:
         raise bad_request(f"{max_tokens_param}: {max_tokens} exceeds the model's context length "
                           f"({ctx.max_model_len} tokens)", max_tokens_param)
+    if req.min_tokens > ctx.max_model_len:
+        raise bad_request(f"min_tokens: {req.min_tokens} exceeds the model's context length "
+                          f"({ctx.max_model_len} tokens)", "min_tokens")
     logit_bias = None
     if req.logit_bias:
         try:
