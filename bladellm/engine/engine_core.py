@@ -21,6 +21,7 @@ from bladellm.engine.guided import GuidedRequests
 from bladellm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from bladellm.checkpoint.locate import ResolvedModel
 from bladellm.engine.prompt_logprobs import PromptLogprobs
+from bladellm.engine.step_isolation import StepIsolation
 from bladellm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class EngineCore:
         except WorkerDiedError:
             raise
         except Exception as exc:  # noqa: BLE001 - one bad batch must not kill the server
-            return self._fail_step(sched, exc)
+            return self._fail_step(sched, exc, isolate=False)
 
     def _sync_loras(self) -> tuple[list[EngineCoreOutput], bool]:
         """Start disk loads of wanted adapters (off this loop), tell the scheduler which are in
@@ -224,8 +225,19 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - one bad batch must not kill the server
             return self._fail_step(sched, exc)
 
-    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
-        """The step's requests finish with its error (the engine goes on)."""
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception,
+                   isolate: bool = True) -> ModelRunnerOutput:
+        """The step's culprit(s) finish with its error and the engine goes on. ``isolate``: the
+        step is re-run in groups to find them (``step_isolation.py``), so that the others get
+        their tokens; without it (a pipelined step: other micro-batches are in flight, so no
+        step can be re-run in between) every request of the step fails."""
+        if isolate:
+            logger.error("step failed; re-running its %d requests to find the culprit:\n%s",
+                         len(sched.num_scheduled_tokens),
+                         "".join(traceback.format_exception(exc)))
+            return StepIsolation(self.scheduler, self.executor.execute_model,
+                                 self.executor.drop_requests,
+                                 fatal=(WorkerDiedError,)).recover(sched, exc)
         logger.error("step failed; failing its %d requests:\n%s",
                      len(sched.num_scheduled_tokens), "".join(traceback.format_exception(exc)))
         req_ids = list(sched.num_scheduled_tokens)
