@@ -30,6 +30,11 @@ class ServerConfig:
         default="32MiB",
         metadata={"help": "Largest request body accepted (e.g. 32MiB, 1048576); larger ones "
                           "get HTTP 413."})
+    max_prompts_per_request: int = field(
+        default=1024,
+        metadata={"help": "Most prompts one /v1/completions request may carry (a list of "
+                          "texts or of token-id lists); more get HTTP 400 before the body is "
+                          "parsed."})
     log_level: str = field(
         default="info", metadata={"help": f"Server log level: one of {', '.join(_LOG_LEVELS)}."})
     disable_access_log: bool = field(
@@ -69,6 +74,8 @@ class ServerConfig:
         _check(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
         _check(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
         parse_size_flag(self.max_request_body_bytes, "max_request_body_bytes")
+        _check(self.max_prompts_per_request >= 1, "max_prompts_per_request",
+               f"must be >= 1, got {self.max_prompts_per_request}")
         self.log_level = self.log_level.lower()
         _check(self.log_level in _LOG_LEVELS, "log_level",
                f"must be one of {_LOG_LEVELS}, got {self.log_level!r}")

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from bladellm.config import EngineConfig
+from bladellm.entrypoints.openai.body_bounds import BodyBounds, parse_request
 from bladellm.entrypoints.openai.config import ServerConfig
 from bladellm.entrypoints.openai.lifecycle import Lifecycle, LifecycleMiddleware, watch_engine
 from bladellm.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatLogger
@@ -31,7 +32,8 @@ from bladellm.entrypoints.openai.serving_chat import create_chat_completion
 from bladellm.entrypoints.openai.serving_common import ClientDisconnected, ServingContext
 from bladellm.entrypoints.openai.serving_completion import create_completion
 from bladellm.entrypoints.openai.serving_lora import adapter_cards, add_lora_routes
-from bladellm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
+from bladellm.entrypoints.openai.serving_embedding import (
+    MAX_INPUTS, EmbeddingRequest, create_embedding)
 from bladellm.entrypoints.openai.serving_tokenize import (
     DetokenizeRequest, TokenizeRequest, detokenize, tokenize)
 from bladellm.errors import EngineDeadError
@@ -78,12 +80,21 @@ def build_app(engine: Any, server_config: ServerConfig,
     app.add_middleware(LifecycleMiddleware, lifecycle=lifecycle)
 
     v1 = APIRouter(dependencies=[Depends(_api_key_check(server_config.api_key))])
+    # Prompt fields bounded before a body is parsed (body_bounds.py).
+    no_bounds = BodyBounds(ctx.max_model_len)
+    body_bounds = {
+        CompletionRequest: BodyBounds(ctx.max_model_len, {"prompt": (
+            server_config.max_prompts_per_request, "--max_prompts_per_request")}),
+        EmbeddingRequest: BodyBounds(ctx.max_model_len, {"input": (
+            MAX_INPUTS, "OpenAI's limit")}, unbounded_by="truncate_prompt_tokens",
+            generates=False)}
 
     async def serve(request: Request, model_cls: type, handler: Any) -> Response:
         try:
             if engine.is_dead:
                 raise EngineDeadError(engine.dead_reason or "the engine died")
-            req = model_cls.model_validate_json(await request.body())
+            req = await parse_request(model_cls, await request.body(),
+                                      body_bounds.get(model_cls, no_bounds))
             return await handler(req, request, ctx)
         except ClientDisconnected:
             return Response(status_code=499)

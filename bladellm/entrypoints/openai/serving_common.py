@@ -52,6 +52,7 @@ class ServingContext:
     max_prompt_chars: int | None = None  # cheap pre-tokenization bound (prompt_limits.py)
     trust_request_chat_template: bool = False
     default_chat_template: str | None = None  # --chat_template: replaces the tokenizer's
+    max_prompts_per_request: int = 1024  # --max_prompts_per_request
 
     @classmethod
     def from_engine(cls, engine: Any, server_config: Any = None) -> "ServingContext":
@@ -65,7 +66,9 @@ class ServingContext:
                    trust_request_chat_template=bool(getattr(
                        server_config, "trust_request_chat_template", False)),
                    default_chat_template=server_config.load_chat_template()
-                   if server_config is not None else None)
+                   if server_config is not None else None,
+                   max_prompts_per_request=getattr(server_config, "max_prompts_per_request",
+                                                   1024))
 
     def check_model(self, name: str | None) -> Any:
         """None for the base model, the ``LoRARequest`` an adapter name or path resolves to
