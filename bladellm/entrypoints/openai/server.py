@@ -41,6 +41,8 @@ from bladellm.http.auth import api_key_check as _api_key_check
 from bladellm.http.body_limit import BodyLimitMiddleware, RequestTooLarge, too_large
 from bladellm.http.errors import APIError
 from bladellm.http.handlers import from_exception, install_handlers
+from bladellm.http.connections import (
+    RateLimitedErrors, effective_max_connections, raise_open_file_limit, uvicorn_limits)
 from bladellm.http.listen import bind_socket
 
 logger = logging.getLogger("bladellm.server")
@@ -218,6 +220,7 @@ class _Server(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop.set_exception_handler(RateLimitedErrors())  # e.g. accept() out of files
         await super().startup(sockets)
         if self.started and sockets:
             host, port = sockets[0].getsockname()[:2]
@@ -272,9 +275,12 @@ async def _serve(engine_config: EngineConfig, server_config: ServerConfig,
         app = build_app(engine, server_config, metrics=metrics)
         # Our own drain has finished every request before uvicorn's shutdown starts; its
         # timeout only bounds connections that still will not close (e.g. a stalled reader).
+        limits = effective_max_connections(server_config.connection_limits,
+                                           raise_open_file_limit())
         config = uvicorn.Config(
             app, log_level=server_config.log_level, access_log=not server_config.disable_access_log,
-            root_path=server_config.root_path, timeout_graceful_shutdown=1)
+            root_path=server_config.root_path, timeout_graceful_shutdown=1,
+            **uvicorn_limits(limits))
         server = _Server(config, engine.model_info.served_model_name, engine,
                          app.state.lifecycle, server_config.shutdown_timeout)
         watcher = None
