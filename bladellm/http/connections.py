@@ -23,8 +23,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
 logger = logging.getLogger(__name__)
 
 _TICK_S = 0.5  # how often a connection checks its deadlines
@@ -58,6 +56,9 @@ def _busy_response(retry_after: int) -> bytes:
 
 def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class with the deadlines and the connection cap above."""
+    # Imported here: the flags (ConnectionLimits) are parsed before uvicorn is loaded.
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
     busy = _busy_response(limits.retry_after)
 
     class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
