@@ -557,6 +557,11 @@ class LoRAConfig:
     lora_modules: list[str] | None = field(
         default=None,
         metadata={"help": "Adapters registered at start-up, as name=path (vLLM style)."})
+    max_lora_entries: int = field(
+        default=256,
+        metadata={"help": "Most adapters registered at run time (reached by path, or loaded "
+                          "with /v1/load_lora_adapter) at once; past it the least recently "
+                          "used unused adapter reached by path is forgotten."})
     lora_root: list[str] | None = field(
         default=None,
         metadata={"help": "The only directories from which adapters may be loaded by path "
@@ -573,6 +578,8 @@ class LoRAConfig:
         _check(self.max_lora_rank >= 1, "max_lora_rank",
                f"must be >= 1, got {self.max_lora_rank}")
         _check(self.max_loras >= 1, "max_loras", f"must be >= 1, got {self.max_loras}")
+        _check(self.max_lora_entries >= 1, "max_lora_entries",
+               f"must be >= 1, got {self.max_lora_entries}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         _check(self.max_cpu_loras >= self.max_loras, "max_cpu_loras",

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
+import msgspec
 from fastapi import Request
 
 from bladellm.engine.cpu_offload import CpuOffload
@@ -79,14 +80,24 @@ class ServingContext:
             raise APIError(400, "model: must not be empty", "invalid_request_error",
                            param="model")
         registry = getattr(self.engine, "lora_registry", None)
+        why = ""
         if registry is not None:
-            from bladellm.lora.registry import LoRANotFoundError
+            from bladellm.lora.registry import LoRANotFoundError, LoRARegistryFullError
 
             try:
-                return registry.resolve(name)
-            except LoRANotFoundError:
-                pass
-        raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error",
+                lora = registry.resolve(name)
+            except LoRANotFoundError as exc:
+                why = (f" It is not a LoRA adapter either: {exc} (adapters are named by "
+                       f"--lora_modules or /v1/load_lora_adapter, or by a path under a "
+                       f"--lora_root).")
+            except LoRARegistryFullError as exc:
+                raise APIError(503, str(exc), "server_error", param="model",
+                               code="lora_registry_full", headers={"Retry-After": "1"}) from None
+            else:
+                # The engine knows an adapter by id and path; the response names it as sent.
+                return lora if lora.lora_name == name else msgspec.structs.replace(
+                    lora, lora_name=name)
+        raise APIError(404, f"The model `{name}` does not exist.{why}", "invalid_request_error",
                        param="model", code="model_not_found")
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
@@ -94,7 +105,22 @@ class ServingContext:
         """The engine's stream for one prompt, with the request's LoRA adapter if any."""
         if lora is None:
             return self.engine.generate(prompt, params, request_id)
-        return self.engine.generate(prompt, params, request_id, lora_request=lora)
+        stream = self.engine.generate(prompt, params, request_id, lora_request=lora)
+        registry = getattr(self.engine, "lora_registry", None)
+        if registry is None or not hasattr(registry, "acquire"):
+            return stream
+        return _holding_adapter(stream, registry, lora)
+
+
+async def _holding_adapter(stream: AsyncIterator[T], registry: Any, lora: Any) -> AsyncIterator[T]:
+    """``stream``, with its adapter marked in use (not evicted from the registry) meanwhile."""
+    registry.acquire(lora)
+    try:
+        async for item in stream:
+            yield item
+    finally:
+        registry.release(lora)
+        await _aclose(stream)
 
 
 # ------------------------------------------------------------------------- request checking
