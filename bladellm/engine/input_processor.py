@@ -15,6 +15,7 @@ with another request's child ids (e.g. uuids).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -25,6 +26,8 @@ from bladellm.engine.model_info import ModelInfo
 from bladellm.lora.request import LoRARequest
 from bladellm.engine.prompt_limits import check_prompt_chars, prompt_char_limit
 from bladellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
 _INT64_SPAN = 2**64
@@ -43,6 +46,7 @@ class InputProcessor:
         self._grammar_validator_lock = threading.Lock()
         # Refuse hopeless prompts by length before paying for tokenization.
         self.max_prompt_chars = prompt_char_limit(self.tokenizer, model_info.max_model_len)
+        self._tools_checked: set[str] = set()  # chat templates already checked for `tools`
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float, *, add_special_tokens: bool = True,
@@ -109,6 +113,18 @@ class InputProcessor:
             validator = self._grammar_validator
         validator.validate(params.guided_decoding)
 
+    def _warn_if_tools_unrendered(self, template: str | None) -> None:
+        """Once per template: a request's tools that the template cannot show the model."""
+        template = template or getattr(self.tokenizer, "chat_template", None)
+        if not isinstance(template, str) or template in self._tools_checked:
+            return
+        self._tools_checked.add(template)
+        if not template_uses_tools(template):
+            logger.warning("a request sent tools, but the chat template of %r ignores them: the "
+                           "model never sees the tools and will not call them (pass a template "
+                           "that renders `tools` with --chat_template)",
+                           self.model_info.served_model_name)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """Render OpenAI-style chat messages to prompt text with the tokenizer's template.
@@ -121,6 +137,8 @@ class InputProcessor:
             raise ValueError(f"the tokenizer of {self.model_info.served_model_name!r} has no "
                              f"chat template; use the completions API or pass a chat template")
         conversation = normalize_messages(messages)
+        if kwargs.get("tools"):
+            self._warn_if_tools_unrendered(kwargs.get("chat_template"))
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -128,6 +146,18 @@ class InputProcessor:
         except Exception as e:  # jinja2 TemplateError, raise_exception() inside templates
             raise ValueError(f"messages: chat template failed: {e}") from e
         return text
+
+
+def template_uses_tools(template: str) -> bool:
+    """Whether a Jinja chat template reads its ``tools`` variable (one that does not renders
+    the same prompt with or without tools: the model never learns of them)."""
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateSyntaxError:
+        return True  # rendering will report it
 
 
 def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:

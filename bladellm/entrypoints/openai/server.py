@@ -43,7 +43,7 @@ from bladellm.http.errors import APIError
 from bladellm.http.handlers import from_exception, install_handlers
 from bladellm.http.connections import (
     RateLimitedErrors, effective_max_connections, raise_open_file_limit, uvicorn_limits)
-from bladellm.http.listen import bind_socket
+from bladellm.http.listen import bind_socket, open_listener_warning
 
 logger = logging.getLogger("bladellm.server")
 
@@ -272,6 +272,9 @@ async def _serve(engine_config: EngineConfig, server_config: ServerConfig,
     sock = None
     try:
         sock = bind_socket(server_config.host, server_config.port)
+        warning = open_listener_warning(server_config.host, server_config.api_key)
+        if warning:
+            logger.warning(warning)
         app = build_app(engine, server_config, metrics=metrics)
         # Our own drain has finished every request before uvicorn's shutdown starts; its
         # timeout only bounds connections that still will not close (e.g. a stalled reader).
