@@ -38,6 +38,27 @@ def _check_draft(config: EngineConfig, resolved: ResolvedModel):
     return draft.hf_config
 
 
+def _log_draft_outlook(break_even: float | None) -> None:
+    """Say at start-up when the cost rule will rarely or never run the sps draft (a user who
+    turned sps on otherwise sees no speculation and no reason)."""
+    if break_even is None:
+        return
+    if break_even >= 1.0:
+        logger.warning("sps: the draft will never run: with this draft/target cost ratio, "
+                       "--spec_policy cost finds plain decoding faster even if every proposed "
+                       "token were accepted (a smaller draft, or --spec_policy always, runs it); "
+                       "declined drafts are counted in /metrics "
+                       "(bladellm_spec_decode_declined_total)")
+    elif break_even > 0.5:
+        logger.warning("sps: the draft runs only for requests expected to accept more than "
+                       "%.0f%% of its tokens (a new request is assumed to accept 50%%), so it "
+                       "may rarely run; declined drafts are counted in /metrics "
+                       "(bladellm_spec_decode_declined_total, by reason)", 100 * break_even)
+    else:
+        logger.info("sps: the draft runs for requests expected to accept more than %.0f%% of "
+                    "its tokens", 100 * break_even)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
         self.config = config
@@ -66,6 +87,7 @@ class EngineCore:
                 logger.info("speculation: --spec_policy %s, step overhead %.1f tokens, LM-head "
                             "share %.2f, draft/target cost %.2f", config.speculative.spec_policy,
                             c.step_overhead, c.lm_head_share, c.draft_ratio)
+                _log_draft_outlook(self.scheduler.spec_policy.draft_break_even())
             self.guided = GuidedRequests(config, resolved, self.scheduler)
             self.prompt_logprobs = PromptLogprobs()
             # Published steps not finished yet (pipeline parallelism), oldest first.
