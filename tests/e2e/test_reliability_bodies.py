@@ -5,6 +5,7 @@ its connections are guarded (item 4): a half-sent request is closed, the cap ans
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -74,6 +75,16 @@ def test_health_p99_while_a_huge_body_is_refused(server, body, tmp_path):
     latencies.sort()
     p99 = latencies[int(0.99 * (len(latencies) - 1))]
     assert p99 < 0.1, (p99, latencies[-5:])
+
+
+@pytest.mark.slow
+def test_metrics_show_the_kv_pool_before_any_request(server):
+    """No request of this module reaches the engine (each is refused at the boundary)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    total = re.search(r"^bladellm_kv_cache_total_blocks(?:\{[^}]*\})? (\S+)$", text, re.M)
+    assert total is not None and float(total.group(1)) > 0, text[-2000:]
+    steps = re.search(r"^bladellm_generation_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.M)
+    assert steps is None or float(steps.group(1)) == 0
 
 
 @pytest.mark.slow

@@ -53,6 +53,11 @@ class ServerConfig:
         metadata={"help": "Most open client connections; the next one gets HTTP 503 and is "
                           "closed. Lowered at start-up to fit the open-file limit (whose soft "
                           "value is raised to the hard one)."})
+    disable_docs: bool = field(
+        default=False,
+        metadata={"help": "Do not serve /docs, /redoc and /openapi.json (they stay open "
+                          "without a key even under --api_key: they describe the API, not "
+                          "the model)."})
     log_level: str = field(
         default="info", metadata={"help": f"Server log level: one of {', '.join(_LOG_LEVELS)}."})
     disable_access_log: bool = field(

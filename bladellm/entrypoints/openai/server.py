@@ -68,7 +68,10 @@ def server_version() -> str:
 def build_app(engine: Any, server_config: ServerConfig,
               metrics: PrometheusStatLogger | None = None) -> FastAPI:
     """The HTTP app around a started engine (``AsyncLLM`` or a test double)."""
-    app = FastAPI(title="BladeLLM", version=server_version(), root_path=server_config.root_path)
+    docs = {} if not server_config.disable_docs else {
+        "docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="BladeLLM", version=server_version(), root_path=server_config.root_path,
+                  **docs)
     app.state.retry_after = server_config.retry_after
     app.state.engine = engine
     app.state.metrics = metrics = metrics or PrometheusStatLogger(
