@@ -31,7 +31,9 @@ from bladellm.entrypoints.openai.protocol import (
 from bladellm.entrypoints.openai.serving_chat import create_chat_completion
 from bladellm.entrypoints.openai.serving_common import ClientDisconnected, ServingContext
 from bladellm.entrypoints.openai.serving_completion import create_completion
-from bladellm.entrypoints.openai.serving_lora import adapter_cards, add_lora_routes
+from bladellm.entrypoints.openai.openapi_bodies import declare_request_bodies
+from bladellm.entrypoints.openai.serving_lora import (
+    LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, adapter_cards, add_lora_routes)
 from bladellm.entrypoints.openai.serving_embedding import (
     MAX_INPUTS, EmbeddingRequest, create_embedding)
 from bladellm.entrypoints.openai.serving_tokenize import (
@@ -179,6 +181,11 @@ def build_app(engine: Any, server_config: ServerConfig,
                 metrics.update_gauges(stats)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    declare_request_bodies(app, {
+        "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+        "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest,
+        "/detokenize": DetokenizeRequest, "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+        "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest})
     return app
 
 

@@ -35,3 +35,24 @@ async def test_deeply_nested_tool_call_arguments_are_400(make_client):
         r = await c.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert "nested too deeply" in r.json()["error"]["message"]
+
+
+async def test_openapi_declares_every_request_body(make_client):
+    async with make_client(FakeAsyncLLM()) as c:
+        schema = (await c.get("/openapi.json")).json()
+    components = schema["components"]["schemas"]
+    posts = {path: ops["post"] for path, ops in schema["paths"].items() if "post" in ops}
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize",
+            "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"} <= set(posts)
+    for path, op in posts.items():
+        body = op.get("requestBody")
+        assert body is not None and body["required"], path
+        ref = body["content"]["application/json"]["schema"]["$ref"]
+        model = components[ref.rsplit("/", 1)[1]]
+        assert model["type"] == "object" and model["properties"], path
+    assert "messages" in components["ChatCompletionRequest"]["required"]
+    assert components["CompletionRequest"]["properties"]["top_k"]["anyOf"][0]["maximum"] == \
+        2**31 - 1
+    text = str(schema)
+    for ref in (part.split("'")[0] for part in text.split("#/components/schemas/")[1:]):
+        assert ref in components, ref  # every reference resolves
