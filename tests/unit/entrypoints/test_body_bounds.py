@@ -107,4 +107,6 @@ async def test_health_stays_fast_while_a_huge_body_is_refused(body):
     latencies.sort()
     p99 = latencies[int(0.99 * (len(latencies) - 1))]
     assert p99 < 0.1, (p99, latencies[-5:])
-    assert latencies[-1] < 0.1, (p99, latencies[-5:])
+    # Parsed on the loop, 4 M ids stalled it for seconds; the worst wait here is a scheduling
+    # hiccup of a loaded machine at most.
+    assert latencies[-1] < 0.5, (p99, latencies[-5:])
