@@ -59,3 +59,17 @@ def test_tools_the_template_ignores_are_warned_about_once(tiny_llama, caplog):
         proc.apply_chat_template(MSGS, chat_template=blind)  # no tools: nothing to say
     warnings = [r for r in caplog.records if "ignores them" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_engine_core_start_up_message_to_a_gone_parent_is_quiet():
+    """SIGTERM during start-up: the API process leaves, the engine core's ready message finds
+    a closed pipe; it stops without a BrokenPipeError traceback."""
+    import multiprocessing
+
+    from bladellm.engine.core_proc import tell_parent
+
+    parent_end, child_end = multiprocessing.Pipe()
+    assert tell_parent(child_end, {"status": "ready", "num_blocks": 1})
+    assert parent_end.recv() == {"status": "ready", "num_blocks": 1}
+    parent_end.close()
+    assert tell_parent(child_end, {"status": "ready", "num_blocks": 1}) is False
