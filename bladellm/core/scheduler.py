@@ -581,6 +581,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens, num_steps=self.num_steps,
             num_spec_drafts=self.num_spec_drafts,
+            num_spec_declined=dict(self.spec_policy.num_declined),
             num_spec_draft_tokens=self.num_spec_draft_tokens,
             num_spec_accepted_tokens=self.num_spec_accepted_tokens)
 

@@ -165,9 +165,13 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
     pp = pipeline_parallel_size
     if pp < 1:
         raise ValueError(f"--pipeline_parallel_size: must be >= 1, got {pp}")
-    if model.endswith(".gguf") or model == "demo":
+    if model.endswith(".gguf"):
         raise ValueError(f"--model {model}: GGUF checkpoints are quantized; blade_llm_split "
                          f"supports float checkpoint directories only for now")
+    if model == "demo":  # its dense copy is a float checkpoint directory
+        from bladellm.checkpoint.demo import demo_hf_dir
+
+        model = demo_hf_dir()
     src_dir = os.path.expanduser(model)
     if os.path.isdir(src_dir):
         _check_source(src_dir)
