@@ -12,7 +12,7 @@ import pytest
 from fake_engine import FakeAsyncLLM
 
 from bladellm.entrypoints.openai.config import ServerConfig
-from bladellm.entrypoints.openai.server import build_app
+from bladellm.entrypoints.api_server import build_app
 from bladellm.errors import EngineOverloadedError
 from bladellm.outputs import CompletionOutput, RequestOutput
 

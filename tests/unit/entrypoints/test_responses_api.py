@@ -14,7 +14,7 @@ from fake_engine import FakeAsyncLLM
 from test_lifecycle_api import _call
 
 from bladellm.entrypoints.openai.config import ServerConfig
-from bladellm.entrypoints.openai.server import build_app
+from bladellm.entrypoints.api_server import build_app
 from bladellm.outputs import CompletionOutput, RequestOutput
 
 
