@@ -18,7 +18,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Mixture-of-experts checkpoints name their experts' projections the same (Qwen-MoE:
+# ``mlp.experts.{e}.gate_proj``, its shared expert's too) or w1 / w3 / w2 (Mixtral); the routers
+# (``mlp.gate``, ``block_sparse_moe.gate``, ``shared_expert_gate``) stay float, as AutoGPTQ /
+# AutoAWQ leave them.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "w1", "w2", "w3")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
@@ -167,7 +172,7 @@ def quantize_checkpoint(src: str, dst: str | Path, fmt: str, bits: int = 4,
         if desc_act:  # act-order: each group is a random set of group_size columns, the same
             k = tensor.shape[1]  # for modules reading the same input (as GPTQ's Hessian is)
             key = module.rsplit(".", 1)[0] + {"k_proj": "q_proj", "v_proj": "q_proj",
-                                              "up_proj": "gate_proj"}.get(
+                                              "up_proj": "gate_proj", "w3": "w1"}.get(
                 module.rsplit(".", 1)[1], module.rsplit(".", 1)[1])
             perm = perms.setdefault(key, torch.randperm(k, generator=gen))
             g_idx = torch.empty(k, dtype=torch.int64)
@@ -208,3 +213,22 @@ def set_config_field(model_dir: str | Path, **fields) -> None:
     config = json.loads(path.read_text())
     config["quantization_config"].update(fields)
     path.write_text(json.dumps(config, indent=2))
+
+
+# Tiny MoE shapes whose intermediate sizes groups of 32 divide (tiny_models' defaults, 48 and
+# 40, are not).
+MOE_SHAPES = {
+    "mixtral": {},
+    "qwen2_moe": dict(moe_intermediate_size=64, shared_expert_intermediate_size=96),
+    "qwen3_moe": dict(moe_intermediate_size=64),
+}
+
+
+def dequantized_checkpoint(float_dir: str, fake: dict[str, torch.Tensor], dst: Path) -> str:
+    """``float_dir`` with every quantized weight replaced by its dequantized value: what
+    transformers runs as the reference (it stacks the per-expert tensors itself)."""
+    shutil.copytree(float_dir, dst)
+    state = load_file(str(dst / "model.safetensors"))
+    assert set(fake) <= set(state)
+    save_file({**state, **fake}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)

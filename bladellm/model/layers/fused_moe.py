@@ -7,6 +7,11 @@ Hugging Face checkpoints (``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`
 ``w1`` / ``w3`` / ``w2``) load into their slot. The forward routes (``Kernels.moe_route``) and
 runs ``Kernels.fused_moe``: tokens grouped by expert, one pass over the selected experts only.
 
+Quantized checkpoints (GPTQ, AWQ, compressed-tensors: ``experts.{e}.gate_proj.qweight``, ...)
+keep each expert's packed tensors instead of the stacked float ones
+(``bladellm/quantization/moe_method.py``): the same TP / EP geometry, the dense quantized
+kernels per selected expert.
+
 Parallelism (the group is the tensor-parallel one either way):
 
 * tensor parallel (default): every rank holds all experts, each cut to its share of the
@@ -31,6 +36,7 @@ from bladellm.distributed.parallel_state import get_ep_group
 from bladellm.distributed.partition import shard_range, split_evenly
 from bladellm.kernels.scope import kernels_for
 from bladellm.model.utils import copy_checked, get_tp_rank_and_size, tp_all_reduce
+from bladellm.quantization.moe_method import QuantMoEMethod, expert_schemes
 from bladellm.quantization.weight_attrs import set_weight_attrs
 
 # Checkpoint names of one expert's projections -> (our parameter, part of it).
@@ -46,13 +52,10 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  *, renormalize: bool, params_dtype: torch.dtype, quant_config: Any = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "",
+                 part_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+                 ) -> None:
         super().__init__()
-        if quant_config is not None:
-            raise ValueError(
-                f"{prefix}: quantized mixture-of-experts checkpoints "
-                f"({type(quant_config).__name__}) are not supported yet: the experts have no "
-                f"quantized kernel; serve the unquantized checkpoint")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"{prefix}: num_experts_per_tok {top_k} must be in "
                              f"[1, num_experts {num_experts}]")
@@ -77,6 +80,18 @@ class FusedMoE(nn.Module):
             self.inter_start, self.inter_size = shard_range(
                 split_evenly(intermediate_size, tp_size), tp_rank)
         self.intermediate_size = intermediate_size
+        self.kernels = kernels_for(prefix or "FusedMoE")
+        self._loaded: dict[str, set[Any]] = {"gate_up_proj": set(), "down_proj": set()}
+        # The kernels' load-time form of the stacked weights (``process_weights_after_loading``).
+        self.packed: object | None = None
+        schemes = (expert_schemes(quant_config, self, prefix, num_experts, part_names)
+                   if quant_config is not None else None)
+        # Quantized: each expert's checkpoint projections (``quant_experts``), no stacked
+        # float weights; the loader's ``process_quantized_layers`` unpacks them.
+        self.quant_method = QuantMoEMethod(schemes) if schemes is not None else None
+        if self.quant_method is not None:
+            self.quant_experts = self.quant_method.create_weights(self)
+            return
         E, I = self.num_local_experts, self.inter_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, hidden_size, dtype=params_dtype),
                                          requires_grad=False)
@@ -84,10 +99,6 @@ class FusedMoE(nn.Module):
                                       requires_grad=False)
         for p in (self.gate_up_proj, self.down_proj):
             set_weight_attrs(p, {"weight_loader": self.weight_loader})
-        self.kernels = kernels_for(prefix or "FusedMoE")
-        # The kernels' load-time form of the stacked weights (``process_weights_after_loading``).
-        self.packed: object | None = None
-        self._loaded: dict[str, set[Any]] = {"gate_up_proj": set(), "down_proj": set()}
 
     # ---- loading ----------------------------------------------------------------------------
     def _narrow(self, which: str, part: int, tensor: torch.Tensor) -> torch.Tensor:
@@ -101,14 +112,24 @@ class FusedMoE(nn.Module):
         dim = 0 if which == "gate_up_proj" else 1
         return tensor.narrow(dim, self.inter_start, self.inter_size)
 
-    def load_expert(self, which: str, expert: int, part: int, tensor: torch.Tensor) -> bool:
-        """One expert's checkpoint tensor into its slot; False where another rank holds that
-        expert (expert parallelism)."""
+    def load_expert(self, which: str, expert: int, part: int, tensor: torch.Tensor,
+                    tensor_name: str = "weight") -> bool:
+        """One expert's checkpoint tensor (``tensor_name``: ``weight``, or a quantized
+        checkpoint's ``qweight``, ``scales``, ...) into its slot; False where another rank holds
+        that expert (expert parallelism)."""
         local = expert - self.expert_start
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} outside num_experts {self.num_experts}")
         if not 0 <= local < self.num_local_experts:
             return False
+        if self.quant_method is not None:
+            name = self.quant_method.load(self.quant_experts, local, which, part, tensor_name,
+                                          tensor)
+            self._loaded.setdefault("quant", set()).add((name, part))
+            return True
+        if tensor_name != "weight":
+            raise ValueError(f"quantized tensor {tensor_name!r} in a checkpoint whose "
+                             f"quantization_config leaves these experts in float")
         param = getattr(self, which)
         dst = param.data[local]
         if which == "gate_up_proj":
@@ -133,6 +154,14 @@ class FusedMoE(nn.Module):
             else:
                 self.load_expert(which, e, 0, loaded[e])
 
+    def loaded_names(self) -> set[str]:
+        """The parameters (relative to this module) that got every tensor this rank holds."""
+        if self.quant_method is not None:
+            got = self._loaded.get("quant", set())
+            return {f"quant_experts.{name}" for name, part in got
+                    if ".down_proj." in name or (name, 1 - part) in got}
+        return {which for which in ("gate_up_proj", "down_proj") if self.fully_loaded(which)}
+
     def fully_loaded(self, which: str) -> bool:
         parts = 2 if which == "gate_up_proj" else 1
         return len(self._loaded[which]) == self.num_local_experts * parts
@@ -146,9 +175,17 @@ class FusedMoE(nn.Module):
         weights, ids = self.kernels.moe_route(router_logits, self.top_k, self.renormalize)
         if self.ep.world_size > 1:
             return self._forward_expert_parallel(x, weights, ids)
-        out = self.kernels.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
-                                     self.packed)
+        out = self._experts(x, weights, ids)
         return tp_all_reduce(out) if self.tp_size > 1 else out
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor,
+                 ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on ``x`` (``ids`` local; outside them: another rank's)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self.quant_experts, x, weights, ids,
+                                           self.kernels.silu_and_mul, self.hidden_size)
+        return self.kernels.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                      self.packed)
 
     def _forward_expert_parallel(self, x: torch.Tensor, weights: torch.Tensor,
                                  ids: torch.Tensor) -> torch.Tensor:
@@ -170,8 +207,7 @@ class FusedMoE(nn.Module):
         recv_ids = ep.all_to_all(ids_mine[order], send_sizes, recv_sizes)
         recv_w = ep.all_to_all(w_mine[order].float(), send_sizes, recv_sizes)
         # Each received pair is a token routed to one local expert.
-        y = self.kernels.fused_moe(recv_x, self.gate_up_proj, self.down_proj, recv_w[:, None],
-                                   (recv_ids - self.expert_start)[:, None], self.packed)
+        y = self._experts(recv_x, recv_w[:, None], (recv_ids - self.expert_start)[:, None])
         back = ep.all_to_all(y, recv_sizes, send_sizes)
         out = torch.zeros_like(x_mine).index_add_(0, tokens, back)
         return ep.all_gather(out, dim=0, sizes=token_sizes)
@@ -200,16 +236,20 @@ class SparseMoeBlock(nn.Module):
 def build_sparse_moe_block(hidden_size: int, num_experts: int, top_k: int,
                            intermediate_size: int, *, renormalize: bool, dtype: torch.dtype,
                            quant_config: Any, prefix: str, shared_expert: nn.Module | None = None,
-                           shared_expert_gate: bool = False) -> SparseMoeBlock:
+                           shared_expert_gate: bool = False,
+                           part_names: tuple[str, str, str] = ("gate_proj", "up_proj",
+                                                               "down_proj")) -> SparseMoeBlock:
     """The router (``{prefix}.gate``, never quantized: it is tiny and routing must be exact)
-    and the experts; optionally a shared expert and its one-output sigmoid gate."""
+    and the experts (``part_names``: the checkpoint's names of an expert's gate, up and down
+    projections, which a quantized checkpoint's exclusions match); optionally a shared expert
+    and its one-output sigmoid gate."""
     from bladellm.model.layers.linear import ReplicatedLinear
 
     gate = ReplicatedLinear(hidden_size, num_experts, bias=False, params_dtype=dtype,
                             prefix=f"{prefix}.gate")
     experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size,
                        renormalize=renormalize, params_dtype=dtype, quant_config=quant_config,
-                       prefix=f"{prefix}.experts")
+                       prefix=f"{prefix}.experts", part_names=part_names)
     shared_gate = ReplicatedLinear(hidden_size, 1, bias=False, params_dtype=dtype,
                                    prefix=f"{prefix}.shared_expert_gate") \
         if shared_expert_gate else None
@@ -217,10 +257,12 @@ def build_sparse_moe_block(hidden_size: int, num_experts: int, top_k: int,
 
 
 def moe_layers(model: nn.Module) -> list[FusedMoE]:
-    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+    """The layers with stacked float experts (quantized ones hold their kernels' forms from
+    the loader already)."""
+    return [m for m in model.modules() if isinstance(m, FusedMoE) and m.quant_method is None]
 
 
-_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(\w+)$")
 
 
 class ExpertWeights:
@@ -243,13 +285,13 @@ class ExpertWeights:
                 continue
             which, part = EXPERT_PARTS[match.group(3)]
             try:
-                module.load_expert(which, int(match.group(2)), part, tensor)
+                module.load_expert(which, int(match.group(2)), part, tensor, match.group(4))
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)}: {e}") from e
 
     def loaded(self) -> set[str]:
-        return {f"{name}.{which}" for name, m in self.modules.items()
-                for which in ("gate_up_proj", "down_proj") if m.fully_loaded(which)}
+        return {f"{name}.{param}" for name, m in self.modules.items()
+                for param in m.loaded_names()}
 
 
 __all__ = ["EXPERT_PARTS", "ExpertWeights", "FusedMoE", "SparseMoeBlock",

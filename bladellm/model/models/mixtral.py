@@ -20,7 +20,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return build_sparse_moe_block(
             cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok,
             cfg.intermediate_size, renormalize=True, dtype=self.dtype,
-            quant_config=self.quant_config, prefix=prefix)
+            quant_config=self.quant_config, prefix=prefix, part_names=("w1", "w3", "w2"))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         experts = ExpertWeights(self)

@@ -1,0 +1,128 @@
+"""Quantized mixture-of-experts checkpoints (per-expert packed tensors as AutoGPTQ / GPTQModel /
+AutoAWQ / llm-compressor write them, packed by the independent test-side packers of
+tests/quant_checkpoints.py) against transformers running the same model with the dequantized
+weights in fp32: logits through a paged KV cache; the experts stay packed in memory; the layer
+equals its plain-PyTorch twin (``kernels.ref.fused_moe`` on the dequantized experts), expert
+parallel ids included; partial exclusions are refused by name; greedy tokens through the engine
+under the stress configuration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from bladellm.attention import get_attn_backend
+from bladellm.checkpoint.hf_config import load_hf_config
+from bladellm.config import ModelConfig
+from bladellm.kernels import ref
+from bladellm.model.layers.fused_moe import FusedMoE, moe_layers
+from bladellm.model.loader import load_model
+from bladellm.quantization.gptq import GPTQConfig
+from quant_checkpoints import (MOE_SHAPES as SHAPES, dequantized_checkpoint, minmax_quantize,
+                               pack_gptq, quantize_checkpoint, set_config_field)
+from test_parity import check_prefill_then_decode
+
+CASES = {
+    "mixtral-gptq-4bit-g32": ("mixtral", dict(fmt="gptq", bits=4, group_size=32, sym=False)),
+    "qwen2_moe-awq-g32": ("qwen2_moe", dict(fmt="awq", group_size=32)),
+    "qwen2_moe-gptq-4bit-desc_act": ("qwen2_moe", dict(fmt="gptq", bits=4, group_size=32,
+                                                        sym=True, desc_act=True)),
+    "qwen3_moe-gptq-8bit-channel": ("qwen3_moe", dict(fmt="gptq", bits=8, group_size=-1,
+                                                      sym=True)),
+    "qwen3_moe-ct-w4a16-g32": ("qwen3_moe", dict(fmt="ct-pack", bits=4, group_size=32,
+                                                 sym=True)),
+}
+
+
+def _load(model_dir: str, kernels):
+    return load_model(ModelConfig(model=model_dir), load_hf_config(model_dir, False),
+                      torch.float32, "cpu", get_attn_backend(None, kernels))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_the_dequantized_model(tiny_model_factory, tmp_path, case, layer_kernels):
+    arch, quant = CASES[case]
+    src = tiny_model_factory(arch, **SHAPES[arch])
+    fake = quantize_checkpoint(src, tmp_path / "q", **quant)
+    assert any(".experts.0." in name for name in fake)
+    ours = _load(str(tmp_path / "q"), layer_kernels)
+    ref_dir = dequantized_checkpoint(src, fake, tmp_path / "ref")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
+    check_prefill_then_decode(ours, reference.eval())
+    # The experts stay packed: no stacked float experts, and each expert's codes are integers.
+    layers = [m for m in ours.modules() if isinstance(m, FusedMoE)]
+    assert layers and moe_layers(ours) == []
+    for layer in layers:
+        assert not hasattr(layer, "gate_up_proj") and not hasattr(layer, "down_proj")
+        codes = [b for name, b in layer.named_buffers() if name.endswith("_q_codes")]
+        assert len(codes) == 2 * layer.num_local_experts
+        assert all(not c.dtype.is_floating_point for c in codes)
+
+
+def _gptq_expert_tensors(w13: torch.Tensor, w2: torch.Tensor, bits: int = 4, group: int = 16):
+    """Per-expert GPTQ tensors of stacked float experts, and the dequantized stacks."""
+    tensors, deq13, deq2 = {}, [], []
+    I = w13.shape[1] // 2
+    for e in range(w13.shape[0]):
+        parts = {"gate_proj": w13[e, :I], "up_proj": w13[e, I:], "down_proj": w2[e]}
+        for part, w in parts.items():
+            qz = minmax_quantize(w, bits, group, sym=False, signed=False)
+            tensors.update({(e, part, k): v for k, v in pack_gptq(qz, bits).items()})
+            parts[part] = qz.dequantized()
+        deq13.append(torch.cat([parts["gate_proj"], parts["up_proj"]]))
+        deq2.append(parts["down_proj"])
+    return tensors, torch.stack(deq13), torch.stack(deq2)
+
+
+@torch.no_grad()
+def test_layer_equals_its_twin_on_the_dequantized_experts(layer_kernels):
+    E, H, I, k, T = 5, 32, 48, 2, 11
+    gen = torch.Generator().manual_seed(0)
+    tensors, w13, w2 = _gptq_expert_tensors(torch.randn(E, 2 * I, H, generator=gen),
+                                            torch.randn(E, H, I, generator=gen))
+    config = GPTQConfig(bits=4, group_size=16, desc_act=False, sym=False)
+    layer = FusedMoE(E, k, H, I, renormalize=True, params_dtype=torch.float32,
+                     quant_config=config, prefix="model.layers.0.mlp.experts")
+    from bladellm.model.layers.fused_moe import EXPERT_PARTS
+
+    for (e, part, name), t in tensors.items():
+        which, index = EXPERT_PARTS[part]
+        assert layer.load_expert(which, e, index, t, name)
+    assert len(layer.loaded_names()) == len(list(layer.parameters()))
+    from bladellm.quantization import process_quantized_layers
+
+    assert process_quantized_layers(layer) == 2 * E
+    x = torch.randn(T, H, generator=gen)
+    logits = torch.randn(T, E, generator=gen)
+    torch.testing.assert_close(layer(x, logits),
+                               ref.fused_moe(x, w13, w2, *ref.moe_route(logits, k, True)),
+                               atol=1e-4, rtol=1e-4)
+    # Expert parallelism hands the layer ids outside its experts: they contribute nothing.
+    weights, ids = ref.moe_route(logits, k, True)
+    ids = torch.where(ids == 3, torch.full_like(ids, -1), ids)
+    got = layer._experts(x, weights, ids)
+    torch.testing.assert_close(got, ref.fused_moe(x, w13, w2, weights, ids), atol=1e-4,
+                               rtol=1e-4)
+    assert layer._experts(x[:0], weights[:0], ids[:0]).shape == (0, H)
+
+
+def test_some_experts_excluded_is_refused_by_name(tiny_model_factory, tmp_path, layer_kernels):
+    src = tiny_model_factory("qwen3_moe", **SHAPES["qwen3_moe"])
+    quantize_checkpoint(src, tmp_path, fmt="awq", group_size=32)
+    set_config_field(tmp_path, modules_to_not_convert=["experts.1."])
+    with pytest.raises(ValueError, match="modules_to_not_convert.*all quantized or all float"):
+        _load(str(tmp_path), layer_kernels)
+
+
+def test_unpacked_experts_report_missing_tensors(tiny_model_factory, tmp_path, layer_kernels):
+    src = tiny_model_factory("qwen3_moe", **SHAPES["qwen3_moe"])
+    quantize_checkpoint(src, tmp_path, fmt="gptq", bits=4, group_size=32)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    gone = "model.layers.1.mlp.experts.2.up_proj.scales"
+    del state[gone]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing.*experts\.quant_experts\.2\.gate_up_proj"
+                                         r"\.scales"):
+        _load(str(tmp_path), layer_kernels)
