@@ -135,6 +135,7 @@ def check_paths(cfg: QuantizeConfig) -> None:
         raise ValueError(f"--model: architecture {', '.join(archs) or '(none in config.json)'} "
                          f"is not supported; blade_llm_quantize supports "
                          f"{', '.join(QUANT_ARCHITECTURES)}")
+    _check_moe(cfg, archs)
     _check_tensors(cfg.model, model_dir, raw)
     _check_group_size(cfg, raw)
     if os.path.isfile(cfg.output_dir):
@@ -146,6 +147,20 @@ def check_paths(cfg: QuantizeConfig) -> None:
         _remove_previous_output(cfg.output_dir)
 
 
+def _check_moe(cfg: QuantizeConfig, archs: list[str]) -> None:
+    from bladellm.quantization.algorithms.config import MOE_QUANT_ALGOS
+    from bladellm.quantization.algorithms.moe import moe_architecture
+
+    arch = moe_architecture(archs)
+    if arch is None:
+        return
+    if cfg.quant_algo not in MOE_QUANT_ALGOS:
+        raise ValueError(f"--quant_algo {cfg.quant_algo}: not supported for the mixture-of-"
+                         f"experts {arch} (supported: {', '.join(MOE_QUANT_ALGOS)})")
+    if cfg.cpu_offload:
+        raise ValueError(f"--cpu_offload: not supported for the mixture-of-experts {arch}")
+
+
 # Tensor suffixes of packed quantized weights (GPTQ / AWQ, compressed-tensors).
 _PACKED_SUFFIXES = (".qweight", ".qzeros", ".weight_scale", ".weight_packed")
 
@@ -155,8 +170,9 @@ def _check_tensors(model: str, model_dir: str, raw: dict) -> None:
     initialize a missing one at random and we would quantize noise without a word. A checkpoint
     quantized without ``quantization_config`` in config.json (AutoGPTQ's quantize_config.json,
     packed tensors) is named as such."""
-    from bladellm.quantization.algorithms.layer_io import LINEAR_NAMES
+    from bladellm.quantization.algorithms.layer_io import LINEAR_NAMES, O_PROJ, QKV
     from bladellm.quantization.algorithms.model_source import LAYER_PREFIX, weight_files
+    from bladellm.quantization.algorithms.moe import moe_architecture, required_mlp_tensors
 
     if os.path.isfile(os.path.join(model_dir, "quantize_config.json")):
         raise ValueError(f"--model: {model} is already quantized (quantize_config.json); start "
@@ -166,11 +182,13 @@ def _check_tensors(model: str, model_dir: str, raw: dict) -> None:
     if packed:
         raise ValueError(f"--model: {model} is already quantized ({packed[0]}); start from the "
                          f"float checkpoint")
-    per_layer = [f"{n}.weight" for n in LINEAR_NAMES + ("input_layernorm",
-                                                        "post_attention_layernorm")]
+    moe = moe_architecture(raw.get("architectures") or [])
+    linears = (QKV + O_PROJ) if moe else LINEAR_NAMES
+    per_layer = [f"{n}.weight" for n in linears + ("input_layernorm",
+                                                   "post_attention_layernorm")]
     want = ["model.embed_tokens.weight"] + [
         f"{LAYER_PREFIX}{i}.{n}" for i in range(int(raw.get("num_hidden_layers") or 0))
-        for n in per_layer]
+        for n in per_layer + (required_mlp_tensors(raw, moe, i) if moe else [])]
     missing = [n for n in want if n not in names]
     if missing:
         raise ValueError(f"--model: {model} lacks {len(missing)} tensor(s) its layers need, "
@@ -185,7 +203,10 @@ def _check_group_size(cfg: QuantizeConfig, raw: dict) -> None:
     heads = raw.get("num_attention_heads")
     head_dim = raw.get("head_dim") or (hidden // heads if hidden and heads else None)
     dims = {"hidden_size": hidden, "intermediate_size": raw.get("intermediate_size"),
-            "num_attention_heads * head_dim": heads * head_dim if heads and head_dim else None}
+            "num_attention_heads * head_dim": heads * head_dim if heads and head_dim else None,
+            # mixture of experts: the experts' and the shared expert's down_proj inputs
+            "moe_intermediate_size": raw.get("moe_intermediate_size"),
+            "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size")}
     for what, dim in dims.items():
         if dim and dim % cfg.group_size:
             raise ValueError(f"--group_size {cfg.group_size} does not divide the input features "
@@ -243,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {report.output_dir}: {report.num_layers} layers, {report.weight_bytes} bytes "
           f"of weights, {report.num_calib_samples} calibration samples "
           f"({report.num_calib_tokens} tokens), {report.seconds:.1f} s")
+    if report.expert_tokens:
+        counts = [n for layer in report.expert_tokens.values() for n in layer]
+        print(f"experts: {len(counts)}, calibration tokens per expert min {min(counts)} max "
+              f"{max(counts)}; {len(report.uncalibrated_experts)} reached by none (quantized by "
+              f"min-max round-to-nearest)"
+              + (f": {', '.join(report.uncalibrated_experts)}" if report.uncalibrated_experts
+                 else ""))
     return 0
 
 

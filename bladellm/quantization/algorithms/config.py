@@ -11,7 +11,11 @@ QUANT_ALGOS = ("minmax", "gptq", "awq", "smoothquant", "smoothquant+")
 # serves. Others are refused from config.json before any work: e.g. Gemma's norm multiplies by
 # (1 + weight), so folding scales into it would silently give wrong weights.
 QUANT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                       "Qwen3ForCausalLM")
+                       "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                       "Qwen3MoeForCausalLM")
+# Mixture-of-experts architectures (algorithms/moe.py): GPTQ and minmax only. AWQ / SmoothQuant
+# fold scales into the norm before the MLP, which also feeds the router (float): not done.
+MOE_QUANT_ALGOS = ("minmax", "gptq")
 # Algorithms that look at activations: they need --calib_data.
 CALIBRATED_ALGOS = ("gptq", "awq", "smoothquant", "smoothquant+")
 

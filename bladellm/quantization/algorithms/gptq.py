@@ -7,6 +7,10 @@ Group parameters are found when the first column of a group is reached, on the w
 so far (AutoGPTQ takes them from the not-yet-block-updated ``W``: kept, so results match).
 With ``act_order`` columns go in order of decreasing ``diag(H)`` and ``g_idx`` maps each
 original column to the group of its position in that order.
+
+A linear that no calibration token reached (a mixture-of-experts expert the router never chose;
+algorithms/moe.py) has no Hessian: it is quantized by min-max round-to-nearest instead, and
+``tokens_seen`` (the calibration tokens each linear saw) says which.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import torch
 from torch import nn
 
 from bladellm.quantization.algorithms.base import LayerResult
-from bladellm.quantization.algorithms.layer_io import (SEQUENTIAL_GROUPS, LayerInputs,
-                                                        input_hooks, linear, run_layer)
+from bladellm.quantization.algorithms.layer_io import (LayerInputs, input_hooks, linear,
+                                                        run_layer)
+from bladellm.quantization.algorithms.moe import linear_groups
 from bladellm.quantization.algorithms.quantizer import (GroupQuantSpec, QuantizedWeight,
-                                                         find_params, quantize_to_int)
+                                                         find_params, quantize_to_int,
+                                                         rtn_quantize)
 
 BLOCK_SIZE = 128
 
@@ -31,10 +37,12 @@ class HessianAccumulator:
     def __init__(self, in_features: int) -> None:
         self.H = torch.zeros(in_features, in_features, dtype=torch.float32)
         self.num_samples = 0
+        self.num_tokens = 0
 
     def add_batch(self, inp: torch.Tensor) -> None:
         batch = inp.shape[0] if inp.dim() == 3 else 1
         x = inp.reshape(-1, inp.shape[-1]).float()
+        self.num_tokens += x.shape[0]
         self.H *= self.num_samples / (self.num_samples + batch)
         self.num_samples += batch
         x = (2.0 / self.num_samples) ** 0.5 * x
@@ -118,18 +126,25 @@ class GPTQ:
     def __init__(self, spec: GroupQuantSpec, *, percdamp: float = 0.01,
                  act_order: bool = False) -> None:
         self.spec, self.percdamp, self.act_order = spec, percdamp, act_order
+        #: calibration tokens each linear of the last layer saw (by name in the layer)
+        self.tokens_seen: dict[str, int] = {}
 
     def quantize_layer(self, layer: nn.Module, inputs: LayerInputs | None) -> LayerResult:
         assert inputs is not None
         result: LayerResult = {}
-        for group in SEQUENTIAL_GROUPS:
+        self.tokens_seen = {}
+        for group in linear_groups(layer):
             hessians = {n: HessianAccumulator(linear(layer, n).in_features) for n in group}
             with input_hooks(layer, group, lambda n, x: hessians[n].add_batch(x)):
                 run_layer(layer, inputs)
             for n in group:
                 lin = linear(layer, n)
-                qw = gptq_quantize(lin.weight.data, hessians[n].H, self.spec,
-                                   percdamp=self.percdamp, act_order=self.act_order)
+                self.tokens_seen[n] = hessians[n].num_tokens
+                if hessians[n].num_tokens == 0:  # no Hessian: the stated fallback
+                    qw = rtn_quantize(lin.weight.data, self.spec)
+                else:
+                    qw = gptq_quantize(lin.weight.data, hessians[n].H, self.spec,
+                                       percdamp=self.percdamp, act_order=self.act_order)
                 lin.weight.data = qw.dequantize().to(lin.weight.dtype)
                 result[n] = qw
             del hessians

@@ -39,7 +39,10 @@ class LayerInputs:
 
 
 def check_layer_layout(layer: nn.Module) -> None:
-    for name in LINEAR_NAMES + ("input_layernorm", "post_attention_layernorm"):
+    # A mixture-of-experts layer's MLP is checked by algorithms/moe.py (unfuse_experts).
+    moe = getattr(getattr(layer, "mlp", None), "experts", None) is not None
+    names = (QKV + O_PROJ) if moe else LINEAR_NAMES
+    for name in names + ("input_layernorm", "post_attention_layernorm"):
         try:
             layer.get_submodule(name)
         except AttributeError as e:

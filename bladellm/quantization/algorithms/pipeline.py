@@ -6,6 +6,10 @@
    token), run it to get layer i+1's inputs, write its shard, forget it.
 3. Copy the tensors outside the layers (embedding, final norm, lm_head) unchanged, the config
    with its ``quantization_config``, and the tokenizer files.
+
+Mixture-of-experts layers are unfused into one linear per expert projection first
+(algorithms/moe.py); the calibration tokens each expert saw are logged and reported, and the
+experts none reached are named (quantized by the rule ``moe.UNCALIBRATED_RULE``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from bladellm.quantization.algorithms.layer_io import (LayerInputs, check_layer_
                                                        run_layer)
 from bladellm.quantization.algorithms.model_source import (LAYER_PREFIX, ModelSource,
                                                            read_tensors)
+from bladellm.quantization.algorithms.moe import (MOE_ARCHITECTURES, UNCALIBRATED_RULE,
+                                                  checkpoint_name, expert_token_counts,
+                                                  moe_architecture, unfuse_experts)
 from bladellm.quantization.algorithms.quantizer import (GroupQuantSpec, Int8ChannelWeight,
                                                         fake_quantize_act_per_token)
 
@@ -42,6 +49,10 @@ class QuantizeReport:
     seconds: float
     weight_bytes: int
     algorithm_choices: dict[str, Any] = field(default_factory=dict)
+    #: mixture of experts: calibration tokens per expert, by experts module
+    #: (``model.layers.0.mlp.experts``), and the experts no calibration token reached
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)
+    uncalibrated_experts: list[str] = field(default_factory=list)
 
 
 def make_algorithm(cfg: QuantizeConfig) -> LayerAlgorithm:
@@ -111,7 +122,7 @@ def check_shapes(cfg: QuantizeConfig, layer: nn.Module) -> None:
 
 
 def _layer_tensors(layer: nn.Module, prefix: str, result: LayerResult,
-                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                   dtype: torch.dtype, moe_block: str = "mlp") -> dict[str, torch.Tensor]:
     from bladellm.quantization.algorithms.writer import pack_gptq, pack_int8
 
     out = {}
@@ -123,7 +134,7 @@ def _layer_tensors(layer: nn.Module, prefix: str, result: LayerResult,
     for name, qw in result.items():
         packed = pack_int8(qw, dtype) if isinstance(qw, Int8ChannelWeight) else pack_gptq(qw)
         out.update({f"{prefix}{name}.{k}": v for k, v in packed.items()})
-    return out
+    return {checkpoint_name(name, moe_block): t for name, t in out.items()}
 
 
 def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
@@ -156,6 +167,13 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
                            len(samples), cfg.num_calib_samples, cfg.calib_data_max_len,
                            sum(s.shape[1] for s in samples))
     source = ModelSource(model_dir, cfg.cpu_offload)
+    moe_arch = moe_architecture(list(getattr(source.config, "architectures", None) or []))
+    moe_block, expert_names = MOE_ARCHITECTURES[moe_arch] if moe_arch else ("mlp", None)
+    if moe_arch and cfg.cpu_offload:
+        raise ValueError(f"--cpu_offload: not supported for {moe_arch} (its experts are read "
+                         f"stacked by transformers)")
+    expert_tokens: dict[str, list[int]] = {}
+    uncalibrated: list[str] = []
     dtype = source.source_dtype()
     num_layers = len(source.layers)
     inputs = None
@@ -165,27 +183,42 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
     out = writer.ShardedWriter(cfg.output_dir, num_layers + 1)
     for i in tqdm(range(num_layers), desc=f"{cfg.quant_algo} layers", disable=not progress):
         layer = source.load_layer(i)
+        if expert_names is not None:
+            unfuse_experts(layer, expert_names)
         check_shapes(cfg, layer)
         result = algo.quantize_layer(layer, inputs)
+        counts = (expert_token_counts(layer, getattr(algo, "tokens_seen", {}))
+                  if inputs is not None else None)
+        if counts is not None:
+            where = f"{LAYER_PREFIX}{i}.{moe_block}.experts"
+            expert_tokens[where] = counts
+            missed = [f"{where}.{e}" for e, n in enumerate(counts) if n == 0]
+            uncalibrated += missed
+            logger.info("layer %d: calibration tokens per expert %s", i, counts)
+            if missed:
+                logger.warning("%s: no calibration token reached them; quantized by %s",
+                               ", ".join(missed), UNCALIBRATED_RULE)
         if inputs is not None and i + 1 < num_layers:  # the next layer sees this one quantized
             handles = _install_quantized(layer, result)
             inputs = LayerInputs(run_layer(layer, inputs), inputs.kwargs)
             for h in handles:
                 h.remove()
-        out.write_shard(_layer_tensors(layer, f"{LAYER_PREFIX}{i}.", result, dtype))
+        out.write_shard(_layer_tensors(layer, f"{LAYER_PREFIX}{i}.", result, dtype, moe_block))
         del result
         source.release_layer(i)
     rest = source.non_layer_names()
     out.write_shard(read_tensors(source.files, rest))
     choices = {k: getattr(algo, k) for k in ("chosen_ratios", "chosen_alphas")
                if hasattr(algo, k)}
-    _write_config(cfg, model_dir, dtype, inputs, choices)
+    moe_meta = ({"uncalibrated_experts": uncalibrated,
+                 "uncalibrated_experts_rule": UNCALIBRATED_RULE} if expert_tokens else {})
+    _write_config(cfg, model_dir, dtype, inputs, {**choices, **moe_meta})
     writer.copy_side_files(model_dir, cfg.output_dir)
     out.finish()
     return QuantizeReport(
         cfg.output_dir, num_layers, len(inputs.hidden) if inputs else 0,
         inputs.num_tokens if inputs else 0, time.perf_counter() - start, out.total_bytes,
-        choices)
+        choices, expert_tokens, uncalibrated)
 
 
 def _write_config(cfg: QuantizeConfig, model_dir: str, dtype: torch.dtype,
