@@ -11,6 +11,7 @@ put them into a transformers model as the reference.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,9 +151,10 @@ def ct_config(fmt: str, bits: int, group_size: int, sym: bool, w8a8: bool) -> di
 
 def quantize_checkpoint(src: str, dst: str | Path, fmt: str, bits: int = 4,
                         group_size: int = 32, sym: bool = False, desc_act: bool = False,
-                        seed: int = 0) -> dict[str, torch.Tensor]:
+                        seed: int = 0, skip: str | None = None) -> dict[str, torch.Tensor]:
     """Write ``src`` quantized as ``fmt`` (gptq, awq, ct-pack, ct-w8a8) to ``dst``; returns the
-    fake-quantized float weight of every quantized linear, by checkpoint name."""
+    fake-quantized float weight of every quantized linear, by checkpoint name. ``skip``: a regex
+    (``re.match`` on the module name) of linears left float."""
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     for f in Path(src).iterdir():
@@ -165,7 +167,8 @@ def quantize_checkpoint(src: str, dst: str | Path, fmt: str, bits: int = 4,
     perms: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         module = name[:-len(".weight")]
-        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS):
+        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS) or \
+                (skip is not None and re.match(skip, module)):
             out[name] = tensor
             continue
         g_idx = None

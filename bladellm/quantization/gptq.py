@@ -5,10 +5,15 @@ Per linear layer, ``K`` inputs, ``N`` outputs, ``G`` groups, ``pack = 32 // bits
 ``[G, N / pack]`` (packed along the output) holding ``zero - 1`` (the v1 convention that
 GPTQModel's "gptq_v2" drops), ``scales`` fp16 ``[G, N]``, ``g_idx`` int32 ``[K]`` (the group of
 each input column; scattered with ``desc_act``). ``w = (q - (qzero + 1)) * scale``.
+
+GPTQModel's ``dynamic``: ``"-:<regex>"`` keys exclude the modules the regex matches (``re.match``
+on the module name, as GPTQModel and vLLM apply it) from quantization, e.g. a MoE router or
+shared expert left float; per-module overrides (``"+:<regex>"`` or a bare regex) are refused.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -25,8 +30,11 @@ _WHERE = "quantization_config"
 class GPTQConfig(QuantConfig):
     name = "gptq"
 
-    def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool) -> None:
+    def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool,
+                 excluded: tuple[str, ...] = ()) -> None:
         self.bits, self.group_size, self.desc_act, self.sym = bits, group_size, desc_act, sym
+        #: GPTQModel ``dynamic`` "-:" patterns: modules left float
+        self.excluded = excluded
 
     @classmethod
     def from_config(cls, raw: dict[str, Any]) -> "GPTQConfig":
@@ -42,16 +50,30 @@ class GPTQConfig(QuantConfig):
                              f"'gptq' (v1: zero points stored minus one)")
         if field(raw, ["lm_head"], bool, False):
             raise ValueError(f"{_WHERE}.lm_head: a quantized lm_head is not supported")
-        if field(raw, ["dynamic"], dict, {}):
-            raise ValueError(f"{_WHERE}.dynamic: per-module overrides are not supported")
+        excluded = []
+        for key in field(raw, ["dynamic"], dict, {}):
+            if not str(key).startswith("-:"):
+                raise ValueError(f"{_WHERE}.dynamic: per-module overrides ({key!r}) are not "
+                                 f"supported; only '-:' exclusions are")
+            try:
+                re.compile(key[2:])
+            except re.error as e:
+                raise ValueError(f"{_WHERE}.dynamic: {key!r} is not a regex: {e}") from e
+            excluded.append(key[2:])
         return cls(bits, group_size, field(raw, ["desc_act"], bool, False),
-                   field(raw, ["sym"], bool, True))
+                   field(raw, ["sym"], bool, True), tuple(excluded))
 
     def describe(self) -> str:
         return (f"gptq {self.bits}-bit group {self.group_size} "
                 f"{'sym' if self.sym else 'asym'}{' desc_act' if self.desc_act else ''}")
 
-    def scheme_for(self, layer: nn.Module, module_names: list[str]) -> QuantScheme:
+    def scheme_for(self, layer: nn.Module, module_names: list[str]) -> QuantScheme | None:
+        skipped = [any(re.match(p, name) for p in self.excluded) for name in module_names]
+        if all(skipped):
+            return None
+        if any(skipped):
+            raise ValueError(f"{_WHERE}.dynamic: {module_names} are fused into one layer but "
+                             f"only some of them are excluded")
         return GPTQScheme(self)
 
 

@@ -61,6 +61,23 @@ def test_logits_match_the_dequantized_model(tiny_model_factory, tmp_path, case, 
         assert all(not c.dtype.is_floating_point for c in codes)
 
 
+def test_gptq_dynamic_exclusions_keep_the_shared_expert_float(tiny_model_factory, tmp_path,
+                                                              layer_kernels):
+    """GPTQModel's ``dynamic`` "-:" keys: the shared expert excluded stays float."""
+    src = tiny_model_factory("qwen2_moe", **SHAPES["qwen2_moe"])
+    skip = r".*\.shared_expert\."
+    fake = quantize_checkpoint(src, tmp_path / "q", fmt="gptq", bits=4, group_size=32,
+                               skip=skip)
+    set_config_field(tmp_path / "q", dynamic={f"-:{skip}": {}})
+    assert not any("shared_expert" in name for name in fake)
+    ours = _load(str(tmp_path / "q"), layer_kernels)
+    shared = ours.model.layers[1].mlp.shared_expert
+    assert shared.gate_up_proj.weight.dtype == torch.float32
+    ref_dir = dequantized_checkpoint(src, fake, tmp_path / "ref")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
+    check_prefill_then_decode(ours, reference.eval())
+
+
 def _gptq_expert_tensors(w13: torch.Tensor, w2: torch.Tensor, bits: int = 4, group: int = 16):
     """Per-expert GPTQ tensors of stacked float experts, and the dequantized stacks."""
     tensors, deq13, deq2 = {}, [], []

@@ -51,7 +51,9 @@ BAD = [
     (_with(GPTQ, "group_size", 0), "group_size"),
     (_with(GPTQ, "checkpoint_format", "gptq_v2"), "checkpoint_format"),
     (_with(GPTQ, "lm_head", True), "lm_head"),
-    (_with(GPTQ, "dynamic", {"-:.*down.*": {}}), "dynamic"),
+    (_with(GPTQ, "dynamic", {"+:.*down.*": {"bits": 8}}), "dynamic"),
+    (_with(GPTQ, "dynamic", {".*down.*": {"bits": 8}}), "dynamic"),
+    (_with(GPTQ, "dynamic", {"-:(": {}}), "dynamic"),
     (_with(AWQ, "bits", 8), "w_bit"),
     (_with(AWQ, "version", "gemv"), "version"),
     (_with(AWQ, "zero_point", False), "zero_point"),
@@ -106,6 +108,13 @@ def test_ignore_and_modules_to_not_convert_keep_layers_in_float():
         partly.scheme_for(layer, [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"])
     awq = get_quant_config(_cfg(_with(AWQ, "modules_to_not_convert", ["mlp"])))
     assert awq.scheme_for(layer, ["model.layers.0.mlp.down_proj"]) is None
+    # GPTQModel's dynamic "-:" exclusions (re.match on the module name)
+    gptq = get_quant_config(_cfg(_with(GPTQ, "dynamic", {r"-:.*\.shared_expert\.": {}})))
+    assert gptq.scheme_for(layer, ["model.layers.1.mlp.shared_expert.down_proj"]) is None
+    assert gptq.scheme_for(layer, ["model.layers.1.mlp.experts.0.down_proj"]) is not None
+    with pytest.raises(ValueError, match="dynamic.*only some"):
+        get_quant_config(_cfg(_with(GPTQ, "dynamic", {"-:.*k_proj": {}}))).scheme_for(
+            layer, [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"])
 
 
 def test_fused_names_come_from_the_model():
