@@ -60,3 +60,26 @@ def test_tensor_parallel_off_group_boundaries_is_refused(tiny_model_factory, tmp
     with pytest.raises(RuntimeError,
                        match=r"--tensor_parallel_size: .*experts\.\d+\.gate_up_proj"):
         LLM(model=str(tmp_path), dtype="float32", tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["TP2", "EP2"])
+def test_split_serves_the_unsplit_tokens(tiny_model_factory, tmp_path, ep):
+    """``blade_llm_split`` of a quantized MoE checkpoint: each rank holds its experts' packed
+    shards (EP: whole experts, half of them), and serving the split gives one rank's tokens."""
+    from safetensors import safe_open
+
+    from bladellm.entrypoints.cli.split import split_checkpoint
+
+    src = tiny_model_factory("qwen3_moe", **SHAPES["qwen3_moe"])
+    quantize_checkpoint(src, tmp_path / "q", fmt="gptq", bits=4, group_size=32)
+    out = str(tmp_path / "split")
+    split_checkpoint(str(tmp_path / "q"), out, 2, enable_expert_parallel=ep)
+    with safe_open(f"{out}/rank_1/model.safetensors", "pt") as f:
+        names = set(f.keys())
+    experts = {n.split(".quant_experts.")[1].split(".")[0] for n in names
+               if ".mlp.experts.quant_experts." in n and n.endswith("down_proj.qweight")}
+    assert experts == ({"0", "1", "2", "3"} if ep else {str(e) for e in range(8)})
+    assert not any(n.endswith("gate_up_proj") for n in names)  # no stacked float experts
+    prompts = _prompts(384)[:4]
+    parallel = dict(tensor_parallel_size=2, enable_expert_parallel=ep)
+    assert _generate(out, prompts, **parallel) == _generate(str(tmp_path / "q"), prompts)
