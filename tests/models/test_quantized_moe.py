@@ -78,6 +78,38 @@ def test_gptq_dynamic_exclusions_keep_the_shared_expert_float(tiny_model_factory
     check_prefill_then_decode(ours, reference.eval())
 
 
+def test_experts_all_excluded_load_float(tiny_model_factory, tmp_path, layer_kernels):
+    """AWQ ``modules_to_not_convert`` naming every expert: the experts load stacked in float
+    (and are prepacked as float experts), the attention stays quantized."""
+    src = tiny_model_factory("qwen3_moe", **SHAPES["qwen3_moe"])
+    fake = quantize_checkpoint(src, tmp_path / "q", fmt="awq", group_size=32,
+                               skip=r".*\.experts\.")
+    set_config_field(tmp_path / "q", modules_to_not_convert=["experts"])
+    ours = _load(str(tmp_path / "q"), layer_kernels)
+    layers = moe_layers(ours)
+    assert len(layers) == 2 and all(m.quant_method is None for m in layers)
+    assert layers[0].gate_up_proj.dtype == torch.float32
+    ref_dir = dequantized_checkpoint(src, fake, tmp_path / "ref")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
+    check_prefill_then_decode(ours, reference.eval())
+
+
+@torch.no_grad()
+def test_a_decode_step_runs_only_the_selected_experts(tiny_model_factory, tmp_path,
+                                                      layer_kernels):
+    src = tiny_model_factory("qwen3_moe", **SHAPES["qwen3_moe"])  # 8 experts, top 3
+    quantize_checkpoint(src, tmp_path, fmt="gptq", bits=4, group_size=32)
+    ours = _load(str(tmp_path), layer_kernels)
+    layer = ours.model.layers[0].mlp.experts
+    calls = []
+    for e, pair in enumerate(layer.quant_experts):
+        for which, proj in pair.items():
+            proj.register_forward_hook(lambda *_a, e=e, w=which: calls.append((e, w)))
+    x = torch.randn(1, layer.hidden_size)
+    layer(x, torch.randn(1, layer.num_experts))
+    assert len(calls) == 2 * layer.top_k and len({e for e, _ in calls}) == layer.top_k
+
+
 def _gptq_expert_tensors(w13: torch.Tensor, w2: torch.Tensor, bits: int = 4, group: int = 16):
     """Per-expert GPTQ tensors of stacked float experts, and the dequantized stacks."""
     tensors, deq13, deq2 = {}, [], []
