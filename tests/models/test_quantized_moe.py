@@ -175,3 +175,45 @@ def test_unpacked_experts_report_missing_tensors(tiny_model_factory, tmp_path, l
     with pytest.raises(ValueError, match=r"missing.*experts\.quant_experts\.2\.gate_up_proj"
                                          r"\.scales"):
         _load(str(tmp_path), layer_kernels)
+
+
+@torch.no_grad()
+def test_w8a8_experts_equal_their_twin(layer_kernels):
+    """compressed-tensors W8A8 experts (int8 weights, per-token int8 activations): each
+    selected expert's projections equal ``w8a8_reference`` (exact integer sums)."""
+    from bladellm.quantization.compressed_tensors import CompressedTensorsConfig
+    from bladellm.quantization.cpu_kernels import w8a8_reference
+    from bladellm.quantization.int_weight import IntWeight, default_g_idx
+    from bladellm.quantization.moe_method import quantized_fused_moe
+    from quant_checkpoints import ct_config, pack_ct_int8
+
+    E, H, I, k, T = 4, 32, 48, 2, 7
+    gen = torch.Generator().manual_seed(1)
+    config = CompressedTensorsConfig.from_config(ct_config("int-quantized", 8, -1, True, True))
+    layer = FusedMoE(E, k, H, I, renormalize=False, params_dtype=torch.float32,
+                     quant_config=config, prefix="model.layers.0.mlp.experts")
+    from bladellm.model.layers.fused_moe import EXPERT_PARTS
+    from bladellm.quantization import process_quantized_layers
+
+    twins = []
+    for e in range(E):
+        ints = {}
+        for part, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            qz = minmax_quantize(torch.randn(*shape, generator=gen), 8, -1, sym=True,
+                                 signed=True, scale_dtype=torch.float32)
+            which, index = EXPERT_PARTS[part]
+            for name, t in pack_ct_int8(qz).items():
+                layer.load_expert(which, e, index, t, name)
+            ints[part] = qz
+        gate_up = IntWeight(torch.cat([ints["gate_proj"].q, ints["up_proj"].q]).to(torch.int16),
+                            torch.cat([ints["gate_proj"].scales, ints["up_proj"].scales]),
+                            None, default_g_idx(H, H), 8)
+        down = IntWeight(ints["down_proj"].q.to(torch.int16), ints["down_proj"].scales, None,
+                         default_g_idx(I, I), 8)
+        twins.append((lambda x, w=gate_up: w8a8_reference(x, w, None),
+                      lambda x, w=down: w8a8_reference(x, w, None)))
+    assert process_quantized_layers(layer) == 2 * E
+    x = torch.randn(T, H, generator=gen)
+    weights, ids = ref.moe_route(torch.randn(T, E, generator=gen), k, False)
+    want = quantized_fused_moe(x, twins, weights, ids, ref.silu_and_mul, H)
+    torch.testing.assert_close(layer._experts(x, weights, ids), want, atol=1e-4, rtol=1e-4)
