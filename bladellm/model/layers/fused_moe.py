@@ -128,8 +128,9 @@ class FusedMoE(nn.Module):
             self._loaded.setdefault("quant", set()).add((name, part))
             return True
         if tensor_name != "weight":
-            raise ValueError(f"quantized tensor {tensor_name!r} in a checkpoint whose "
-                             f"quantization_config leaves these experts in float")
+            raise ValueError(f"unexpected tensor {tensor_name!r} for float experts (only "
+                             f"'weight'; packed tensors need a quantization_config that "
+                             f"quantizes these experts)")
         param = getattr(self, which)
         dst = param.data[local]
         if which == "gate_up_proj":
