@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import transformers
 
 from bladellm import LLM, SamplingParams
 from bladellm.entrypoints.cli.quantize import main as quantize_main, run as quantize_run
-from bladellm.quantization.algorithms.moe import num_experts
+from bladellm.checkpoint.moe import num_experts
 from bladellm.quantization.algorithms.quantizer import GroupQuantSpec, rtn_quantize
 from bladellm.quantization.calib import load_calibration_texts, tokenize_calibration
 from quant_checkpoints import MOE_SHAPES, dequantized_checkpoint
@@ -84,7 +85,7 @@ def test_quantized_moe_serves_the_read_back_tokens(tiny_model_factory, tmp_path,
     assert "calibration tokens per expert" in capsys.readouterr().out
     t = read_checkpoint(out)
     block, (gate, up, down) = BLOCKS[arch]
-    experts = num_experts(json.loads((Path(src) / "config.json").read_text()))
+    experts = num_experts(SimpleNamespace(**json.loads((Path(src) / "config.json").read_text())))
     for e in range(experts):
         for part in (gate, up, down):
             assert f"model.layers.1.{block}.experts.{e}.{part}.qweight" in t
@@ -175,4 +176,20 @@ def test_unsupported_moe_combinations_are_refused(tiny_model_factory, tmp_path, 
         args += flags
     with pytest.raises(ValueError, match=match):
         quantize_run(args)
+    assert not (tmp_path / "q").exists()
+
+
+def test_missing_expert_tensor_refused_before_any_work(tiny_model_factory, tmp_path):
+    """transformers would initialize a missing expert at random and it would be quantized."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model_factory("mixtral"), src)
+    state = load_file(str(src / "model.safetensors"))
+    del state["model.layers.1.block_sparse_moe.experts.2.w2.weight"]
+    save_file(state, str(src / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks 1 tensor.*block_sparse_moe\.experts\.2\.w2"):
+        quantize_run(_args(str(src), str(tmp_path / "q"), _calib(tmp_path)))
     assert not (tmp_path / "q").exists()

@@ -20,11 +20,13 @@ dense MLP.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
+from bladellm.checkpoint.moe import is_sparse_layer, num_experts
 from bladellm.quantization.algorithms.layer_io import DOWN, GATE_UP, O_PROJ, QKV
 
 # Architecture -> (checkpoint name of the MoE block in a layer, an expert's gate, up, down).
@@ -133,32 +135,19 @@ def checkpoint_name(name: str, block: str) -> str:
     return name.replace(".mlp.", f".{block}.", 1) if block != "mlp" else name
 
 
-def sparse_layers(raw: dict[str, Any], arch: str) -> list[int]:
-    """The decoder layers with experts, from config.json (Qwen2-MoE / Qwen3-MoE:
-    ``mlp_only_layers`` and ``decoder_sparse_step``; Mixtral: all)."""
-    n = int(raw.get("num_hidden_layers") or 0)
-    if arch == "MixtralForCausalLM":
-        return list(range(n))
-    step = int(raw.get("decoder_sparse_step") or 1)
-    dense = set(raw.get("mlp_only_layers") or [])
-    experts = num_experts(raw)
-    return [i for i in range(n) if i not in dense and experts > 0 and (i + 1) % step == 0]
-
-
 def required_mlp_tensors(raw: dict[str, Any], arch: str, layer: int) -> list[str]:
     """The MLP tensors (relative to the layer) a float checkpoint of ``arch`` must hold."""
     block, names = MOE_ARCHITECTURES[arch]
-    if layer not in sparse_layers(raw, arch):
+    config = SimpleNamespace(**raw)
+    if num_experts(config) == 0:  # transformers would build its default experts at random
+        raise ValueError(f"--model: config.json of this {arch} names no experts "
+                         f"(num_local_experts / num_experts)")
+    if not is_sparse_layer(config, layer):
         return [f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
     return [f"{block}.gate.weight"] + [f"{block}.experts.{e}.{n}.weight"
-                                       for e in range(num_experts(raw)) for n in names]
-
-
-def num_experts(raw: dict[str, Any]) -> int:
-    # config.json spells it either way (transformers 5 writes Qwen's as num_local_experts)
-    return int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+                                       for e in range(num_experts(config)) for n in names]
 
 
 __all__ = ["MOE_ARCHITECTURES", "PerExpertMLPs", "UNCALIBRATED_RULE", "checkpoint_name",
            "expert_token_counts", "linear_groups", "moe_architecture", "required_mlp_tensors",
-           "sparse_layers", "unfuse_experts"]
+           "unfuse_experts"]
