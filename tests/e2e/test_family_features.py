@@ -1,0 +1,241 @@
+"""The new families with the rest of the engine (issue 32, item 4), each under the stress
+configuration of test_spec_decode / test_kv_cache_quant (prompt cache, chunked prefill, a KV
+pool small enough to force preemption, block accounting checked every step):
+
+- ``--decode_algo sps`` (the target as its own draft, and a smaller random draft of the same
+  family) and ``--decode_algo look_ahead``: greedy tokens identical to the target alone;
+- ``--kv_cache_quant int8``: close to the fp32 cache by test_kv_cache_quant's criterion;
+- LoRA adapters written by PEFT on each family's own module names (OPT's q/v/out_proj/fc1,
+  Phi-3's fused qkv_proj / gate_up_proj, GLM's gate_up_proj, ChatGLM's query_key_value): greedy
+  tokens identical to transformers + PEFT;
+- ChatGLM on two pipeline stages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from bladellm import LLM, SamplingParams
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
+
+from family_models import family_dirs, make_family_model, write_chatglm  # noqa: E402
+from test_family_engine import _prompts  # noqa: E402
+from test_kv_cache_quant import MAX_LOGPROB_DIFF, _compare  # noqa: E402
+from tiny_lora import make_adapter, peft_greedy  # noqa: E402
+
+MAX_TOKENS = 16
+STRESS = dict(dtype="float32", block_size=4, max_num_batched_tokens=32, max_num_seqs=8,
+              num_kv_blocks=40, max_model_len=128, debug_block_accounting=True)
+VARIANTS = ["opt", "opt-post-ln-proj", "phi3-longrope", "glm", "glm4", "chatglm"]
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    return family_dirs(tmp_path_factory)
+
+
+def _run(model_dir: str, prompts, params, **kwargs):
+    llm = LLM(model=model_dir, **{**STRESS, **kwargs})
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.engine.core.scheduler.get_stats()
+        assert stats.num_used_blocks == 0  # every block came back
+        return [o.outputs[0] for o in outs], stats, llm
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def normal(family_dir):
+    """variant -> (prompts, greedy outputs of plain decoding), each run once."""
+    cache: dict = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            prompts = _prompts(300)
+            outs, stats, _ = _run(family_dir(variant), prompts,
+                                  SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                 logprobs=3))
+            assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+            cache[variant] = prompts, outs
+        return cache[variant]
+
+    return get
+
+
+def _small_draft(family_dir, variant: str, root: Path) -> str:
+    """A one-layer random model of the target's family (another seed, same tokenizer)."""
+    if variant == "chatglm":
+        glm = make_family_model(root / "glm", "glm", seed=7, num_hidden_layers=1)
+        return write_chatglm(glm, root / "chatglm")
+    from family_models import VARIANTS as SHAPES
+
+    family, overrides = SHAPES[variant]
+    return make_family_model(root, family, seed=7, **{**overrides, "num_hidden_layers": 1})
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sps_self_draft_accepts_everything(family_dir, normal, variant):
+    prompts, expected = normal(variant)
+    model = family_dir(variant)
+    outs, stats, _ = _run(model, prompts, GREEDY, decode_algo="sps", draft_model=model,
+                          gamma=3, spec_policy="always")
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert 0 < stats.num_spec_accepted_tokens == stats.num_spec_draft_tokens
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sps_small_draft_of_the_family_greedy_identical(family_dir, normal, variant, tmp_path):
+    prompts, expected = normal(variant)
+    draft = _small_draft(family_dir, variant, tmp_path)
+    outs, stats, _ = _run(family_dir(variant), prompts, GREEDY, decode_algo="sps",
+                          draft_model=draft, gamma=4, spec_policy="always")
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert 0 < stats.num_spec_draft_tokens
+    assert stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens  # it disagrees
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_look_ahead_greedy_identical(family_dir, normal, variant):
+    prompts, expected = normal(variant)
+    outs, stats, _ = _run(family_dir(variant), prompts, GREEDY, decode_algo="look_ahead",
+                          look_ahead_window_size=3, look_ahead_gram_size=3, guess_set_size=3,
+                          spec_policy="always")
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert stats.num_spec_draft_tokens > 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_int8_kv_close_to_fp32(family_dir, normal, variant):
+    prompts, base = normal(variant)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3)
+    quant, stats, llm = _run(family_dir(variant), prompts, params, kv_cache_quant="int8")
+    assert llm.engine.core.executor.worker.model_runner.kv_caches[0].dtype == torch.int8
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    agree, total, worst = _compare(base, quant)
+    assert agree >= 0.6 * total, (agree, total)
+    assert 0.0 < worst < MAX_LOGPROB_DIFF  # quantized (the numbers moved), but close
+
+
+# ---- LoRA ---------------------------------------------------------------------------------------
+
+# variant -> PEFT target_modules, on the family's own module names.
+LORA_TARGETS = {
+    "opt": ["q_proj", "v_proj", "out_proj", "fc1"],
+    "opt-post-ln-proj": ["k_proj", "fc2"],
+    "phi3-longrope": ["qkv_proj", "o_proj", "gate_up_proj"],  # fused in transformers too
+    "glm": ["q_proj", "v_proj", "down_proj"],
+    "glm4": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
+}
+# GLM module name (transformers) -> ChatGLM's, for the adapter of a ChatGLM checkpoint.
+_CHATGLM_NAMES = {"self_attn.o_proj": "self_attention.dense",
+                  "mlp.gate_up_proj": "mlp.dense_h_to_4h", "mlp.down_proj": "mlp.dense_4h_to_h"}
+
+
+def _chatglm_adapter(glm_dir: str, root: Path) -> tuple[str, str]:
+    """(PEFT adapter of the GLM oracle, the same adapter in ChatGLM's names). ChatGLM's fused
+    query_key_value is one A and one B of q | k | v rows: the GLM adapter's q/k/v share one A
+    (set after PEFT made it), and their Bs stack into ChatGLM's B."""
+    glm_adapter = make_adapter(glm_dir, root / "glm", r=4, seed=5, targets=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"])
+    file = Path(glm_adapter) / "adapter_model.safetensors"
+    tensors = load_file(str(file))
+    for key in list(tensors):
+        if ".k_proj.lora_A" in key or ".v_proj.lora_A" in key:
+            tensors[key] = tensors[key.replace(".k_proj.", ".q_proj.")
+                                   .replace(".v_proj.", ".q_proj.")].clone()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        new = key.replace("model.model.layers.", "model.transformer.encoder.layers.")
+        if ".self_attn.q_proj." in key:
+            parts = [tensors[key.replace(".q_proj.", f".{p}.")] for p in ("q_proj", "k_proj",
+                                                                          "v_proj")]
+            out[new.replace(".self_attn.q_proj.", ".self_attention.query_key_value.")] = (
+                parts[0] if ".lora_A." in key else torch.cat(parts)).contiguous()
+            continue
+        if ".self_attn.k_proj." in key or ".self_attn.v_proj." in key:
+            continue
+        for glm_name, chatglm_name in _CHATGLM_NAMES.items():
+            new = new.replace(f".{glm_name}.", f".{chatglm_name}.")
+        out[new] = tensor
+    chatglm = root / "chatglm"
+    chatglm.mkdir()
+    save_file(out, str(chatglm / "adapter_model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((Path(glm_adapter) / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+    (chatglm / "adapter_config.json").write_text(json.dumps(cfg))
+    return glm_adapter, str(chatglm)
+
+
+LORA_PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70,
+                                                   71, 72, 73, 74, 75, 76, 77, 78],
+                [100, 12, 13, 40]]
+
+
+@pytest.mark.parametrize("variant", [*LORA_TARGETS, "chatglm"])
+def test_lora_greedy_identical_to_peft(family_dir, variant, tmp_path):
+    model_dir = family_dir(variant)
+    if variant == "chatglm":
+        oracle_dir = family_dir("glm-rope-ratio")
+        oracle_adapter, adapter = _chatglm_adapter(oracle_dir, tmp_path)
+    else:
+        oracle_dir = model_dir
+        adapter = oracle_adapter = make_adapter(model_dir, tmp_path / "a", r=4, seed=3,
+                                                targets=LORA_TARGETS[variant])
+    llm = LLM(model=model_dir, dtype="float32", block_size=4, max_num_batched_tokens=16,
+              max_model_len=64, enable_lora=True, max_lora_rank=8)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        lora = llm.lora_request("a", adapter)
+        # Base and adapted requests in one batch.
+        outs = llm.generate(LORA_PROMPTS * 2, params, use_tqdm=False,
+                            lora_request=[lora] * len(LORA_PROMPTS) + [None] * len(LORA_PROMPTS))
+    finally:
+        llm.shutdown()
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    want = [peft_greedy(oracle_dir, oracle_adapter, p, 8) for p in LORA_PROMPTS]
+    base = [peft_greedy(oracle_dir, None, p, 8) for p in LORA_PROMPTS]
+    assert got[:len(LORA_PROMPTS)] == want
+    assert got[len(LORA_PROMPTS):] == base
+    assert want != base  # the adapter changes the output (else the test could not fail)
+
+
+@pytest.mark.parametrize("variant, targets, supported", [
+    ("phi3-longrope", ["q_proj"], "qkv_proj, o_proj, gate_up_proj, down_proj"),
+    ("opt", ["o_proj"], "q_proj, k_proj, v_proj, out_proj, fc1, fc2"),
+    ("chatglm", ["q_proj"], "query_key_value, dense, dense_h_to_4h, dense_4h_to_h")])
+def test_lora_on_names_the_family_lacks_is_refused(family_dir, variant, targets, supported,
+                                                    tmp_path):
+    """An adapter written for another family's names: refused naming the family's own."""
+    from bladellm.checkpoint.hf_config import load_hf_config
+    from bladellm.lora.adapter import BaseShapes, LoRAError, validate_dir
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": targets}))
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "adapter_model.safetensors"))
+    base = BaseShapes.from_hf_config(load_hf_config(family_dir(variant), False))
+    with pytest.raises(LoRAError, match=f"supported: {supported}"):
+        validate_dir(str(tmp_path), 8, base)
+
+
+# ---- pipeline parallelism -----------------------------------------------------------------------
+
+@pytest.mark.slow  # two stage processes
+def test_chatglm_two_pipeline_stages_greedy_identical(family_dir, normal):
+    prompts, expected = normal("chatglm")
+    outs, stats, _ = _run(family_dir("chatglm"), prompts, GREEDY, pipeline_parallel_size=2)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert stats.num_preemptions > 0
