@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
 from family_models import family_dirs, make_family_model, write_chatglm  # noqa: E402
 from test_family_engine import _prompts  # noqa: E402
-from test_kv_cache_quant import MAX_LOGPROB_DIFF, _compare  # noqa: E402
+from test_kv_cache_quant import MAX_LOGPROB_DIFF, TIE_MARGIN  # noqa: E402
 from tiny_lora import make_adapter, peft_greedy  # noqa: E402
 
 MAX_TOKENS = 16
@@ -63,7 +63,7 @@ def normal(family_dir):
             prompts = _prompts(300)
             outs, stats, _ = _run(family_dir(variant), prompts,
                                   SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                 logprobs=3))
+                                                 logprobs=5))
             assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
             cache[variant] = prompts, outs
         return cache[variant]
@@ -117,10 +117,30 @@ def test_look_ahead_greedy_identical(family_dir, normal, variant):
     assert stats.num_spec_draft_tokens > 0
 
 
+def _compare(base, quant) -> tuple[int, int, float]:
+    """test_kv_cache_quant's criterion, with a near-tie of several tokens allowed: (tokens
+    agreeing before the first divergence, tokens, max logprob diff), after checking that at a
+    divergence each side's token is among the other's top tokens within ``TIE_MARGIN`` of its
+    best (a random tiny model has three-way ties within 0.02 nats)."""
+    agree = total = 0
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(base, quant)):
+        ta, tb = a.token_ids, b.token_ids
+        n = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+        agree, total = agree + n, total + len(ta)
+        worst = max([worst] + [abs(a.logprobs[j][0].logprob - b.logprobs[j][0].logprob)
+                               for j in range(n)])
+        if n < min(len(ta), len(tb)):  # entries: [emitted, top1, top2, ...]
+            for mine, other in ((a.logprobs[n][1:], tb[n]), (b.logprobs[n][1:], ta[n])):
+                tied = [e.token_id for e in mine if e.logprob > mine[0].logprob - TIE_MARGIN]
+                assert other in tied, f"prompt {i} at {n}: {other} not in {tied}"
+    return agree, total, worst
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_int8_kv_close_to_fp32(family_dir, normal, variant):
     prompts, base = normal(variant)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5)
     quant, stats, llm = _run(family_dir(variant), prompts, params, kv_cache_quant="int8")
     assert llm.engine.core.executor.worker.model_runner.kv_caches[0].dtype == torch.int8
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
