@@ -21,11 +21,14 @@ class TritonKernels(Kernels):
     def paged_attention(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float) -> None:
+                        scale: float, *, sliding_window: int | None = None,
+                        alibi_slopes: torch.Tensor | None = None,
+                        soft_cap: float | None = None) -> None:
         from bladellm.kernels.triton.attention import paged_attention
 
         paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                        scale)
+                        scale, sliding_window=sliding_window, alibi_slopes=alibi_slopes,
+                        soft_cap=soft_cap)
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -93,6 +96,13 @@ class TritonKernels(Kernels):
         from bladellm.kernels.triton.elementwise import activation
 
         return activation(x, act)
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  packed: object | None = None) -> torch.Tensor:
+        from bladellm.kernels.triton.moe import fused_moe
+
+        return fused_moe(x, w13, w2, topk_weights, topk_ids)
 
     def describe(self) -> str:
         return "triton"

@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from bladellm.checkpoint.moe import sparse_layers
+
 if TYPE_CHECKING:  # the API process validates adapters without torch; only loading needs it
     import torch
 
@@ -36,6 +38,9 @@ TARGETS: dict[str, tuple[str, int]] = {
     "down_proj": ("down_proj", 0)}
 _REFUSED_TARGETS = ("embed_tokens", "lm_head", "wte", "embed_out", "word_embeddings",
                     "output_layer")
+# A mixture-of-experts block's modules (experts, router, shared expert) in a tensor name.
+_MOE_MODULE = re.compile(r"\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
+                         r"((?:experts|gate|shared_expert|shared_expert_gate)\b[\w.]*?)\.lora_[AB]")
 
 
 @dataclass(frozen=True)
@@ -101,22 +106,27 @@ class BaseShapes:
     num_layers: int
     sizes: dict[str, tuple[int, int]]
     layout: LoRALayout = LLAMA
+    # Mixture-of-experts layers: their MLP is experts, which adapters may not target.
+    sparse_layers: frozenset[int] = frozenset()
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "BaseShapes":
         def get(*names: str) -> Any:
             return next((v for n in names if (v := getattr(cfg, n, None)) is not None), None)
 
-        hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+        archs = list(getattr(cfg, "architectures", None) or [])
         inter = get("intermediate_size", "ffn_dim", "ffn_hidden_size")
+        if inter is None:  # no layout of ours (e.g. Bloom's fused qkv, h_to_4h)
+            raise LoRAError(f"--enable_lora: LoRA is not supported for "
+                            f"{'/'.join(archs or ['this model'])}")
+        hidden, heads = cfg.hidden_size, cfg.num_attention_heads
         head_dim = get("head_dim", "kv_channels") or hidden // heads
         q, kv = heads * head_dim, (get("num_key_value_heads") or heads) * head_dim
-        archs = list(getattr(cfg, "architectures", None) or [])
         layout = LAYOUTS.get(archs[0], LLAMA) if archs else LLAMA
         return cls(cfg.num_hidden_layers, {
             "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
             "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden)}, layout)
+            "down_proj": (inter, hidden)}, layout, sparse_layers(cfg))
 
     def module_shape(self, path: str) -> tuple[int, int]:
         """(in, out) of a PEFT module: a fused one's out is the sum of its parts'."""
@@ -217,7 +227,17 @@ def check_shapes(shapes: dict[str, list[int]], config: AdapterConfig, base: Base
     """Check tensor names and shapes (from the safetensors header or the loaded tensors)."""
     seen: set[tuple[int, str, str]] = set()
     for key, shape in shapes.items():
+        moe = _MOE_MODULE.search(key)
+        if moe is not None:
+            raise LoRAError(f"{key}: LoRA on the mixture-of-experts module {moe.group(2)!r} "
+                            f"(layer {moe.group(1)}) is not supported; adapt the attention "
+                            f"projections (q_proj, k_proj, v_proj, o_proj)")
         m = base.layout.key.match(key)
+        if m is not None and int(m.group(1)) in base.sparse_layers and any(
+                r in ("gate_proj", "up_proj", "down_proj") for r in base.layout.modules[m.group(2)]):
+            raise LoRAError(f"{key}: layer {m.group(1)}'s MLP is a mixture of experts; LoRA on "
+                            f"its experts ({m.group(2).rsplit('.', 1)[-1]}) is not supported; "
+                            f"adapt the attention projections (q_proj, k_proj, v_proj, o_proj)")
         if m is None:
             if "lora_magnitude_vector" in key:
                 raise LoRAError("DoRA adapters are not supported")

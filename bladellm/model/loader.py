@@ -111,7 +111,7 @@ def load_model(model_config: ModelConfig, hf_config: Any, dtype: torch.dtype,
 
             groups = get_groups()
             check_split_parallel(manifest, groups.tp.world_size, groups.pp.world_size,
-                                 model_dir)
+                                 model_dir, groups.expert_parallel)
     quant_config = get_quant_config(hf_config, model_config.quantization)
     if quant_config is not None and model_config.load_format == "dummy":
         raise ValueError(f"--load_format dummy: {model_dir} is a quantized checkpoint "
@@ -149,25 +149,14 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: str | torch.device,
     a quantized model then needs ``process_quantized_layers``). Call it inside
     ``kernels.scope.building_with(kernels)``: the layers take the kernel set from there."""
     model_cls = get_model_class(hf_config)
-    check_sliding_window(hf_config, max_model_len)
     if quant_config is not None:  # the quantized layers' checkpoint names, as this model fuses
         quant_config = quant_config.for_model(model_cls.packed_modules_mapping)
     with torch.device(device):
         model = model_cls(hf_config, dtype, attn_backend, quant_config=quant_config)
-    _check_positions(model, max_model_len or hf_config.max_position_embeddings)
+    limit = max_model_len or getattr(hf_config, "max_position_embeddings", None)
+    if limit:  # Bloom (ALiBi) states no position limit
+        _check_positions(model, limit)
     return model
-
-
-def check_sliding_window(hf_config: Any, max_model_len: int | None) -> None:
-    """Sliding-window attention is not implemented: refuse models whose window would bite."""
-    window = getattr(hf_config, "sliding_window", None)
-    if getattr(hf_config, "use_sliding_window", True) is False:
-        window = None
-    limit = max_model_len or hf_config.max_position_embeddings
-    if window is not None and window < limit:
-        raise ValueError(
-            f"sliding_window={window} is smaller than the context length {limit}, and sliding-"
-            f"window attention is not supported yet; pass --max_model_len {window} or less")
 
 
 def _check_positions(model: nn.Module, max_model_len: int) -> None:
@@ -264,8 +253,14 @@ def read_split_manifest(model_dir: str) -> dict[str, Any] | None:
 
 
 def check_split_parallel(manifest: dict[str, Any], tp_size: int, pp_size: int,
-                         model_dir: str) -> None:
-    """A split checkpoint serves exactly the degrees it was split for."""
+                         model_dir: str, expert_parallel: bool = False) -> None:
+    """A split checkpoint serves exactly the degrees (and expert layout) it was split for."""
+    split_ep = bool(manifest.get("enable_expert_parallel", False))
+    if split_ep != expert_parallel:
+        flag = "with" if split_ep else "without"
+        raise ValueError(f"--enable_expert_parallel: {model_dir} was split by blade_llm_split "
+                         f"{flag} --enable_expert_parallel; serve it {flag} it, or split the "
+                         f"original checkpoint ({manifest.get('source', '?')}) again")
     for key, size in (("tensor_parallel_size", tp_size), ("pipeline_parallel_size", pp_size)):
         split = manifest[key]
         if size != split:

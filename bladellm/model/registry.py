@@ -18,6 +18,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Glm4ForCausalLM": ("bladellm.model.models.glm", "Glm4ForCausalLM"),
     "ChatGLMModel": ("bladellm.model.models.chatglm", "ChatGLMForCausalLM"),
     "ChatGLMForConditionalGeneration": ("bladellm.model.models.chatglm", "ChatGLMForCausalLM"),
+    "Gemma2ForCausalLM": ("bladellm.model.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("bladellm.model.models.gemma3", "Gemma3ForCausalLM"),
+    "BloomForCausalLM": ("bladellm.model.models.bloom", "BloomForCausalLM"),
+    "MixtralForCausalLM": ("bladellm.model.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("bladellm.model.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("bladellm.model.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

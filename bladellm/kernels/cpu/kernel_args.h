@@ -19,6 +19,10 @@ struct PagedAttentionArgs {  // mirrored by kernels/compiled.py; all strides in 
   int32_t num_reqs, num_heads, num_kv_heads, head_dim, block_size, dtype, num_threads;
   float scale;
   int32_t kv_int8;  // caches hold int8 rows + their fp32 scale (kernels/kv_int8.py)
+  // Per-layer features (ref.attention_scores); zero / nullptr: off, the plain causal kernel.
+  int32_t sliding_window;     // a query sees keys with pos - key < sliding_window
+  float soft_cap;             // scores -> soft_cap * tanh(scores / soft_cap)
+  const float* alibi_slopes;  // [num_heads]: scores += slope * (key - pos)
 };
 
 struct RotaryArgs {     // mirrored by kernels/compiled.py; strides in elements

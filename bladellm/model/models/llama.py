@@ -7,7 +7,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from bladellm.attention.backend import AttentionBackend
+from bladellm.attention.backend import AttentionBackend, AttentionFeatures
 from bladellm.model.forward_context import ForwardContext
 from bladellm.distributed.parallel_state import get_pp_group
 from bladellm.distributed.partition import pipeline_stages
@@ -15,6 +15,7 @@ from bladellm.distributed.pipeline import StageChannel
 from bladellm.model.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead,
                                    PPMissingLayer, QKVParallelLinear, RMSNorm, RotaryEmbedding,
                                    RowParallelLinear, VocabParallelEmbedding, get_act_fn, get_rope)
+from bladellm.model.layers.attention import layer_index, layer_sliding_window
 from bladellm.model.utils import KVCacheSpec, load_weights_with_mapping
 
 
@@ -62,8 +63,12 @@ class LlamaAttention(nn.Module):
             params_dtype=dtype, quant_config=quant_config, prefix=f"{prefix}.o_proj",
             input_partition=self.qkv_proj.output_shards[0])
         self.rotary_emb = rotary_emb
+        # Mistral / Qwen2 with a real sliding_window: this layer's window, as transformers reads
+        # the config (layer_types, use_sliding_window, max_window_layers).
+        window = layer_sliding_window(hf_config, layer_index(prefix))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_kv_heads, layer_idx, attn_backend)
+                              self.num_kv_heads, layer_idx, attn_backend,
+                              AttentionFeatures(sliding_window=window))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -75,12 +80,13 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, self_attn: nn.Module, hf_config: Any, dtype: torch.dtype,
-                 quant_config: Any, prefix: str) -> None:
+                 quant_config: Any, prefix: str, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
-                            hf_config.hidden_act, getattr(hf_config, "mlp_bias", False), dtype,
-                            quant_config, f"{prefix}.mlp")
+        # ``mlp``: a model's own MLP for this layer (mixture of experts), else the dense one.
+        self.mlp = mlp if mlp is not None else LlamaMLP(
+            hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act,
+            getattr(hf_config, "mlp_bias", False), dtype, quant_config, f"{prefix}.mlp")
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype=dtype)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype=dtype)
@@ -99,7 +105,9 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Embedding, decoder stack and final norm; ``make_attn(layer_idx, prefix)`` builds each
-    layer's self-attention so Qwen variants can swap only that part.
+    layer's self-attention so Qwen variants can swap only that part, and ``make_mlp(layer,
+    prefix)`` (``layer``: the index in the full model) its MLP, or None for the dense one
+    (mixture-of-experts models).
 
     Under pipeline parallelism this process holds only its stage: decoder layers
     ``[start_layer, end_layer)`` (``pipeline_stages``), the embedding on the first stage and the
@@ -110,7 +118,8 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant_config: Any, prefix: str,
-                 make_attn: Any, layer_cls: type[nn.Module] = LlamaDecoderLayer) -> None:
+                 make_attn: Any, layer_cls: type[nn.Module] = LlamaDecoderLayer,
+                 make_mlp: Any = None) -> None:
         super().__init__()
         pp = get_pp_group()
         self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
@@ -124,7 +133,8 @@ class LlamaModel(nn.Module):
             if self.is_first_stage else PPMissingLayer()
         self.layers = nn.ModuleList(
             layer_cls(make_attn(i - self.start_layer, f"{prefix}.layers.{i}.self_attn"),
-                      hf_config, dtype, quant_config, f"{prefix}.layers.{i}")
+                      hf_config, dtype, quant_config, f"{prefix}.layers.{i}",
+                      make_mlp(i, f"{prefix}.layers.{i}.mlp") if make_mlp else None)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=dtype) \
@@ -184,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
                                    interleaved=self.rope_interleaved)
         model_prefix = f"{prefix}.model" if prefix else "model"
         self.model = LlamaModel(hf_config, dtype, quant_config, model_prefix, self.make_attention,
-                                self.decoder_layer_cls)
+                                self.decoder_layer_cls, self.make_mlp)
         # Per process: the KV cache holds this pipeline stage's layers and this TP rank's heads.
         self.num_layers = self.model.end_layer - self.model.start_layer
         self.num_kv_heads = self.model.layers[self.model.start_layer].self_attn.num_kv_heads
@@ -206,6 +216,11 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias, o_bias = self.attention_biases(self.hf_config)
         return LlamaAttention(self.hf_config, layer_idx, self.rotary_emb, self.attn_backend,
                               self.dtype, self.quant_config, prefix, qkv_bias, o_bias)
+
+    def make_mlp(self, layer: int, prefix: str) -> nn.Module | None:
+        """Layer ``layer``'s MLP; None: the dense ``LlamaMLP`` (mixture-of-experts models
+        override it)."""
+        return None
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
         """Per TP rank: ``num_kv_heads`` is this rank's (it may differ between ranks when the
@@ -244,7 +259,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Same weights and math as Llama; sliding windows are checked by the loader."""
+    """Same weights and math as Llama; a ``sliding_window`` applies to every layer."""
 
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM"]
