@@ -1,4 +1,5 @@
-"""The new families with the rest of the engine (issue 32, item 4), each under the stress
+"""The new families (OPT, Phi-3, GLM, GLM-4, ChatGLM, Gemma 2, Gemma 3, Bloom, Mistral and Qwen2
+with a real sliding window) with the rest of the engine (issue 32, item 4), each under the stress
 configuration of test_spec_decode / test_kv_cache_quant (prompt cache, chunked prefill, a KV
 pool small enough to force preemption, block accounting checked every step):
 
@@ -26,20 +27,47 @@ from bladellm import LLM, SamplingParams
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 
+from family_models import VARIANTS as FAMILY_SHAPES  # noqa: E402
 from family_models import family_dirs, make_family_model, write_chatglm  # noqa: E402
 from test_family_engine import _prompts  # noqa: E402
 from test_kv_cache_quant import MAX_LOGPROB_DIFF, TIE_MARGIN  # noqa: E402
-from tiny_lora import make_adapter, peft_greedy  # noqa: E402
+from tiny_lora import make_adapter  # noqa: E402
+from tiny_models import make_tiny_model  # noqa: E402
+from window_family_models import make_window_family_model  # noqa: E402
 
 MAX_TOKENS = 16
 STRESS = dict(dtype="float32", block_size=4, max_num_batched_tokens=32, max_num_seqs=8,
               num_kv_blocks=40, max_model_len=128, debug_block_accounting=True)
-VARIANTS = ["opt", "opt-post-ln-proj", "phi3-longrope", "glm", "glm4", "chatglm"]
+# Windows (8) shorter than most prompts: window families read and free past them.
+WINDOW_SHAPES = {
+    "gemma2": (make_window_family_model, "gemma2", {}),
+    "gemma3": (make_window_family_model, "gemma3", {}),
+    "bloom": (make_window_family_model, "bloom", {}),
+    "mistral-w8": (make_tiny_model, "mistral", {"sliding_window": 8}),
+    "qwen2-w8": (make_tiny_model, "qwen2", {"use_sliding_window": True, "sliding_window": 8,
+                                            "max_window_layers": 1}),
+}
+# The one-layer config overrides of each window family's small draft.
+ONE_LAYER = {"gemma3": {"num_hidden_layers": 1, "layer_types": ["sliding_attention"]},
+             "bloom": {"n_layer": 1}, "qwen2-w8": {"max_window_layers": 0}}
+VARIANTS = ["opt", "opt-post-ln-proj", "phi3-longrope", "glm", "glm4", "chatglm",
+            *WINDOW_SHAPES]
 
 
 @pytest.fixture(scope="module")
 def family_dir(tmp_path_factory):
-    return family_dirs(tmp_path_factory)
+    families = family_dirs(tmp_path_factory)
+    cache: dict = {}
+
+    def get(variant: str) -> str:
+        if variant not in WINDOW_SHAPES:
+            return families(variant)
+        if variant not in cache:
+            make, family, overrides = WINDOW_SHAPES[variant]
+            cache[variant] = make(tmp_path_factory.mktemp(variant), family, **overrides)
+        return cache[variant]
+
+    return get
 
 
 def _run(model_dir: str, prompts, params, **kwargs):
@@ -53,6 +81,11 @@ def _run(model_dir: str, prompts, params, **kwargs):
         llm.shutdown()
 
 
+# Every layer windowed: the KV manager frees blocks past the window, so a smaller pool is what
+# forces preemption (sps drafts read the whole context, nothing freed: the default pool).
+WINDOW_POOL = {"mistral-w8": dict(num_kv_blocks=14)}
+
+
 @pytest.fixture(scope="module")
 def normal(family_dir):
     """variant -> (prompts, greedy outputs of plain decoding), each run once."""
@@ -63,7 +96,7 @@ def normal(family_dir):
             prompts = _prompts(300)
             outs, stats, _ = _run(family_dir(variant), prompts,
                                   SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                 logprobs=5))
+                                                 logprobs=5), **WINDOW_POOL.get(variant, {}))
             assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
             cache[variant] = prompts, outs
         return cache[variant]
@@ -71,14 +104,16 @@ def normal(family_dir):
     return get
 
 
-def _small_draft(family_dir, variant: str, root: Path) -> str:
+def _small_draft(variant: str, root: Path) -> str:
     """A one-layer random model of the target's family (another seed, same tokenizer)."""
     if variant == "chatglm":
         glm = make_family_model(root / "glm", "glm", seed=7, num_hidden_layers=1)
         return write_chatglm(glm, root / "chatglm")
-    from family_models import VARIANTS as SHAPES
-
-    family, overrides = SHAPES[variant]
+    if variant in WINDOW_SHAPES:
+        make, family, overrides = WINDOW_SHAPES[variant]
+        one = ONE_LAYER.get(variant, {"num_hidden_layers": 1})
+        return make(root, family, seed=7, **{**overrides, **one})
+    family, overrides = FAMILY_SHAPES[variant]
     return make_family_model(root, family, seed=7, **{**overrides, "num_hidden_layers": 1})
 
 
@@ -99,7 +134,7 @@ def test_sps_self_draft_accepts_everything(family_dir, normal, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sps_small_draft_of_the_family_greedy_identical(family_dir, normal, variant, tmp_path):
     prompts, expected = normal(variant)
-    draft = _small_draft(family_dir, variant, tmp_path)
+    draft = _small_draft(variant, tmp_path)
     outs, stats, _ = _run(family_dir(variant), prompts, GREEDY, decode_algo="sps",
                           draft_model=draft, gamma=4, spec_policy="always")
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
@@ -112,7 +147,7 @@ def test_look_ahead_greedy_identical(family_dir, normal, variant):
     prompts, expected = normal(variant)
     outs, stats, _ = _run(family_dir(variant), prompts, GREEDY, decode_algo="look_ahead",
                           look_ahead_window_size=3, look_ahead_gram_size=3, guess_set_size=3,
-                          spec_policy="always")
+                          spec_policy="always", **WINDOW_POOL.get(variant, {}))
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
     assert stats.num_spec_draft_tokens > 0
 
@@ -141,7 +176,8 @@ def _compare(base, quant) -> tuple[int, int, float]:
 def test_int8_kv_close_to_fp32(family_dir, normal, variant):
     prompts, base = normal(variant)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5)
-    quant, stats, llm = _run(family_dir(variant), prompts, params, kv_cache_quant="int8")
+    quant, stats, llm = _run(family_dir(variant), prompts, params, kv_cache_quant="int8",
+                             **WINDOW_POOL.get(variant, {}))
     assert llm.engine.core.executor.worker.model_runner.kv_caches[0].dtype == torch.int8
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     agree, total, worst = _compare(base, quant)
@@ -158,6 +194,9 @@ LORA_TARGETS = {
     "phi3-longrope": ["qkv_proj", "o_proj", "gate_up_proj"],  # fused in transformers too
     "glm": ["q_proj", "v_proj", "down_proj"],
     "glm4": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "gemma2": ["q_proj", "o_proj", "gate_proj", "down_proj"],
+    "mistral-w8": ["q_proj", "v_proj", "up_proj"],
+    "qwen2-w8": ["k_proj", "o_proj", "down_proj"],
 }
 # GLM module name (transformers) -> ChatGLM's, for the adapter of a ChatGLM checkpoint.
 _CHATGLM_NAMES = {"self_attn.o_proj": "self_attention.dense",
@@ -198,6 +237,25 @@ def _chatglm_adapter(glm_dir: str, root: Path) -> tuple[str, str]:
     cfg["target_modules"] = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
     (chatglm / "adapter_config.json").write_text(json.dumps(cfg))
     return glm_adapter, str(chatglm)
+
+
+@torch.no_grad()
+def peft_greedy(base_dir: str, adapter_dir: str | None, prompt: list[int],
+                max_tokens: int) -> list[int]:
+    """tiny_lora's oracle with eager attention (transformers' SDPA path skips Gemma 2's logit
+    soft-capping)."""
+    import transformers
+    from peft import PeftModel
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        base_dir, dtype=torch.float32, attn_implementation="eager")
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
 
 
 LORA_PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70,
