@@ -317,3 +317,84 @@ def test_chatglm_two_pipeline_stages_greedy_identical(family_dir, normal):
     outs, stats, _ = _run(family_dir("chatglm"), prompts, GREEDY, pipeline_parallel_size=2)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
     assert stats.num_preemptions > 0
+
+
+# ---- blade_llm_quantize ------------------------------------------------------------------------
+
+QUANT_CASES = {
+    "gptq-4bit-g32-act_order": ["--quant_algo", "gptq", "--bit", "4", "--group_size", "32",
+                                "--act_order"],
+    "awq-4bit-g32": ["--quant_algo", "awq", "--bit", "4", "--group_size", "32"],
+    "smoothquant-w8a8": ["--quant_algo", "smoothquant", "--bit", "8", "--group_size", "-1"],
+}
+QUANT_PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46], [100, 12, 13]]
+
+
+@torch.no_grad()
+def _fake_quant_greedy(src: str, qdir: str, w8a8: bool, max_tokens: int) -> list[list[int]]:
+    """transformers on ``src`` with every linear our tool quantized replaced by its weights
+    read back by the independent unpacker (tests/unit/quantization_tool/reference.py), the
+    other tensors (smoothed norms) taken from ``qdir``; W8A8 activations fake-quantized per
+    token."""
+    import transformers
+
+    from bladellm.quantization.algorithms.quantizer import fake_quantize_act_per_token
+    from unit.quantization_tool.reference import (dequantize_gptq, dequantize_int8,
+                                                  read_checkpoint)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    t = read_checkpoint(qdir)
+    marker = ".weight_scale" if w8a8 else ".qweight"
+    prefixes = [k[: -len(marker)] for k in t if k.endswith(marker)]
+    state = {}
+    for prefix in prefixes:
+        if w8a8:
+            state[prefix + ".weight"] = dequantize_int8(t, prefix)
+        else:
+            bits = 32 * t[prefix + ".qweight"].shape[0] // t[prefix + ".g_idx"].numel()
+            state[prefix + ".weight"] = dequantize_gptq(t, prefix, bits)
+    packed = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale")
+    state.update({k: v.float() for k, v in t.items() if k not in state and not k.endswith(packed)})
+    if not any(k.startswith("model.") for k in state):  # saved from OPTModel: no "model."
+        state = {f"model.{k}": v for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    assert prefixes and all(f"{p}.weight" not in missing for p in prefixes)
+    if w8a8:
+        for prefix in prefixes:
+            model.get_submodule(prefix.removeprefix("model.") if not hasattr(model, "model")
+                                else prefix).register_forward_pre_hook(
+                lambda _m, a: (fake_quantize_act_per_token(a[0]),))
+    out = []
+    for p in QUANT_PROMPTS:
+        ids = torch.tensor([p])
+        for _ in range(max_tokens):
+            ids = torch.cat([ids, model(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("case", list(QUANT_CASES))
+@pytest.mark.parametrize("variant", ["opt", "opt-post-ln-proj", "phi3-longrope", "glm4"])
+def test_quantized_by_our_tool_serves_the_fake_quantized_tokens(family_dir, variant, case,
+                                                               tmp_path):
+    """As tests/e2e/test_quantize_roundtrip.py judges Llama: the engine serving our tool's
+    checkpoint emits the greedy tokens of transformers running the weights read back."""
+    from bladellm.entrypoints.cli.quantize import main as quantize_main
+    from tiny_models import CORPUS
+
+    src = family_dir(variant)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n\n".join(CORPUS[:10] * 4))
+    out = str(tmp_path / "q")
+    assert quantize_main(["--model", src, "--output_dir", out, "--calib_data", str(calib),
+                          "--calib_data_max_len", "32", "--num_calib_samples", "6",
+                          *QUANT_CASES[case]]) == 0
+    llm = LLM(model=out, dtype="float32", max_model_len=128)
+    try:
+        outs = llm.generate(QUANT_PROMPTS, SamplingParams(temperature=0.0, max_tokens=10,
+                                                          ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == _fake_quant_greedy(src, out, "smoothquant" in case, 10)

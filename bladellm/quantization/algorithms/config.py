@@ -6,12 +6,13 @@ import os
 from dataclasses import dataclass
 
 QUANT_ALGOS = ("minmax", "gptq", "awq", "smoothquant", "smoothquant+")
-# The layouts the algorithms assume (layer_io: q/k/v/o and gate/up/down linears, RMSNorms that
-# multiply by their weight, into which AWQ / SmoothQuant fold their scales), and that the engine
-# serves. Others are refused from config.json before any work: e.g. Gemma's norm multiplies by
+# The layouts the algorithms know (layouts.py: Llama's q/k/v/o and gate/up/down linears, OPT's,
+# Phi-3's and GLM's fused ones; RMSNorms or LayerNorms that multiply by their weight, into which
+# AWQ / SmoothQuant fold their scales), and that the engine serves. Others are refused from config.json before any work: e.g. Gemma's norm multiplies by
 # (1 + weight), so folding scales into it would silently give wrong weights.
 QUANT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                       "Qwen3ForCausalLM")
+                       "Qwen3ForCausalLM", "OPTForCausalLM", "Phi3ForCausalLM", "GlmForCausalLM",
+                       "Glm4ForCausalLM")  # their layer layouts: layouts.py
 # Algorithms that look at activations: they need --calib_data.
 CALIBRATED_ALGOS = ("gptq", "awq", "smoothquant", "smoothquant+")
 

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from bladellm.quantization.algorithms.base import LayerResult
-from bladellm.quantization.algorithms.layer_io import (SEQUENTIAL_GROUPS, LayerInputs,
-                                                        input_hooks, linear, run_layer)
+from bladellm.quantization.algorithms.layer_io import (LayerInputs, input_hooks, linear,
+                                                        run_layer)
+from bladellm.quantization.algorithms.layouts import layout_of_layer
 from bladellm.quantization.algorithms.quantizer import (GroupQuantSpec, QuantizedWeight,
                                                          find_params, quantize_to_int)
 
@@ -122,7 +123,7 @@ class GPTQ:
     def quantize_layer(self, layer: nn.Module, inputs: LayerInputs | None) -> LayerResult:
         assert inputs is not None
         result: LayerResult = {}
-        for group in SEQUENTIAL_GROUPS:
+        for group in layout_of_layer(layer).sequential:
             hessians = {n: HessianAccumulator(linear(layer, n).in_features) for n in group}
             with input_hooks(layer, group, lambda n, x: hessians[n].add_batch(x)):
                 run_layer(layer, inputs)
