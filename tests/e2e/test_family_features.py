@@ -398,3 +398,41 @@ def test_quantized_by_our_tool_serves_the_fake_quantized_tokens(family_dir, vari
         llm.shutdown()
     got = [list(o.outputs[0].token_ids) for o in outs]
     assert got == _fake_quant_greedy(src, out, "smoothquant" in case, 10)
+
+
+@pytest.mark.parametrize("variant, flag, message", [
+    ("gemma2", [], r"--model: architecture Gemma2ForCausalLM is not supported"),
+    ("bloom", [], r"--model: architecture BloomForCausalLM is not supported"),
+    ("chatglm", [], r"--model: architecture ChatGLMModel is not supported"),
+    ("opt", ["--cpu_offload"], r"--cpu_offload: not supported for OPTConfig"),
+])
+def test_quantize_refusals_name_the_flag(family_dir, variant, flag, message, tmp_path):
+    """Layouts the tool cannot scale through ((1 + w) norms, Bloom's and ChatGLM's fused
+    per-head query_key_value) are refused from config.json; OPT's offloaded walk too."""
+    from bladellm.entrypoints.cli.quantize import run
+
+    with pytest.raises(ValueError, match=message):
+        run(["--model", family_dir(variant), "--output_dir", str(tmp_path / "q"),
+             "--quant_algo", "minmax", "--bit", "4", "--group_size", "32", *flag])
+    assert not (tmp_path / "q").exists() or not any((tmp_path / "q").iterdir())
+
+
+@pytest.mark.parametrize("variant", ["phi3-longrope", "glm4"])
+def test_quantize_cpu_offload_writes_the_same_checkpoint(family_dir, variant, tmp_path):
+    """One layer at a time from the files (LongRoPE's and GLM's rotary rebuilt on the meta
+    model) quantizes to the same bits as the whole model in memory."""
+    from bladellm.entrypoints.cli.quantize import run
+    from tiny_models import CORPUS
+    from unit.quantization_tool.reference import read_checkpoint
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n\n".join(CORPUS[:10] * 4))
+    outs = []
+    for flag in ([], ["--cpu_offload"]):
+        out = tmp_path / f"q{len(flag)}"
+        run(["--model", family_dir(variant), "--output_dir", str(out), "--calib_data",
+             str(calib), "--calib_data_max_len", "32", "--num_calib_samples", "4",
+             "--quant_algo", "gptq", "--bit", "4", "--group_size", "32", *flag])
+        outs.append(read_checkpoint(str(out)))
+    assert outs[0].keys() == outs[1].keys()
+    assert all(torch.equal(outs[0][k], outs[1][k]) for k in outs[0])
