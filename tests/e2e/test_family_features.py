@@ -291,6 +291,33 @@ def test_lora_greedy_identical_to_peft(family_dir, variant, tmp_path):
     assert want != base  # the adapter changes the output (else the test could not fail)
 
 
+@pytest.mark.slow  # worker processes
+@pytest.mark.parametrize("variant, tp", [("opt-uneven", 3), ("chatglm", 2)])
+def test_lora_under_tensor_parallelism_greedy_identical_to_peft(family_dir, variant, tp,
+                                                                tmp_path):
+    """Each rank adapts its own rows of the fused column-parallel slices (OPT's 12 heads over 3
+    ranks) and adds its partial row-parallel delta before the all-reduce."""
+    model_dir = family_dir(variant)
+    if variant == "chatglm":
+        oracle_dir = family_dir("glm-rope-ratio")
+        oracle_adapter, adapter = _chatglm_adapter(oracle_dir, tmp_path)
+    else:
+        oracle_dir = model_dir
+        adapter = oracle_adapter = make_adapter(model_dir, tmp_path / "a", r=4, seed=3,
+                                                targets=["q_proj", "v_proj", "out_proj",
+                                                         "fc1", "fc2"])
+    llm = LLM(model=model_dir, dtype="float32", block_size=4, max_num_batched_tokens=16,
+              max_model_len=64, enable_lora=True, max_lora_rank=8, tensor_parallel_size=tp)
+    try:
+        outs = llm.generate(LORA_PROMPTS, SamplingParams(temperature=0.0, max_tokens=8,
+                                                         ignore_eos=True), use_tqdm=False,
+                            lora_request=llm.lora_request("a", adapter))
+    finally:
+        llm.shutdown()
+    want = [peft_greedy(oracle_dir, oracle_adapter, p, 8) for p in LORA_PROMPTS]
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
 @pytest.mark.parametrize("variant, targets, supported", [
     ("phi3-longrope", ["q_proj"], "qkv_proj, o_proj, gate_up_proj, down_proj"),
     ("opt", ["o_proj"], "q_proj, k_proj, v_proj, out_proj, fc1, fc2"),
@@ -375,7 +402,7 @@ def _fake_quant_greedy(src: str, qdir: str, w8a8: bool, max_tokens: int) -> list
 
 
 @pytest.mark.parametrize("case", list(QUANT_CASES))
-@pytest.mark.parametrize("variant", ["opt", "opt-post-ln-proj", "phi3-longrope", "glm4"])
+@pytest.mark.parametrize("variant", ["opt", "opt-post-ln-proj", "phi3-longrope", "glm", "glm4"])
 def test_quantized_by_our_tool_serves_the_fake_quantized_tokens(family_dir, variant, case,
                                                                tmp_path):
     """As tests/e2e/test_quantize_roundtrip.py judges Llama: the engine serving our tool's
