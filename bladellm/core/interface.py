@@ -26,6 +26,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # prompt-cache hit (or 0)
     lora_id: int = 0  # LoRA adapter (0: the base model)
+    # Images (bladellm.multimodal.inputs.MultiModalItem), in prompt order.
+    mm_items: list[Any] = field(default_factory=list)
 
 
 @dataclass

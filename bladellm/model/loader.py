@@ -148,12 +148,13 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: str | torch.device,
     a quantized model then needs ``process_quantized_layers``). Call it inside
     ``kernels.scope.building_with(kernels)``: the layers take the kernel set from there."""
     model_cls = get_model_class(hf_config)
-    check_sliding_window(hf_config, max_model_len)
+    text_config = getattr(hf_config, "text_config", None) or hf_config  # a VLM's language model
+    check_sliding_window(text_config, max_model_len)
     if quant_config is not None:  # the quantized layers' checkpoint names, as this model fuses
         quant_config = quant_config.for_model(model_cls.packed_modules_mapping)
     with torch.device(device):
         model = model_cls(hf_config, dtype, attn_backend, quant_config=quant_config)
-    _check_positions(model, max_model_len or hf_config.max_position_embeddings)
+    _check_positions(model, max_model_len or text_config.max_position_embeddings)
     return model
 
 

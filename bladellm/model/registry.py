@@ -12,6 +12,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("bladellm.model.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("bladellm.model.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("bladellm.model.models.qwen3", "Qwen3ForCausalLM"),
+    "LlavaForConditionalGeneration": ("bladellm.model.models.llava",
+                                      "LlavaForConditionalGeneration"),
 }
 
 
