@@ -73,11 +73,11 @@ class InputProcessor:
         check_priority(priority, self.priority_scheduling)
         prompt_token_ids = self.tokenize(prompt, add_special_tokens)
         mm_items: list[MultiModalItem] = []
-        if images:
-            if self.images is None:
-                raise ValueError(f"multi_modal_data: {self.model_info.served_model_name!r} is "
-                                 f"a text-only model; it does not accept images")
-            prompt_token_ids, mm_items = self.images.process(prompt_token_ids, images)
+        if images and self.images is None:
+            raise ValueError(f"multi_modal_data: {self.model_info.served_model_name!r} is "
+                             f"a text-only model; it does not accept images")
+        if self.images is not None:  # also refuses image placeholders without their images
+            prompt_token_ids, mm_items = self.images.process(prompt_token_ids, images or [])
         info = self.model_info
         check_request(prompt_token_ids, params, info.vocab_size, info.max_model_len)
         if validate_grammar and params.guided_decoding is not None:
