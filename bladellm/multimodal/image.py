@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import time
 import urllib.parse
 import urllib.request
 from typing import Any
@@ -130,11 +131,25 @@ def _fetch(url: str, config: MultiModalConfig) -> tuple[str | None, bytes]:
                          f"fetches only hosts listed in --allowed_media_domains; send the "
                          f"image as a data: URL instead")
     limit = config.max_image_nbytes
+    timeout = config.media_fetch_timeout
+    # The socket timeout bounds each read; the deadline bounds the whole body, so a server
+    # that trickles bytes cannot hold the thread longer than the timeout either.
+    deadline = time.monotonic() + timeout
     opener = urllib.request.build_opener(_SameHostRedirects(allowed))
     try:
-        with opener.open(url, timeout=config.media_fetch_timeout) as resp:
+        with opener.open(url, timeout=timeout) as resp:
             mime = (resp.headers.get_content_type() or "").lower()
-            data = resp.read(limit + 1)
+            chunks, size = [], 0
+            while size <= limit:
+                chunk = resp.read1(1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+                if time.monotonic() > deadline:
+                    raise ImageError(f"fetching the image URL took longer than {timeout} s "
+                                     f"(--media_fetch_timeout)")
+            data = b"".join(chunks)
     except ImageError:
         raise
     except Exception as e:  # URLError, HTTPError, timeouts

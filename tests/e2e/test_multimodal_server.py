@@ -5,7 +5,9 @@ and the server keeps serving."""
 from __future__ import annotations
 
 import base64
+import http.server
 import io
+import threading
 
 import openai
 import pytest
@@ -48,7 +50,8 @@ def server(llava_dir):
         "--port", "0", "--dtype", "float32", "--max_model_len", "256", "--num_kv_blocks", "256",
         "--block_size", "4", "--num_threads", "1", "--disable_access_log",
         "--limit-mm-per-prompt", '{"image": 2}', "--max_image_pixels", "10000",
-        "--max_image_bytes", "64KiB", "--shutdown_timeout", "5"])
+        "--max_image_bytes", "64KiB", "--shutdown_timeout", "5",
+        "--allowed_media_domains", "127.0.0.1", "--media_fetch_timeout", "5"])
     srv.wait_ready(timeout=240)
     yield srv
     srv.proc.terminate()
@@ -156,3 +159,53 @@ def test_still_serving_after_bad_images(client):
         model="tiny-vlm", max_tokens=2, messages=[{"role": "user", "content": [
             part(data_url(image(9, (25, 25)))), {"type": "text", "text": "ok"}]}])
     assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+class _ImageHost(http.server.BaseHTTPRequestHandler):
+    """Serves /ok.png, /big.png, /text (not an image) and /away (redirects off-host)."""
+
+    png = base64.b64decode(data_url(image(10, (30, 30))).split(",", 1)[1])
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path == "/away":
+            self.send_response(302)
+            self.send_header("Location", "http://example.com/x.png")
+            self.end_headers()
+            return
+        body, mime = {"/ok.png": (self.png, "image/png"),
+                      "/big.png": (b"\0" * 100_000, "image/png"),
+                      "/text": (b"hello", "text/plain")}.get(self.path, (b"", "text/plain"))
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Type", mime)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ImageHost)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_fetch_from_an_allowed_host(client, image_host):
+    resp = client.chat.completions.create(model="tiny-vlm", max_tokens=2, messages=[
+        {"role": "user", "content": [part(image_host + "/ok.png")]}])
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("path,words", [("/big.png", "--max_image_bytes"),
+                                        ("/text", "Content-Type"),
+                                        ("/away", "not in --allowed_media_domains"),
+                                        ("/missing", "cannot fetch")])
+def test_bad_fetch_is_400(client, image_host, path, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny-vlm", max_tokens=2, messages=[
+            {"role": "user", "content": [part(image_host + path)]}])
+    assert err.value.body["param"] == "messages[0].content[0]"
+    assert words in err.value.body["message"], err.value.body

@@ -113,3 +113,23 @@ def test_prompt_cache_keyed_by_image(llava_dir):
     image_start = expected[0][0].index(llm.get_tokenizer().convert_tokens_to_ids("<image>"))
     assert image_start >= 4
     assert kv.prefix_cache_hits - before == image_start // 4 * 4
+
+
+def test_offline_chat_with_image_parts(llava_dir):
+    import base64
+    import io
+
+    img = image(9, (36, 28))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    llm = LLM(model=llava_dir, dtype="float32", block_size=4, num_kv_blocks=128,
+              max_model_len=256)
+    out = llm.chat([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "The quick brown"}]}],
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    rendered = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "<image>\nThe quick brown"}], tokenize=False,
+        add_generation_prompt=True)
+    check_same(out, hf_greedy(llava_dir, [(rendered, [img])]))
