@@ -75,7 +75,7 @@ class InputProcessor:
         mm_items: list[MultiModalItem] = []
         if images and self.images is None:
             raise ValueError(f"multi_modal_data: {self.model_info.served_model_name!r} is "
-                             f"a text-only model; it does not accept images")
+                             f"a text-only model; images are not supported")
         if self.images is not None:  # also refuses image placeholders without their images
             prompt_token_ids, mm_items = self.images.process(prompt_token_ids, images or [])
         info = self.model_info
@@ -163,7 +163,7 @@ class InputProcessor:
         for n, (param, part) in enumerate(parts):
             if self.images is None:
                 raise MessageError(f"{param}: {self.model_info.served_model_name!r} is a "
-                                   f"text-only model; it does not accept images", param,
+                                   f"text-only model; images are not supported", param,
                                    "unsupported_parameter")
             limit = self.mm_config.image_limit
             if n >= limit:
@@ -191,7 +191,8 @@ def _image_parts(messages: Any):
 def _image_processor(model_info: ModelInfo, config: MultiModalConfig):
     from bladellm.multimodal.processor import ImageInputProcessor, is_multimodal
 
-    if model_info.hf_config is None or not is_multimodal(model_info.hf_config):
+    hf_config = getattr(model_info, "hf_config", None)
+    if hf_config is None or not is_multimodal(hf_config):
         return None
     return ImageInputProcessor(model_info.model_dir, model_info.hf_config,
                                model_info.tokenizer, config)
@@ -306,7 +307,7 @@ def _content_text(content: Any, role: str, i: int, image_placeholder: str | None
                 continue
             if kind == "image_url":
                 raise MessageError(f"messages[{i}].content[{j}]: this is a text-only model; "
-                                   f"it does not accept images", f"messages[{i}].content[{j}]",
+                                   f"images are not supported", f"messages[{i}].content[{j}]",
                                    "unsupported_parameter")
             if kind != "text":
                 raise MessageError(f"content part of type '{kind}' is not supported by this "
