@@ -29,6 +29,7 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, model_dir: str | None = 
         if manifest is not None:
             check_split_parallel(manifest, tp_size, pp_size, model_dir)
 
+    hf_config = getattr(hf_config, "text_config", None) or hf_config  # a VLM: its LM is split
     heads = hf_config.num_attention_heads
     try:
         attention_partitions(heads, getattr(hf_config, "num_key_value_heads", None) or heads,
@@ -42,6 +43,7 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, model_dir: str | None = 
 
 def check_pipeline_parallel(hf_config: Any, pp_size: int) -> None:
     """Refuse more stages than the model has layers, before any worker process starts."""
+    hf_config = getattr(hf_config, "text_config", None) or hf_config
     try:
         pipeline_stages(hf_config.num_hidden_layers, pp_size)
     except ValueError as exc:

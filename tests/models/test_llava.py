@@ -133,3 +133,15 @@ def test_offline_chat_with_image_parts(llava_dir):
         [{"role": "user", "content": "<image>\nThe quick brown"}], tokenize=False,
         add_generation_prompt=True)
     check_same(out, hf_greedy(llava_dir, [(rendered, [img])]))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_language_model(llava_dir):
+    """TP 2: the language model sharded over two worker processes (the items cross the
+    executor's process boundary), the tower replicated; tokens as transformers'."""
+    llm = LLM(model=llava_dir, dtype="float32", block_size=4, max_num_batched_tokens=12,
+              num_kv_blocks=128, max_model_len=256, tensor_parallel_size=2)
+    try:
+        check_same(run(llm, CASES), hf_greedy(llava_dir, CASES))
+    finally:
+        llm.shutdown()
