@@ -242,6 +242,11 @@ class SchedulerConfig:
         default=2048,
         metadata={"help": "Token budget of one step; prompts longer than this are prefilled "
                           "in chunks mixed with decodes."})
+    max_num_encoder_tokens_per_step: int | None = field(
+        default=None,
+        metadata={"help": "Most image tokens whose vision encoding may start in one step (a "
+                          "vision-language model; default: no limit): a prefill chunk stops "
+                          "before an image that would exceed it (docs/multimodal.md)."})
     preempt_strategy: str = field(
         default="recompute",
         metadata={"help": "What to do when KV blocks run out: recompute (free the newest "
@@ -273,6 +278,9 @@ class SchedulerConfig:
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
+        _check(self.max_num_encoder_tokens_per_step is None
+               or self.max_num_encoder_tokens_per_step >= 1, "max_num_encoder_tokens_per_step",
+               f"must be >= 1, got {self.max_num_encoder_tokens_per_step}")
         _check(self.preempt_strategy == "recompute", "preempt_strategy",
                f"only 'recompute' is supported, got {self.preempt_strategy!r}")
         _check(self.max_queue_size is None or self.max_queue_size >= 1, "max_queue_size",

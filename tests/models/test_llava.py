@@ -145,3 +145,12 @@ def test_tensor_parallel_2_language_model(llava_dir):
         check_same(run(llm, CASES), hf_greedy(llava_dir, CASES))
     finally:
         llm.shutdown()
+
+
+def test_encoder_budget_per_step(llava_dir):
+    """One image's encoding per step (16 tokens): two-image prompts stop their chunk before
+    the second image; outputs unchanged."""
+    llm = LLM(model=llava_dir, dtype="float32", block_size=4, num_kv_blocks=128,
+              max_model_len=256, max_num_encoder_tokens_per_step=16)
+    check_same(run(llm, CASES), hf_greedy(llava_dir, CASES))
+    assert llm.engine.core.scheduler.num_steps > MAX_TOKENS + 2
