@@ -55,6 +55,18 @@ def prepack_bound(weights: Iterable[torch.Tensor], weight_bytes: int,
     return extra, extra <= (total_memory_bytes() - weight_bytes) // 4
 
 
+def _check_vision_language_flags(model: torch.nn.Module, config: EngineConfig) -> None:
+    """Features not built for vision-language models yet are refused, not half-applied."""
+    if not hasattr(model, "encode_image"):
+        return
+    if config.lora.enable_lora:
+        raise ValueError("--enable_lora: LoRA adapters are not supported with "
+                         "vision-language models yet")
+    if config.speculative.decode_algo != "normal":
+        raise ValueError(f"--decode_algo {config.speculative.decode_algo}: speculative "
+                         f"decoding is not supported with vision-language models yet")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel,
                  device: torch.device, kernels: Kernels, is_driver: bool = True) -> None:
@@ -86,6 +98,7 @@ class ModelRunner:
         spec = self.model.get_kv_cache_spec()  # per rank: stays right under TP
         self.num_layers, self.num_kv_heads, self.head_dim = (
             spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        _check_vision_language_flags(self.model, config)
         self.spec = self._make_spec_decoder(resolved)
         # A vision-language model: image features by content hash (worker/encoder_cache.py).
         self.encoder_cache = (EncoderCache(device) if hasattr(self.model, "encode_image")

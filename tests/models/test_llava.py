@@ -154,3 +154,12 @@ def test_encoder_budget_per_step(llava_dir):
               max_model_len=256, max_num_encoder_tokens_per_step=16)
     check_same(run(llm, CASES), hf_greedy(llava_dir, CASES))
     assert llm.engine.core.scheduler.num_steps > MAX_TOKENS + 2
+
+
+@pytest.mark.parametrize("flags,name", [
+    ({"enable_lora": True}, "--enable_lora"),
+    ({"decode_algo": "look_ahead"}, "--decode_algo look_ahead"),
+])
+def test_unsupported_combinations_are_refused(llava_dir, flags, name):
+    with pytest.raises(ValueError, match=name):
+        LLM(model=llava_dir, dtype="float32", num_kv_blocks=128, max_model_len=256, **flags)
