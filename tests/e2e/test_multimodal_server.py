@@ -209,3 +209,14 @@ def test_bad_fetch_is_400(client, image_host, path, words):
             {"role": "user", "content": [part(image_host + path)]}])
     assert err.value.body["param"] == "messages[0].content[0]"
     assert words in err.value.body["message"], err.value.body
+
+
+def test_streamed_answer_equals_the_whole_one(client):
+    messages = [{"role": "user", "content": [
+        part(data_url(image(11, (40, 30)))), {"type": "text", "text": "Paris is"}]}]
+    whole = client.chat.completions.create(model="tiny-vlm", max_tokens=6, temperature=0.0,
+                                           messages=messages)
+    stream = client.chat.completions.create(model="tiny-vlm", max_tokens=6, temperature=0.0,
+                                            messages=messages, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == whole.choices[0].message.content
