@@ -38,6 +38,12 @@ SHAPES = {
     "llama-88m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                       num_attention_heads=12, num_key_value_heads=4, vocab_size=8192,
                       max_position_embeddings=2048, tie_word_embeddings=False),
+    # Mixture of experts (docs/benchmarks.md, MoE): ~0.53B total, ~0.14B active per token.
+    "qwen3-moe-0.5b": dict(model_type="qwen3_moe", hidden_size=1024, num_hidden_layers=6,
+                           num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                           num_experts=64, num_experts_per_tok=8, moe_intermediate_size=384,
+                           intermediate_size=3072, norm_topk_prob=True, vocab_size=32000,
+                           max_position_embeddings=2048, tie_word_embeddings=False),
 }
 
 
@@ -78,9 +84,11 @@ def make_model_dir(shape: str, path: Path) -> str:
     if (path / "config.json").exists():
         return str(path)
     fast = train_bpe_tokenizer(cfg["vocab_size"])
-    config = transformers.LlamaConfig(**cfg, bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    config = transformers.AutoConfig.for_model(cfg.get("model_type", "llama"), **fields,
+                                               bos_token_id=0, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path, safe_serialization=True)
     fast.save_pretrained(path)
     return str(path)

@@ -8,6 +8,7 @@ generated from these dataclasses, so a new flag is a new documented field here. 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,21 @@ def _non_default(obj: Any, names: tuple[str, ...] | None = None) -> list[str]:
 
 
 ATTN_BACKENDS = ("auto", "paged", "torch", "triton")
+# The product's documented name for its ragged paged-attention backend; ours is the paged
+# attention of the kernel set chosen per device (``auto``: Triton on CUDA, compiled on a CPU).
+ATTN_ALIASES = {"ragged_flash": "auto"}
+
+logger = logging.getLogger(__name__)
+
+
+def _attn_alias(flag: str, value: str) -> str:
+    """``value`` with the product's backend names mapped to ours (and said so)."""
+    ours = ATTN_ALIASES.get(value)
+    if ours is None:
+        return value
+    logger.info("--%s %s: served by this engine's paged attention (--%s %s: Triton kernels on "
+                "CUDA, the compiled CPU kernels on a CPU)", flag, value, flag, ours)
+    return ours
 # bladellm.kernels.KERNEL_SETS (config.py imports nothing of the engine)
 KERNEL_SETS = ("auto", "compiled", "ref", "triton")
 
@@ -137,7 +153,7 @@ class ModelConfig:
         metadata={"help": "Attention backend: auto / paged (the paged-attention kernels of "
                           "--kernels), torch (the PyTorch reference twins, whatever "
                           "--kernels) or triton (the Triton kernels; needs --kernels triton "
-                          "or auto)."})
+                          "or auto). ragged_flash (the product's name) means auto."})
     revision: str | None = field(
         default=None,
         metadata={"help": "For a hub model id: the branch, tag or commit to serve (default: "
@@ -171,6 +187,7 @@ class ModelConfig:
                f"must be positive, got {self.max_model_len}")
         _check(self.kernels in KERNEL_SETS, "kernels",
                f"must be one of {', '.join(KERNEL_SETS)}, got {self.kernels!r}")
+        self.attn_cls = _attn_alias("attn_cls", self.attn_cls)
         _check(self.attn_cls in ATTN_BACKENDS, "attn_cls",
                f"unknown attention backend {self.attn_cls!r}; supported: "
                f"{', '.join(ATTN_BACKENDS)}")
@@ -314,6 +331,14 @@ class ParallelConfig:
                                      "into that many stages (lengths differ by at most one), "
                                      "each run by --tensor_parallel_size processes; up to "
                                      "that many micro-batches are in flight (docs/parallel.md)."})
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata={"help": "Mixture-of-experts models: split the experts over the "
+                          "tensor-parallel ranks (whole experts per rank; each token's hidden "
+                          "state goes to the ranks of its experts and back with all-to-all) "
+                          "instead of splitting every expert's intermediate size; attention "
+                          "stays tensor parallel. Needs --tensor_parallel_size > 1 and a "
+                          "mixture-of-experts model (docs/models.md)."})
     distributed_init_method: str | None = field(
         default=None,
         metadata={"help": "torch.distributed rendezvous of the worker ranks (e.g. "
@@ -371,6 +396,9 @@ class ParallelConfig:
         _check(self.distributed_init_method is None or self.world_size > 1,
                "distributed_init_method", "only used with --tensor_parallel_size or "
                "--pipeline_parallel_size > 1")
+        _check(not self.enable_expert_parallel or self.tensor_parallel_size > 1,
+               "enable_expert_parallel", "needs --tensor_parallel_size > 1: the experts are "
+               "split over the tensor-parallel ranks")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
                f"must be >= 1, got {self.num_threads}")
         self._check_nodes()
@@ -425,13 +453,14 @@ class DraftConfig:
     attn_cls: str = field(
         default="auto",
         metadata={"help": "Attention backend of the draft model: auto, paged, torch or triton "
-                          "(see --attn_cls)."})
+                          "(see --attn_cls; ragged_flash means auto)."})
     dtype: str = field(
         default="auto", metadata={"help": "Draft model dtype (see --dtype); auto: the "
                                           "target's resolved dtype."})
 
     def __post_init__(self) -> None:
         _check(self.model is None or bool(self.model), "draft.model", "must not be empty")
+        self.attn_cls = _attn_alias("draft.attn_cls", self.attn_cls)
         _check(self.attn_cls in ATTN_BACKENDS, "draft.attn_cls",
                f"unknown attention backend {self.attn_cls!r}; supported: "
                f"{', '.join(ATTN_BACKENDS)}")
@@ -595,6 +624,11 @@ class LoRAConfig:
     lora_modules: list[str] | None = field(
         default=None,
         metadata={"help": "Adapters registered at start-up, as name=path (vLLM style)."})
+    max_lora_entries: int = field(
+        default=256,
+        metadata={"help": "Most adapters registered at run time (reached by path, or loaded "
+                          "with /v1/load_lora_adapter) at once; past it the least recently "
+                          "used unused adapter reached by path is forgotten."})
     lora_root: list[str] | None = field(
         default=None,
         metadata={"help": "The only directories from which adapters may be loaded by path "
@@ -611,6 +645,8 @@ class LoRAConfig:
         _check(self.max_lora_rank >= 1, "max_lora_rank",
                f"must be >= 1, got {self.max_lora_rank}")
         _check(self.max_loras >= 1, "max_loras", f"must be >= 1, got {self.max_loras}")
+        _check(self.max_lora_entries >= 1, "max_lora_entries",
+               f"must be >= 1, got {self.max_lora_entries}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         _check(self.max_cpu_loras >= self.max_loras, "max_cpu_loras",

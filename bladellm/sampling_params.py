@@ -13,6 +13,10 @@ from typing import Any
 import msgspec
 
 _MAX_LOGPROBS = 20
+# What the engine can represent: per-row arrays hold counts (top_k, min_tokens, max_tokens) as
+# int32 and seeds as int64, and msgspec carries at most 64 bits across the process boundary.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class SamplingParamsTypeError(TypeError, ValueError):
@@ -214,6 +218,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         def bad(name: str, msg: str) -> ValueError:
             return ValueError(f"{name}: {msg}")
 
+        for name in ("n", "top_k", "min_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value > INT32_MAX:
+                raise bad(name, f"must be <= {INT32_MAX}, got {value}")
         if self.n < 1:
             raise bad("n", f"must be >= 1, got {self.n}")
         if not (self.temperature >= 0.0) or self.temperature > 1e4:
@@ -243,15 +251,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise bad(name, f"must be in [0, {_MAX_LOGPROBS}], got {value}")
         if self.stop is not None and any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative token ids")
+        if self.stop_token_ids is not None and any(not 0 <= t <= INT32_MAX
+                                                   for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be token ids in [0, {INT32_MAX}]")
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
-                if int(tok) < 0:
-                    raise bad("logit_bias", f"token id {tok} is negative")
+                if not 0 <= int(tok) <= INT32_MAX:
+                    raise bad("logit_bias", f"token id {tok} is out of range [0, {INT32_MAX}]")
                 if not (-100.0 <= bias <= 100.0):
                     raise bad("logit_bias", f"bias for token {tok} must be in [-100, 100]")
-        if self.seed is not None and not (-(2**63) <= self.seed < 2**63):
+        if self.seed is not None and not (INT64_MIN <= self.seed <= INT64_MAX):
             raise bad("seed", "must fit in 64 bits")
         if self.guided_decoding is not None and self.min_tokens > 0:
             # min_tokens bans EOS, which a finished grammar may leave as the only valid token.

@@ -70,13 +70,30 @@ def _hf_config(arch: str, vocab_size: int, **overrides):
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "mixtral": transformers.MixtralConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[arch]
-    return cls(**common)
+    if isinstance(common.get("mlp_only_layers"), tuple):  # hashable in the fixture's cache key
+        common["mlp_only_layers"] = list(common["mlp_only_layers"])
+    return cls(**{**MOE_DEFAULTS.get(arch, {}), **common})
+
+
+# Mixture-of-experts shapes (overridable like the rest): several experts per token, and for
+# Qwen2-MoE a shared expert; intermediate sizes differ from the dense one to catch mix-ups.
+MOE_DEFAULTS: dict[str, dict] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=80, norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=40,
+                      norm_topk_prob=True),
+}
 
 
 def make_tiny_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0,
                     **config_overrides) -> str:
-    """Write a tiny random model of ``arch`` (llama, mistral, qwen2, qwen3) to ``path``."""
+    """Write a tiny random model of ``arch`` (llama, mistral, qwen2, qwen3, mixtral, qwen2_moe,
+    qwen3_moe) to ``path``."""
     import transformers
 
     path = Path(path)

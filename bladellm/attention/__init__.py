@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bladellm.attention.backend import AttentionBackend, AttentionMetadata
+from bladellm.attention.backend import AttentionBackend, AttentionFeatures, AttentionMetadata
 from bladellm.kernels.interface import Kernels
 
 _BACKENDS = ("auto", "paged", "torch", "triton")
@@ -38,4 +38,4 @@ def get_attn_backend(name: str | None, kernels: Kernels,
                      f"{', '.join(_BACKENDS)}")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_attn_backend"]
+__all__ = ["AttentionBackend", "AttentionFeatures", "AttentionMetadata", "get_attn_backend"]

@@ -71,6 +71,35 @@ class TreeAttention:
         return self._biases[index]
 
 
+@dataclass(frozen=True)
+class AttentionFeatures:
+    """One layer's attention features, fixed at model build (semantics:
+    ``kernels.ref.attention_scores``). All None: plain causal attention."""
+
+    sliding_window: int | None = None  # a query sees its last ``sliding_window`` keys
+    alibi_slopes: torch.Tensor | None = None  # [this rank's query heads] fp32
+    soft_cap: float | None = None  # attention logits -> soft_cap * tanh(logits / soft_cap)
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.soft_cap is not None and not self.soft_cap > 0:
+            raise ValueError(f"attention soft cap must be > 0, got {self.soft_cap}")
+
+    def kwargs(self) -> dict:
+        """Keyword arguments of the kernels' ``paged_attention`` / ``tree_attention``."""
+        return dict(sliding_window=self.sliding_window, alibi_slopes=self.alibi_slopes,
+                    soft_cap=self.soft_cap)
+
+    @property
+    def is_plain(self) -> bool:
+        return self.sliding_window is None and self.alibi_slopes is None \
+            and self.soft_cap is None
+
+
+PLAIN = AttentionFeatures()
+
+
 class AttentionBackend(ABC):
     """Writes this step's K/V into the paged cache and computes attention for the flat batch."""
 
@@ -85,5 +114,6 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        features: AttentionFeatures = PLAIN,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from bladellm.attention import tree
-from bladellm.attention.backend import AttentionBackend, AttentionMetadata
+from bladellm.attention.backend import PLAIN, AttentionBackend, AttentionFeatures, \
+    AttentionMetadata
 
 
 class PagedAttentionBackend(AttentionBackend):
@@ -23,8 +24,10 @@ class PagedAttentionBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, features: AttentionFeatures = PLAIN) -> torch.Tensor:
         n = metadata.num_actual_tokens
+        # Plain attention calls the kernels exactly as before the features existed.
+        extra = {} if features.is_plain else features.kwargs()
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self.kernels.reshape_and_cache(key[:n], value[:n], k_cache, v_cache,
                                        metadata.slot_mapping)
@@ -33,7 +36,7 @@ class PagedAttentionBackend(AttentionBackend):
             out[n:].zero_()  # padding tokens (e.g. a CUDA-graph bucket) get a defined output
         self.kernels.paged_attention(out[:n], query[:n], k_cache, v_cache,
                                      metadata.block_tables, metadata.query_start_loc,
-                                     metadata.seq_lens, scale)
+                                     metadata.seq_lens, scale, **extra)
         if metadata.tree is not None:
             # The compiled kernels take no custom mask: tree tokens (look_ahead) go through the
             # PyTorch path (attention/tree.py), overwriting the rows the causal kernel computed.
@@ -42,5 +45,5 @@ class PagedAttentionBackend(AttentionBackend):
                 out[start:start + size] = tree.tree_attention(
                     query[start:start + size], key[start:start + size],
                     value[start:start + size], k_cache, v_cache, metadata.block_tables[req],
-                    ctx_len, metadata.tree.bias(idx, group), scale).to(out.dtype)
+                    ctx_len, metadata.tree.bias(idx, group), scale, **extra).to(out.dtype)
         return out

@@ -38,3 +38,33 @@ def resolve_model_path(model: str) -> str:
     if model == DEMO_MODEL_NAME:
         return demo_model_path()
     return os.path.expanduser(model)
+
+
+def demo_hf_dir() -> str:
+    """A Hugging Face model folder of the demo model: the dense copy of its GGUF file that
+    serving caches (``gguf_cache.py``; written here on first use). Tools that need a folder
+    (split, quantize, bench's tokenizer, LoRA training) take ``demo`` through it."""
+    from bladellm.checkpoint import gguf_cache
+
+    gguf_path = demo_model_path()
+    cached = gguf_cache.lookup(gguf_path)
+    if cached is not None:
+        return cached
+    from bladellm.checkpoint.gguf import GGUFCheckpoint
+
+    cached = gguf_cache.convert(GGUFCheckpoint(gguf_path))
+    if cached is None:
+        raise ValueError(
+            "demo: no dense copy of the demo model could be cached (BLADELLM_GGUF_CACHE=0, or "
+            "too little disk); write a folder yourself with: python -c \"from "
+            "bladellm.checkpoint.demo import demo_model_path; from bladellm.checkpoint.gguf "
+            "import save_as_hf_dir; save_as_hf_dir(demo_model_path(), 'smollm2-135m')\"")
+    return cached
+
+
+def resolve_model_dir(model: str) -> str:
+    """A model or tokenizer *folder* argument: ``'demo'`` -> ``demo_hf_dir()``; anything else
+    with ``~`` expanded."""
+    if model == DEMO_MODEL_NAME:
+        return demo_hf_dir()
+    return os.path.expanduser(model)

@@ -7,6 +7,8 @@ import json
 import os
 from typing import Any
 
+from bladellm.checkpoint.chatglm import chatglm_config, is_chatglm
+
 
 def load_hf_config(model_dir: str, trust_remote_code: bool, snapshot: bool = False) -> Any:
     """Read ``config.json`` as a transformers ``PretrainedConfig``; with ``snapshot``, callers
@@ -34,6 +36,8 @@ def load_hf_config(model_dir: str, trust_remote_code: bool, snapshot: bool = Fal
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {path}: {e}") from e
+    if is_chatglm(raw) and not trust_remote_code:  # read natively: no custom code needed
+        return chatglm_config(raw, path)
     needs_code = "auto_map" in raw and raw.get("model_type") not in CONFIG_MAPPING
     if needs_code and not trust_remote_code:
         raise ValueError(f"{path} needs custom code from the model directory (auto_map, "

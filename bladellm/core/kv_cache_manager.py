@@ -11,6 +11,13 @@ The manager hands out block ids only; the runner owns the tensors. Rules:
   scheduler holds back a request whose next block is pending elsewhere (``n > 1`` siblings, or
   many users with one system prompt) so that it gets a hit instead of recomputing it. Freeing
   the owner drops its pending entries, so nobody waits on a request that will not compute them.
+- Sliding window (``sliding_window``: every attention layer of the model has a window, this
+  is the widest): a block whose tokens all lie before the window of the request's next query
+  is freed as the request moves on, and its table entry becomes the null block (vLLM v1's
+  sliding-window manager); the attention kernels never read keys before a query's window, so
+  the table keeps its length and positions. A prompt-cache hit then needs only the blocks
+  inside the window before the hit point; earlier ones may have been evicted (null too).
+  Without a window nothing of this runs: the full-attention path is the same code as before.
 """
 
 from __future__ import annotations
@@ -28,9 +35,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        # Window: per request, how many leading blocks were freed (now null) for it.
+        self._num_skipped_blocks: dict[str, int] = {}
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[int]] = {}
         # How many leading blocks of each request have been registered in the cache.
@@ -68,6 +81,8 @@ class KVCacheManager:
         if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = self.block_hashes(req)
+        if self.sliding_window is not None:
+            return self._windowed_hit(hashes[:self._num_reusable_blocks(req)])
         blocks = []
         for block_hash in hashes[:self._num_reusable_blocks(req)]:
             block_id = self.pool.get_cached_block(block_hash)
@@ -75,6 +90,28 @@ class KVCacheManager:
                 break
             blocks.append(block_id)
         return blocks, len(blocks) * self.block_size
+
+    def _first_needed_block(self, num_tokens: int) -> int:
+        """First block the query at position ``num_tokens`` can see with the window."""
+        assert self.sliding_window is not None
+        return max(0, num_tokens - self.sliding_window + 1) // self.block_size
+
+    def _windowed_hit(self, hashes: Sequence[BlockHash]) -> tuple[list[int], int]:
+        """The longest hit of k blocks whose window blocks ``[first_needed(k * bs), k)`` are all
+        cached (each hash chains its whole prefix, so the tokens before match too); blocks
+        before the window come back as the null block."""
+        found = [self.pool.get_cached_block(h) for h in hashes]
+        best, run_start = 0, 0  # cached run found[run_start:k]
+        for k in range(1, len(found) + 1):
+            if found[k - 1] is None:
+                run_start = k
+            elif run_start <= self._first_needed_block(k * self.block_size):
+                best = k
+        if best == 0:
+            return [], 0
+        first = self._first_needed_block(best * self.block_size)
+        blocks = [NULL_BLOCK_ID] * first + [b for b in found[first:best] if b is not None]
+        return blocks, best * self.block_size
 
     def pending_owner(self, req: Request, num_computed_blocks: int) -> str | None:
         """The running request computing the next block ``req`` would compute itself, if any."""
@@ -100,6 +137,8 @@ class KVCacheManager:
         """
         req_id = req.request_id
         blocks = self.req_to_blocks.get(req_id, [])
+        if self.sliding_window is not None and blocks:
+            self._free_outside_window(req_id, blocks, req.num_computed_tokens)
         if (not new_computed_blocks and blocks
                 and req.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size):
             return []  # the common decode step: the last block still has room
@@ -107,7 +146,8 @@ class KVCacheManager:
         num_fresh = self._num_fresh(req, num_new_tokens, new_computed_blocks)
         if self._num_short(num_fresh, new_computed_blocks):
             return None
-        self.pool.touch(new_computed_blocks)
+        hits = [b for b in new_computed_blocks if b != NULL_BLOCK_ID]  # window: none before it
+        self.pool.touch(hits)
         fresh = self.pool.allocate(num_fresh)
         if req_id not in self.req_to_blocks:
             self.req_to_blocks[req_id] = blocks
@@ -117,6 +157,8 @@ class KVCacheManager:
         blocks.extend(fresh)
         if self.enable_caching and fresh:
             self._mark_pending(req, start, len(blocks))
+        if self.sliding_window is not None and new_computed_blocks:
+            self._num_skipped_blocks[req_id] = len(new_computed_blocks) - len(hits)
         return list(new_computed_blocks) + fresh
 
     def num_blocks_short(self, req: Request, num_new_tokens: int,
@@ -135,8 +177,20 @@ class KVCacheManager:
 
     def _num_short(self, num_fresh: int, new_computed_blocks: Sequence[int]) -> int:
         # Hits sitting in the cached-free list stop being evictable once touched.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
+        num_evictable_hits = sum(1 for b in new_computed_blocks
+                                 if b != NULL_BLOCK_ID and self.pool.ref_cnt[b] == 0)
         return max(num_fresh - (self.pool.get_num_free_blocks() - num_evictable_hits), 0)
+
+    def _free_outside_window(self, req_id: str, blocks: list[int], num_computed: int) -> None:
+        """Free the request's blocks wholly before its next query's window (null in its
+        table); leading first, so the oldest are evicted first."""
+        start = self._num_skipped_blocks.get(req_id, 0)
+        end = min(self._first_needed_block(num_computed), len(blocks))
+        if end <= start:
+            return
+        self.pool.free(b for b in blocks[start:end] if b != NULL_BLOCK_ID)
+        blocks[start:end] = [NULL_BLOCK_ID] * (end - start)
+        self._num_skipped_blocks[req_id] = end
 
     def _mark_pending(self, req: Request, start: int, end: int) -> None:
         hashes = self.block_hashes(req)
@@ -169,8 +223,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(req_id, None)
         if blocks is None:
             return
-        self.pool.free(reversed(blocks))
+        self.pool.free(b for b in reversed(blocks) if b != NULL_BLOCK_ID)
         self._num_cached_blocks.pop(req_id, None)
+        self._num_skipped_blocks.pop(req_id, None)
         for block_hash in self._req_pending.pop(req_id, ()):
             if self._pending.get(block_hash) == req_id:
                 del self._pending[block_hash]
@@ -183,10 +238,17 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """No block lost or double-freed; ref counts equal the number of requests holding them."""
         holders: Counter[int] = Counter()
-        for req_id, blocks in self.req_to_blocks.items():
+        for req_id, table in self.req_to_blocks.items():
+            # Null entries: blocks freed for a window, always a leading run.
+            skipped = self._num_skipped_blocks.get(req_id, 0)
+            _require(self.sliding_window is not None or skipped == 0,
+                     f"{req_id}: blocks skipped without a window")
+            _require(all(b == NULL_BLOCK_ID for b in table[:skipped]),
+                     f"{req_id}: a skipped block is still in its table")
+            blocks = table[skipped:]
             _require(len(set(blocks)) == len(blocks), f"{req_id} holds a block twice")
             _require(NULL_BLOCK_ID not in blocks, f"{req_id} holds the null block")
-            _require(self._num_cached_blocks.get(req_id, 0) <= len(blocks),
+            _require(self._num_cached_blocks.get(req_id, 0) <= len(table),
                      f"{req_id}: more blocks cached than held")
             holders.update(blocks)
         self.pool.check_invariants(dict(holders))

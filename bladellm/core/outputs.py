@@ -76,3 +76,5 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     num_spec_drafts: int = 0  # request-steps that verified a proposal
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    # sps: request-steps whose draft did not run, by reason ("cost", "length"; cumulative).
+    num_spec_declined: dict[str, int] = msgspec.field(default_factory=dict)

@@ -55,7 +55,8 @@ class Scheduler:
                  speculative: SpeculativeConfig | None = None,
                  spec_costs: spec_decode.SpecCosts | None = None,
                  max_loras: int | None = None,
-                 eos_token_ids: Iterable[int] = ()) -> None:
+                 eos_token_ids: Iterable[int] = (),
+                 sliding_window: int | None = None) -> None:
         self.config = scheduler_config
         # The model's end-of-sequence ids (``EngineCore.set_eos_token_ids``, once at start-up).
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -71,14 +72,21 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.clock = clock
         capacity = max(num_blocks - 1, 0) * self.block_size
-        if capacity < max_model_len:
+        need = max_model_len
+        if sliding_window is not None:  # a request holds only its window and a step's tokens
+            need = min(need, (cdiv(sliding_window - 1 + scheduler_config.max_num_batched_tokens,
+                                   self.block_size) + 1) * self.block_size)
+        if capacity < need:
             raise ValueError(
                 f"--num_kv_blocks / --kv_cache_memory: the KV cache holds {num_blocks} blocks "
                 f"(one reserved) of {self.block_size} tokens = {capacity} tokens, fewer than one "
-                f"request of --max_model_len {max_model_len}; give the cache more memory or "
+                f"request of --max_model_len {max_model_len} needs ({need}); give the cache "
+                f"more memory or "
                 f"lower --max_model_len")
+        # sliding_window: the model's, when every layer has one; blocks before it are freed.
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
-                                               cache_config.enable_prompt_cache)
+                                               cache_config.enable_prompt_cache,
+                                               sliding_window=sliding_window)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = make_queue(scheduler_config.scheduling_policy)
         self.priority = scheduler_config.priority_scheduling
@@ -582,6 +590,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens, num_steps=self.num_steps,
             num_spec_drafts=self.num_spec_drafts,
+            num_spec_declined=dict(self.spec_policy.num_declined),
             num_spec_draft_tokens=self.num_spec_draft_tokens,
             num_spec_accepted_tokens=self.num_spec_accepted_tokens)
 

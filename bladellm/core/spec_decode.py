@@ -168,6 +168,22 @@ class SpecPolicy:
                              * (speculative.look_ahead_gram_size - 1) - 1)
                             if speculative is not None else 0)
         self.tree_window_rows = speculative.look_ahead_window_size if speculative else 0
+        # sps: request-steps whose draft did not run, by reason (cumulative; /metrics):
+        # "cost" (the cost rule found plain decoding faster), "length" (too few tokens left).
+        self.num_declined = {"cost": 0, "length": 0}
+
+    def draft_break_even(self) -> float | None:
+        """sps, --spec_policy cost: the acceptance rate a lone request must be expected to
+        reach for the draft to run for it (the best case: larger batches need more); None
+        when the policy never declines. Above 1, the draft never runs.
+
+        From ``choose_proposers`` with one request whose draft is caught up: proposing k tokens
+        gains p*k for a cost of k (target) + r*k (draft) + r*k*o (its fixed cost), against a
+        step of o + 1; it wins when p > 1 / (o + 1) + r."""
+        costs = self.costs
+        if costs is None or costs.always or not self.gamma:
+            return None
+        return 1.0 / (costs.step_overhead + 1.0) + costs.draft_ratio
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         self.rate.record(num_proposed, num_accepted)
@@ -242,6 +258,7 @@ class SpecPolicy:
             remaining = req.max_tokens - req.num_output_tokens - 1  # after this step's token
             k = min(gamma, remaining - 1)
             if k <= 0:
+                self.num_declined["length"] += 1
                 continue
             gain = estimate(req, prior) * k
             catch_up = req.num_tokens + 1 - req.spec_stats.draft_known
@@ -254,6 +271,7 @@ class SpecPolicy:
                         fixed=gamma * r_d * costs.step_overhead)
         for c in chosen:
             c.key.spec_stats.draft_known = c.key.num_tokens + 1
+        self.num_declined["cost"] += len(cands) - len(chosen)
         return {c.key.request_id for c in chosen}
 
 

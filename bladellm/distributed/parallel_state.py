@@ -66,6 +66,17 @@ class GroupCoordinator:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
 
+    def all_to_all(self, x: torch.Tensor, send_sizes: list[int],
+                   recv_sizes: list[int]) -> torch.Tensor:
+        """Rows ``x[sum(send_sizes[:j]) : ...]`` go to group rank j; returns the rows every
+        rank sent here, in rank order (``sum(recv_sizes)`` of them). Uneven sizes, zeros
+        included (gloo and NCCL both take them). Expert parallelism's token exchange."""
+        if self.world_size == 1:
+            return x
+        out = x.new_empty((sum(recv_sizes), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_sizes, send_sizes, group=self.group)
+        return out
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """``x`` of group rank ``src`` on every rank (in place)."""
         if self.world_size > 1:
@@ -93,6 +104,9 @@ WORLD_1 = GroupCoordinator(rank_in_group=0, world_size=1, ranks=(0,))
 class ParallelGroups:
     tp: GroupCoordinator
     pp: GroupCoordinator
+    # --enable_expert_parallel: mixture-of-experts layers split their experts over the TP group
+    # (whole experts per rank) instead of each expert's intermediate size (get_ep_group).
+    expert_parallel: bool = False
 
     @property
     def rank(self) -> int:
@@ -107,7 +121,8 @@ _GROUPS = ParallelGroups(tp=WORLD_1, pp=WORLD_1)
 
 
 def init_model_parallel(rank: int, tp_size: int, pp_size: int, init_method: str,
-                        backend: str = "gloo", timeout_s: float = 600.0) -> ParallelGroups:
+                        backend: str = "gloo", timeout_s: float = 600.0,
+                        expert_parallel: bool = False) -> ParallelGroups:
     """Join the default group of ``tp_size * pp_size`` ranks and build the TP and PP groups.
 
     Every rank must call this with the same sizes (``new_group`` is collective). ``init_method``
@@ -136,7 +151,7 @@ def init_model_parallel(rank: int, tp_size: int, pp_size: int, init_method: str,
         if column == tp_rank:
             pp = GroupCoordinator(pp_rank, pp_size, ranks, group)
     assert tp is not None and pp is not None
-    _GROUPS = ParallelGroups(tp=tp, pp=pp)
+    _GROUPS = ParallelGroups(tp=tp, pp=pp, expert_parallel=expert_parallel)
     return _GROUPS
 
 
@@ -160,9 +175,16 @@ def get_pp_group() -> GroupCoordinator:
     return _GROUPS.pp
 
 
+def get_ep_group() -> GroupCoordinator:
+    """The group mixture-of-experts layers split their experts over: the TP group under
+    --enable_expert_parallel, else a group of one (experts are then split by intermediate size
+    over the TP group, like dense MLPs)."""
+    return _GROUPS.tp if _GROUPS.expert_parallel else WORLD_1
+
+
 @contextlib.contextmanager
-def tp_shape_for_split(rank: int, size: int, pp_rank: int = 0,
-                       pp_size: int = 1) -> Iterator[GroupCoordinator]:
+def tp_shape_for_split(rank: int, size: int, pp_rank: int = 0, pp_size: int = 1,
+                       expert_parallel: bool = False) -> Iterator[GroupCoordinator]:
     """Build layers as TP rank ``rank`` of ``size`` (of pipeline stage ``pp_rank`` of
     ``pp_size``) without any process group (``blade_llm_split``).
 
@@ -184,7 +206,7 @@ def tp_shape_for_split(rank: int, size: int, pp_rank: int = 0,
     stage = GroupCoordinator(rank_in_group=pp_rank, world_size=pp_size,
                              ranks=tuple(range(rank, size * pp_size, size)))
     saved = _GROUPS
-    _GROUPS = ParallelGroups(tp=fake, pp=stage)
+    _GROUPS = ParallelGroups(tp=fake, pp=stage, expert_parallel=expert_parallel)
     try:
         yield fake
     finally:

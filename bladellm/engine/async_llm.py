@@ -94,7 +94,10 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue] = {}
         self._not_started: set[str] = set()  # requests without a first output yet
         self._output_task: asyncio.Task | None = None
-        self._latest_stats: SchedulerStats | None = None
+        # Until the first step reports, the pool's size is already known (/metrics shows the
+        # total KV blocks from the start); the pool keeps block 0 as its null block.
+        self._latest_stats: SchedulerStats | None = SchedulerStats(
+            num_total_blocks=max(int(getattr(self.client, "num_blocks", 0) or 0) - 1, 0))
         self._utility_waiters: dict[int, asyncio.Future] = {}
         self._background: set[asyncio.Task] = set()
         self._failed_all: str | None = None  # set by fail_all: no new request gets in

@@ -50,6 +50,16 @@ class Msg(bytes, enum.Enum):
     SHUTDOWN = b"S"
 
 
+def tell_parent(conn: Any, message: dict) -> bool:
+    """Send a start-up message; False (quietly) when the API process is gone: stopped by a
+    signal during start-up, it closed its end, and a traceback here would only be noise."""
+    try:
+        conn.send(message)
+        return True
+    except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+        return False
+
+
 def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str,
                          ready_conn: Any, log_level: int) -> None:
     """Entry point of the engine-core process."""
@@ -68,9 +78,11 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
             error += f"\n{traceback.format_exc()}"  # its message says all (no traceback)
         else:  # still there for --log_level debug, should a library raise one by mistake
             logger.debug("engine core start-up failed", exc_info=True)
-        ready_conn.send({"status": "failed", "error": error})
+        tell_parent(ready_conn, {"status": "failed", "error": error})
         return
-    ready_conn.send({"status": "ready", "num_blocks": core.num_blocks})
+    if not tell_parent(ready_conn, {"status": "ready", "num_blocks": core.num_blocks}):
+        core.shutdown()
+        return
     try:
         # The front end answers with the model's EOS ids (it loads the tokenizer; we don't).
         setup = ready_conn.recv()

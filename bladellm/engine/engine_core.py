@@ -19,8 +19,10 @@ from bladellm.executor import WorkerDiedError, get_executor_class
 from bladellm.executor.base import StepHandle
 from bladellm.engine.guided import GuidedRequests
 from bladellm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from bladellm.checkpoint.attention_layout import kv_free_window
 from bladellm.checkpoint.locate import ResolvedModel
 from bladellm.engine.prompt_logprobs import PromptLogprobs
+from bladellm.engine.step_isolation import StepIsolation
 from bladellm.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,36 @@ def _check_draft(config: EngineConfig, resolved: ResolvedModel):
     return draft.hf_config
 
 
+def _log_draft_outlook(break_even: float | None) -> None:
+    """Say at start-up when the cost rule will rarely or never run the sps draft (a user who
+    turned sps on otherwise sees no speculation and no reason)."""
+    if break_even is None:
+        return
+    if break_even >= 1.0:
+        logger.warning("sps: the draft will never run: with this draft/target cost ratio, "
+                       "--spec_policy cost finds plain decoding faster even if every proposed "
+                       "token were accepted (a smaller draft, or --spec_policy always, runs it); "
+                       "declined drafts are counted in /metrics "
+                       "(bladellm_spec_decode_declined_total)")
+    elif break_even > 0.5:
+        logger.warning("sps: the draft runs only for requests expected to accept more than "
+                       "%.0f%% of its tokens (a new request is assumed to accept 50%%), so it "
+                       "may rarely run; declined drafts are counted in /metrics "
+                       "(bladellm_spec_decode_declined_total, by reason)", 100 * break_even)
+    else:
+        logger.info("sps: the draft runs for requests expected to accept more than %.0f%% of "
+                    "its tokens", 100 * break_even)
+
+
 class EngineCore:
+    @staticmethod
+    def _kv_free_window(config: EngineConfig, resolved: ResolvedModel) -> int | None:
+        """The window past which the KV manager frees blocks (every layer slides). Not with an
+        sps draft: it shares the block table and attends over the whole context."""
+        if config.speculative.decode_algo == "sps":
+            return None
+        return kv_free_window(resolved.hf_config)
+
     def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
         self.config = config
         self.max_model_len = resolved.max_model_len
@@ -58,13 +89,15 @@ class EngineCore:
                     if draft_hf_config is not None and config.speculative.spec_policy == "cost"
                     else None)
                     if config.speculative.enabled else None),
-                max_loras=config.lora.max_loras if self.lora_enabled else None)
+                max_loras=config.lora.max_loras if self.lora_enabled else None,
+                sliding_window=self._kv_free_window(config, resolved))
             self.num_blocks = num_blocks
             if self.scheduler.spec_policy.costs is not None:
                 c = self.scheduler.spec_policy.costs
                 logger.info("speculation: --spec_policy %s, step overhead %.1f tokens, LM-head "
                             "share %.2f, draft/target cost %.2f", config.speculative.spec_policy,
                             c.step_overhead, c.lm_head_share, c.draft_ratio)
+                _log_draft_outlook(self.scheduler.spec_policy.draft_break_even())
             self.guided = GuidedRequests(config, resolved, self.scheduler)
             self.prompt_logprobs = PromptLogprobs()
             # Published steps not finished yet (pipeline parallelism), oldest first.
@@ -193,7 +226,7 @@ class EngineCore:
         except WorkerDiedError:
             raise
         except Exception as exc:  # noqa: BLE001 - one bad batch must not kill the server
-            return self._fail_step(sched, exc)
+            return self._fail_step(sched, exc, isolate=False)
 
     def _sync_loras(self) -> tuple[list[EngineCoreOutput], bool]:
         """Start disk loads of wanted adapters (off this loop), tell the scheduler which are in
@@ -224,8 +257,19 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - one bad batch must not kill the server
             return self._fail_step(sched, exc)
 
-    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
-        """The step's requests finish with its error (the engine goes on)."""
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception,
+                   isolate: bool = True) -> ModelRunnerOutput:
+        """The step's culprit(s) finish with its error and the engine goes on. ``isolate``: the
+        step is re-run in groups to find them (``step_isolation.py``), so that the others get
+        their tokens; without it (a pipelined step: other micro-batches are in flight, so no
+        step can be re-run in between) every request of the step fails."""
+        if isolate:
+            logger.error("step failed; re-running its %d requests to find the culprit:\n%s",
+                         len(sched.num_scheduled_tokens),
+                         "".join(traceback.format_exception(exc)))
+            return StepIsolation(self.scheduler, self.executor.execute_model,
+                                 self.executor.drop_requests,
+                                 fatal=(WorkerDiedError,)).recover(sched, exc)
         logger.error("step failed; failing its %d requests:\n%s",
                      len(sched.num_scheduled_tokens), "".join(traceback.format_exception(exc)))
         req_ids = list(sched.num_scheduled_tokens)

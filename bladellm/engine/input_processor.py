@@ -15,6 +15,7 @@ with another request's child ids (e.g. uuids).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -27,6 +28,8 @@ from bladellm.lora.request import LoRARequest
 from bladellm.engine.prompt_limits import check_prompt_chars, prompt_char_limit
 from bladellm.multimodal.inputs import MultiModalItem
 from bladellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _CHAT_ROLES = ("system", "user", "assistant", "tool")
 _INT64_SPAN = 2**64
@@ -52,6 +55,7 @@ class InputProcessor:
         self._grammar_validator_lock = threading.Lock()
         # Refuse hopeless prompts by length before paying for tokenization.
         self.max_prompt_chars = prompt_char_limit(self.tokenizer, model_info.max_model_len)
+        self._tools_checked: set[str] = set()  # chat templates already checked for `tools`
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float, *, add_special_tokens: bool = True,
@@ -129,6 +133,18 @@ class InputProcessor:
             validator = self._grammar_validator
         validator.validate(params.guided_decoding)
 
+    def _warn_if_tools_unrendered(self, template: str | None) -> None:
+        """Once per template: a request's tools that the template cannot show the model."""
+        template = template or getattr(self.tokenizer, "chat_template", None)
+        if not isinstance(template, str) or template in self._tools_checked:
+            return
+        self._tools_checked.add(template)
+        if not template_uses_tools(template):
+            logger.warning("a request sent tools, but the chat template of %r ignores them: the "
+                           "model never sees the tools and will not call them (pass a template "
+                           "that renders `tools` with --chat_template)",
+                           self.model_info.served_model_name)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """Render OpenAI-style chat messages to prompt text with the tokenizer's template.
@@ -142,6 +158,8 @@ class InputProcessor:
                              f"chat template; use the completions API or pass a chat template")
         placeholder = self.images.placeholder_text if self.images is not None else None
         conversation = normalize_messages(messages, placeholder)
+        if kwargs.get("tools"):
+            self._warn_if_tools_unrendered(kwargs.get("chat_template"))
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -212,6 +230,18 @@ def check_priority(priority: Any, priority_scheduling: bool) -> None:
                          f"priority")
 
 
+def template_uses_tools(template: str) -> bool:
+    """Whether a Jinja chat template reads its ``tools`` variable (one that does not renders
+    the same prompt with or without tools: the model never learns of them)."""
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateSyntaxError:
+        return True  # rendering will report it
+
+
 def check_token_ids(ids: Iterable[int], vocab_size: int, param: str) -> None:
     """Every id a token the model has; else a ``ValueError`` naming ``param``."""
     for tok in ids:
@@ -233,6 +263,12 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_siz
             context_length_message(num_prompt, params.max_tokens, max_model_len),
             num_prompt_tokens=num_prompt, max_tokens=params.max_tokens,
             max_model_len=max_model_len)
+    if num_prompt + params.min_tokens > max_model_len:
+        # Without max_tokens (chat's default) the context is the cap: min_tokens beyond it can
+        # never be met, so it is refused as completions refuse min_tokens > max_tokens.
+        raise ValueError(f"min_tokens: prompt ({num_prompt} tokens) + min_tokens "
+                         f"({params.min_tokens}) exceeds the model's maximum context length of "
+                         f"{max_model_len} tokens")
     check_token_ids(params.stop_token_ids or (), vocab_size, "stop_token_ids")
     check_token_ids(params.logit_bias or {}, vocab_size, "logit_bias")
 

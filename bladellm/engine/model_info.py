@@ -87,7 +87,15 @@ def _load_tokenizer(tokenizer_dir: str, trust_remote_code: bool):
 def _load_hf_config(model_dir: str, trust_remote_code: bool):
     from transformers import AutoConfig
 
+    from bladellm.checkpoint.chatglm import chatglm_config, is_chatglm
+
     try:
+        path = os.path.join(str(model_dir), "config.json")
+        if not trust_remote_code and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+            if isinstance(raw, dict) and is_chatglm(raw):  # read without its custom code
+                return chatglm_config(raw, path)
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as e:
         raise ValueError(f"could not load config.json from {model_dir!r}: {e}") from e

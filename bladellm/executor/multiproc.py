@@ -190,7 +190,8 @@ class MultiprocExecutor(Executor):
                              f"the ranks of node {par.node_rank} with blade_llm_worker")
         check_tensor_parallel(resolved.hf_config, par.tensor_parallel_size,
                               None if resolved.gguf is not None else resolved.path,
-                              par.pipeline_parallel_size)
+                              par.pipeline_parallel_size,
+                              expert_parallel=par.enable_expert_parallel)
         check_pipeline_parallel(resolved.hf_config, par.pipeline_parallel_size)
         multinode = par.nnodes > 1
         # Local-only: a fresh secret (the sockets are in a private directory anyway; one code

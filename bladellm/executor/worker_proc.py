@@ -279,7 +279,8 @@ def _serve(config: EngineConfig, resolved: ResolvedModel, link: _Link) -> int:
 
         par = config.parallel
         init_model_parallel(rank, par.tensor_parallel_size, par.pipeline_parallel_size,
-                            spec.init_method, backend="gloo")
+                            spec.init_method, backend="gloo",
+                            expert_parallel=par.enable_expert_parallel)
         worker = Worker(config, resolved, rank=rank,
                         num_threads=_rank_threads(config, spec.local_world_size),
                         local_world_size=spec.local_world_size)

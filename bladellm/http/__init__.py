@@ -7,4 +7,6 @@
 - ``body_limit.py``  413 for request bodies over the limit
 - ``disconnect.py``  awaiting work while watching for the client to leave
 - ``listen.py``      the listening socket (Nagle off on every connection)
+- ``connections.py`` connection hygiene: read deadlines, keep-alive, a connection cap, the
+                     open-file limit, rate-limited accept errors
 """

@@ -10,6 +10,15 @@ from fastapi import Request
 from bladellm.http.errors import APIError
 
 
+def _canonical(authorization: str) -> bytes:
+    """The header with its scheme spelled ``Bearer``: RFC 9110 makes the scheme
+    case-insensitive (clients send ``bearer``)."""
+    scheme, sep, credentials = authorization.partition(" ")
+    if sep and scheme.lower() == "bearer":
+        return f"Bearer {credentials.strip()}".encode()
+    return authorization.encode()
+
+
 def api_key_check(api_key: str | None):
     """A FastAPI dependency: 401 unless the request sends ``Authorization: Bearer <api_key>``
     or, as Anthropic's clients do, ``x-api-key: <api_key>`` (no check when ``api_key`` is
@@ -20,7 +29,7 @@ def api_key_check(api_key: str | None):
     async def check(request: Request) -> None:
         if expected is None:
             return
-        got = hashlib.sha256(request.headers.get("authorization", "").encode()).digest()
+        got = hashlib.sha256(_canonical(request.headers.get("authorization", ""))).digest()
         # Both compared, always: constant time; lengths hidden by hashing.
         bearer_ok = hmac.compare_digest(got, expected)
         got_key = hashlib.sha256(request.headers.get("x-api-key", "").encode()).digest()

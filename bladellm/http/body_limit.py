@@ -14,8 +14,11 @@ class RequestTooLarge(Exception):
 
 
 def too_large(max_bytes: int) -> APIError:
+    # The connection closes after the answer: kept alive, the server would go on reading
+    # (and discarding) whatever the client still sends of the body, however much that is.
     return APIError(413, f"Request body is larger than the {max_bytes}-byte limit.",
-                    "invalid_request_error", code="request_too_large")
+                    "invalid_request_error", code="request_too_large",
+                    headers={"connection": "close"})
 
 
 class BodyLimitMiddleware:

@@ -3,6 +3,7 @@ itself (so ``--port 0`` works and the ready line names the real port), Nagle off
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 
@@ -21,3 +22,21 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name to listen on) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name that may resolve to any interface
+
+
+def open_listener_warning(host: str, api_key: str | None) -> str | None:
+    """The start-up warning for a server reachable beyond this machine without a key."""
+    if api_key is not None or is_loopback(host):
+        return None
+    return (f"listening on {host} without --api_key: anyone who can reach this address can "
+            f"use the server; pass --api_key (or --host 127.0.0.1 to serve this machine only)")

@@ -37,6 +37,7 @@ SOURCES = {
     "linear.cpp": ["-ffp-contract=fast"],
     "linear_int4.cpp": ["-ffp-contract=fast"],
     "lora.cpp": ["-ffp-contract=fast"],
+    "moe.cpp": ["-ffp-contract=off"],  # GEMMs are linear.cpp's; the weighted sum rounds as torch
     "sampling.cpp": ["-ffp-contract=off"],
     "decoder.cpp": ["-ffp-contract=off"],  # no arithmetic of its own: it calls the others
 }

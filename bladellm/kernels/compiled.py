@@ -56,7 +56,8 @@ class _PagedAttentionArgs(ctypes.Structure):
                [(n, c_int64) for n in ("q_stride_token", "q_stride_head", "block_table_stride")] + \
                [(n, c_int32) for n in ("num_reqs", "num_heads", "num_kv_heads", "head_dim",
                                        "block_size", "dtype", "num_threads")] + \
-               [("scale", c_float), ("kv_int8", c_int32)]
+               [("scale", c_float), ("kv_int8", c_int32), ("sliding_window", c_int32),
+                ("soft_cap", c_float), ("alibi_slopes", c_void_p)]
 
 
 class _RmsNormArgs(ctypes.Structure):
@@ -64,7 +65,16 @@ class _RmsNormArgs(ctypes.Structure):
                [(n, c_int64) for n in ("x_outer_stride", "x_inner_stride", "r_outer_stride",
                                        "r_inner_stride", "outer", "inner")] + \
                [(n, c_int32) for n in ("hidden", "dtype", "sum_lanes", "num_threads")] + \
-               [("eps", c_float)]
+               [("eps", c_float), ("kind", c_int32), ("bias", c_void_p)]
+
+
+# _RmsNormArgs.kind (norm.cpp NormKind).
+NORM_RMS, NORM_RMS_UNIT_OFFSET, NORM_LAYER = 0, 1, 2
+# Fewer rows than this: F.layer_norm (one fused torch op) beats the call's fixed cost, so the
+# LayerNorm kernel takes prefill-sized inputs only (docs/kernels.md).
+LAYER_NORM_MIN_ROWS = 16
+# bl_activation's codes (elementwise.cpp Act), by ref.ACTIVATIONS name.
+ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "gelu_new": 3, "relu": 4}
 
 
 class _RotaryArgs(ctypes.Structure):
@@ -73,7 +83,8 @@ class _RotaryArgs(ctypes.Structure):
                [(n, c_int64) for n in ("q_in_stride", "q_out_stride", "k_in_stride",
                                        "k_out_stride", "tokens", "max_position")] + \
                [(n, c_int32) for n in ("num_q_heads", "num_k_heads", "head_dim", "rotary_dim",
-                                       "dtype", "positions_int64", "num_threads")]
+                                       "dtype", "positions_int64", "num_threads",
+                                       "interleaved")]
 
 
 class _CacheWriteArgs(ctypes.Structure):
@@ -112,6 +123,30 @@ class DecoderStackArgs(ctypes.Structure):
                                        "dtype", "positions_int64", "slots_int64", "kv_int8",
                                        "sum_lanes", "num_threads")] + \
                [("eps", c_float), ("scale", c_float)]
+
+
+class MoeArgs(ctypes.Structure):  # moe.cpp
+    _fields_ = [(n, c_void_p) for n in ("out", "x", "w13", "w2", "topk_weights",
+                                        "topk_ids")] + \
+               [(n, c_int64) for n in ("tokens", "top_k", "num_experts", "hidden", "inter",
+                                       "w13_stride", "w2_stride", "silu_chunk")] + \
+               [(n, c_int32) for n in ("kind", "dtype", "num_threads")]
+
+
+class _PackedExperts:
+    """Stacked expert weights in the layout of one of linear.cpp's kernels (``kind``: the
+    panels ``LINEAR_PANEL`` or pair panels ``LINEAR_PAIRS``), expert after expert, and the
+    weights they were made from (by identity)."""
+
+    __slots__ = ("w13", "w2", "kind", "source")
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, kind: int,
+                 source: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.w13, self.w2, self.kind, self.source = w13, w2, kind, source
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w2))
 
 
 class _PackedLinear:
@@ -241,6 +276,9 @@ class CompiledKernels(Kernels):
         self._cache_write = self._bind(lib.bl_reshape_and_cache, [POINTER(_CacheWriteArgs)])
         self._silu = self._bind(lib.bl_silu_and_mul, [c_void_p, c_void_p, c_int64, c_int64,
                                                       c_int64, c_int64, c_int32, c_int32])
+        self._activation = self._bind(lib.bl_activation, [
+            c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int32, c_int32, c_int64, c_int32,
+            c_int32])
         # torch's elementwise loops take two vectors per step and finish rows with scalar code;
         # silu's scalar exp differs from its vector one, so the kernel splits rows the same way.
         cap = torch.backends.cpu.get_cpu_capability().upper()
@@ -269,6 +307,7 @@ class CompiledKernels(Kernels):
         self._decoder_stack = self._bind(lib.bl_decoder_stack, [POINTER(DecoderStackArgs)])
         self._token_bitmask = self._bind(lib.bl_apply_token_bitmask, [
             c_void_p, c_int64, c_int64, c_int64, c_void_p, c_int64, c_void_p, c_int64])
+        self._fused_moe = self._bind(lib.bl_fused_moe, [POINTER(MoeArgs)])
         self.linear_dpbf16 = bool(lib.bl_linear_dpbf16())
         self._lora = self._bind(lib.bl_lora_sgmv, [c_void_p] * 7 + [c_int64] * 5 + [
             c_void_p, c_int32, c_int64, c_int64, c_int32, c_int32, c_int32])
@@ -303,7 +342,10 @@ class CompiledKernels(Kernels):
     def _attention_args(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float) -> tuple[_PagedAttentionArgs, tuple] | None:
+                        scale: float, sliding_window: int | None = None,
+                        alibi_slopes: torch.Tensor | None = None,
+                        soft_cap: float | None = None
+                        ) -> tuple[_PagedAttentionArgs, tuple] | None:
         """The kernel's arguments and the tensors they point into (keep them alive for the
         call), or None where the compiled kernel does not take these tensors."""
         dtype = query.dtype
@@ -319,23 +361,33 @@ class CompiledKernels(Kernels):
                         and v_cache.is_contiguous())):
             return None
         tables, starts, lens = _int32(block_tables), _int32(query_start_loc), _int32(seq_lens)
+        slopes = None
+        if alibi_slopes is not None:
+            if alibi_slopes.shape != (query.shape[1],) or not alibi_slopes.is_cpu:
+                return None
+            slopes = alibi_slopes.to(torch.float32).contiguous()
         args = _PagedAttentionArgs(
             out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
             query.stride(0), query.stride(1), tables.stride(0),
             lens.shape[0], query.shape[1], k_cache.shape[2], head_dim, k_cache.shape[1], code,
-            torch.get_num_threads(), scale, int8)
-        return args, (tables, starts, lens)
+            torch.get_num_threads(), scale, int8, sliding_window or 0, soft_cap or 0.0,
+            slopes.data_ptr() if slopes is not None else None)
+        return args, (tables, starts, lens, slopes)
 
     def paged_attention(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float) -> None:
+                        scale: float, *, sliding_window: int | None = None,
+                        alibi_slopes: torch.Tensor | None = None,
+                        soft_cap: float | None = None) -> None:
+        features = dict(sliding_window=sliding_window, alibi_slopes=alibi_slopes,
+                        soft_cap=soft_cap)
         prepared = self._attention_args(out, query, k_cache, v_cache, block_tables,
-                                        query_start_loc, seq_lens, scale)
+                                        query_start_loc, seq_lens, scale, **features)
         if prepared is None:
             return super().paged_attention(out, query, k_cache, v_cache, block_tables,
-                                           query_start_loc, seq_lens, scale)
+                                           query_start_loc, seq_lens, scale, **features)
         rc = self._attention(prepared[0])
         if rc != 0:
             raise ValueError(f"paged_attention: unsupported arguments (code {rc}): "
@@ -380,11 +432,16 @@ class CompiledKernels(Kernels):
             raise ValueError(f"reshape_and_cache: unsupported key dtype {key.dtype}")
 
     def _norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-              eps: float) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+              eps: float, kind: int = NORM_RMS, bias: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         code = _DTYPES.get(x.dtype)
         if code is None or not x.is_cpu or weight.dtype != x.dtype or not weight.is_contiguous():
             return None
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+            return None
         grid = _rows_view(x)
+        if kind == NORM_LAYER and (grid is None or grid[0] * grid[1] < LAYER_NORM_MIN_ROWS):
+            return None
         rgrid = None if residual is None else _rows_view(residual)
         if grid is None or (residual is not None and (
                 rgrid is None or residual.dtype != x.dtype or residual.shape != x.shape
@@ -398,9 +455,35 @@ class CompiledKernels(Kernels):
             out.data_ptr(), 0 if res_out is None else res_out.data_ptr(), x.data_ptr(),
             0 if residual is None else residual.data_ptr(), weight.data_ptr(),
             so, si, ro, ri, outer, inner, x.shape[-1], code, self.sum_lanes,
-            torch.get_num_threads(), eps)
+            torch.get_num_threads(), eps, kind, None if bias is None else bias.data_ptr())
         self._rms_norm(args)
         return out, res_out
+
+    def rms_norm_unit_offset(self, x: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> torch.Tensor:
+        done = self._norm(x, None, weight, eps, NORM_RMS_UNIT_OFFSET)
+        return super().rms_norm_unit_offset(x, weight, eps) if done is None else done[0]
+
+    def fused_add_rms_norm_unit_offset(self, x: torch.Tensor, residual: torch.Tensor,
+                                       weight: torch.Tensor, eps: float
+                                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        done = self._norm(x, residual, weight, eps, NORM_RMS_UNIT_OFFSET)
+        if done is None:
+            return super().fused_add_rms_norm_unit_offset(x, residual, weight, eps)
+        return done[0], done[1]
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   eps: float) -> torch.Tensor:
+        done = self._norm(x, None, weight, eps, NORM_LAYER, bias)
+        return super().layer_norm(x, weight, bias, eps) if done is None else done[0]
+
+    def fused_add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                             weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        done = self._norm(x, residual, weight, eps, NORM_LAYER, bias)
+        if done is None:
+            return super().fused_add_layer_norm(x, residual, weight, bias, eps)
+        return done[0], done[1]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         done = self._norm(x, None, weight, eps)
@@ -415,7 +498,7 @@ class CompiledKernels(Kernels):
 
     def rotary_embedding(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
-                         rotary_dim: int, *, inplace: bool = True
+                         rotary_dim: int, *, inplace: bool = True, interleaved: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = q.dtype
         code = _DTYPES.get(dtype)
@@ -428,7 +511,8 @@ class CompiledKernels(Kernels):
                         and sin_cache.is_contiguous())
                 or cos_cache.shape[-1] * 2 != rotary_dim):
             return super().rotary_embedding(positions, q, k, cos_cache, sin_cache, head_dim,
-                                            rotary_dim, inplace=inplace)
+                                            rotary_dim, inplace=inplace,
+                                            interleaved=interleaved)
         q_out = q if inplace else torch.empty(q.shape, dtype=dtype)
         k_out = k if inplace else torch.empty(k.shape, dtype=dtype)
         args = _RotaryArgs(
@@ -436,7 +520,7 @@ class CompiledKernels(Kernels):
             cos_cache.data_ptr(), sin_cache.data_ptr(), q.stride(0), q_out.stride(0),
             k.stride(0), k_out.stride(0), q.shape[0], cos_cache.shape[0],
             q.shape[1] // head_dim, k.shape[1] // head_dim, head_dim, rotary_dim, code,
-            positions.dtype == torch.int64, torch.get_num_threads())
+            positions.dtype == torch.int64, torch.get_num_threads(), int(interleaved))
         if self._rotary(args) == 1:
             raise IndexError(f"rotary_embedding: a position is outside [0, {cos_cache.shape[0]})")
         return q_out, k_out
@@ -454,6 +538,32 @@ class CompiledKernels(Kernels):
         self._silu(out.data_ptr(), x.data_ptr(), x.stride(0), x.shape[0], d, self.silu_chunk,
                    code, torch.get_num_threads())
         return out
+
+    def _activation_rows(self, x: torch.Tensor, act: str, gated: bool) -> torch.Tensor | None:
+        code, act_code = _DTYPES.get(x.dtype), ACT_CODES.get(act)
+        # gelu_new's twin is transformers' op-by-op formula, which rounds a 16-bit tensor
+        # after every op: only fp32 computes it as the kernel does.
+        if (code is None or act_code is None or not x.is_cpu or x.stride(-1) != 1
+                or (gated and x.shape[-1] % 2) or (act == "gelu_new" and code != 0)):
+            return None
+        rows = x if x.dim() == 2 else (x.view(-1, x.shape[-1]) if x.is_contiguous() else None)
+        if rows is None:
+            return None
+        d = rows.shape[1] // 2 if gated else rows.shape[1]
+        out = torch.empty((rows.shape[0], d), dtype=x.dtype)
+        self._activation(out.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], d,
+                         act_code, int(gated), self.silu_chunk, code, torch.get_num_threads())
+        return out.view(*x.shape[:-1], d)
+
+    def act_and_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        out = self._activation_rows(x, act, gated=True)
+        return super().act_and_mul(x, act) if out is None else out
+
+    def activation(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        # torch's own ReLU and erf GELU are as fast (docs/kernels.md) and bit-exact: the
+        # kernel takes the tanh GELUs and SiLU.
+        out = None if act in ("relu", "gelu") else self._activation_rows(x, act, gated=False)
+        return super().activation(x, act) if out is None else out
 
     def lora_sgmv(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                   order: torch.Tensor, seg_start: torch.Tensor, seg_slot: torch.Tensor,
@@ -616,7 +726,7 @@ class CompiledKernels(Kernels):
             raise RuntimeError(f"decoder_stack: a kernel refused its arguments (code {rc})")
 
     def packed_bytes(self, packed: object | None) -> int:
-        return packed.nbytes if isinstance(packed, _PackedLinear) else 0
+        return packed.nbytes if isinstance(packed, (_PackedLinear, _PackedExperts)) else 0
 
     def packed_bytes_bound(self, weight: torch.Tensor) -> int:
         # Mirrors pack_linear_weight: the fp32 panels (at most: the exact-bf16 ones are half),
@@ -715,4 +825,73 @@ class CompiledKernels(Kernels):
         self._linear_wbf16(out.data_ptr(), x.data_ptr(), narrow.data_ptr(),
                            None if bias is None else bias.data_ptr(), M, N, K, x_stride, N,
                            torch.get_num_threads())
+        return out
+
+    # ---- mixture of experts (moe.cpp) -----------------------------------------------------------
+    def pack_moe_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> object | None:
+        """Each expert's weights packed as ``pack_linear_weight`` packs a linear layer's: fp32
+        panels where ``linear_max_rows_panel`` > 0, bf16 pair panels where
+        ``linear_max_rows_pairs`` > 0; None elsewhere (``fused_moe`` then streams the [N, K]
+        rows)."""
+        if not all(_packable(w[0]) and w.is_contiguous() for w in (w13, w2)) or \
+                w13.dtype != w2.dtype or w13.shape[0] == 0:
+            return None
+        if w13.dtype == torch.float32 and self.linear_max_rows_panel > 0:
+            pack, kind = self.pack_panels, LINEAR_PANEL
+        elif w13.dtype == torch.bfloat16 and self.linear_max_rows_pairs > 0:
+            pack, kind = self.pack_pairs, LINEAR_PAIRS
+        else:
+            return None
+        return _PackedExperts(torch.stack([pack(w) for w in w13]),
+                              torch.stack([pack(w) for w in w2]), kind, (w13, w2))
+
+    def moe_max_tokens(self, dtype: torch.dtype, packed: object | None) -> int:
+        """The most tokens per expert ``fused_moe`` runs compiled (the row limit of the GEMM it
+        uses)."""
+        if isinstance(packed, _PackedExperts):
+            return (self.linear_max_rows_panel if packed.kind == LINEAR_PANEL
+                    else self.linear_max_rows_pairs)
+        return self.linear_max_rows.get(dtype, 0)
+
+    @staticmethod
+    def _moe_rows_fit(topk_ids: torch.Tensor, num_experts: int, max_rows: int) -> bool:
+        """Whether every expert gets at most ``max_rows`` tokens (each expert's GEMMs run on
+        just its tokens, so the GEMM's row limit applies per expert, not to the batch)."""
+        if topk_ids.shape[0] <= max_rows:
+            return True
+        ids = topk_ids.reshape(-1)
+        ids = ids[(ids >= 0) & (ids < num_experts)]
+        return ids.numel() == 0 or int(torch.bincount(ids).max()) <= max_rows
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  packed: object | None = None) -> torch.Tensor:
+        code = _DTYPES.get(x.dtype)
+        if isinstance(packed, _PackedExperts) and (packed.source[0] is not w13
+                                                   or packed.source[1] is not w2):
+            packed = None  # made for other weights
+        T = x.shape[0]
+        if (code is None or x.dim() != 2 or not x.is_cpu or w13.dtype != x.dtype
+                or w2.dtype != x.dtype or not (x.is_contiguous() and w13.is_contiguous()
+                                               and w2.is_contiguous())
+                or T == 0 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T
+                or not self._moe_rows_fit(topk_ids, w13.shape[0],
+                                          self.moe_max_tokens(x.dtype, packed))):
+            return super().fused_moe(x, w13, w2, topk_weights, topk_ids, packed)
+        E, H, inter = w13.shape[0], x.shape[1], w2.shape[2]
+        # The twin multiplies in x's dtype: round the weights to it first.
+        weights = topk_weights.to(x.dtype).to(torch.float32).contiguous()
+        ids = _int32(topk_ids)
+        out = torch.empty_like(x)
+        if packed is None:
+            kind, p13, p2 = LINEAR_ROWS, w13, w2
+        else:
+            kind, p13, p2 = packed.kind, packed.w13, packed.w2
+        args = MoeArgs(out.data_ptr(), x.data_ptr(), p13.data_ptr(), p2.data_ptr(),
+                       weights.data_ptr(), ids.data_ptr(), T, ids.shape[1], E, H, inter,
+                       p13[0].numel() if E else 0, p2[0].numel() if E else 0, self.silu_chunk,
+                       kind, code, torch.get_num_threads())
+        rc = self._fused_moe(ctypes.byref(args))
+        if rc != 0:
+            raise RuntimeError(f"fused_moe: the kernel refused its arguments (code {rc})")
         return out

@@ -25,9 +25,13 @@ class Kernels:
     def paged_attention(self, out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float) -> None:
+                        scale: float, *, sliding_window: int | None = None,
+                        alibi_slopes: torch.Tensor | None = None,
+                        soft_cap: float | None = None) -> None:
+        """``ref.paged_attention``, per-layer features included (every set takes them)."""
         ref.paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc,
-                            seq_lens, scale)
+                            seq_lens, scale, sliding_window=sliding_window,
+                            alibi_slopes=alibi_slopes, soft_cap=soft_cap)
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -40,15 +44,42 @@ class Kernels:
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         return ref.fused_add_rms_norm(x, residual, weight, eps)
 
+    def rms_norm_unit_offset(self, x: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> torch.Tensor:
+        """RMSNorm scaling by ``1 + weight`` in fp32 (``ref.rms_norm_unit_offset``)."""
+        return ref.rms_norm_unit_offset(x, weight, eps)
+
+    def fused_add_rms_norm_unit_offset(self, x: torch.Tensor, residual: torch.Tensor,
+                                       weight: torch.Tensor, eps: float
+                                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.fused_add_rms_norm_unit_offset(x, residual, weight, eps)
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   eps: float) -> torch.Tensor:
+        return ref.layer_norm(x, weight, bias, eps)
+
+    def fused_add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                             weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.fused_add_layer_norm(x, residual, weight, bias, eps)
+
     def rotary_embedding(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
-                         rotary_dim: int, *, inplace: bool = True
+                         rotary_dim: int, *, inplace: bool = True, interleaved: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         return ref.rotary_embedding(positions, q, k, cos_cache, sin_cache, head_dim, rotary_dim,
-                                    inplace=inplace)
+                                    inplace=inplace, interleaved=interleaved)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return ref.silu_and_mul(x)
+
+    def act_and_mul(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """[..., 2d] (gate | up) -> act(gate) * up; ``act`` one of ``ref.ACTIVATIONS``."""
+        return ref.act_and_mul(x, act)
+
+    def activation(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """``act`` (one of ``ref.ACTIVATIONS``) elementwise."""
+        return ref.activation(x, act)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                packed: object | None = None) -> torch.Tensor:
@@ -80,6 +111,24 @@ class Kernels:
         """The most memory ``pack_linear_weight(weight)`` can add, known before packing (the
         runner decides from it whether the copies fit)."""
         return 0
+
+    def moe_route(self, router_logits: torch.Tensor, top_k: int,
+                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mixture-of-experts routing: (weights [T, top_k] fp32, expert ids [T, top_k])
+        (``ref.moe_route``)."""
+        return ref.moe_route(router_logits, top_k, renormalize)
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  packed: object | None = None) -> torch.Tensor:
+        """The experts of a mixture-of-experts MLP over only the selected experts
+        (``ref.fused_moe``). ``packed``: what ``pack_moe_weights(w13, w2)`` returned (made once
+        at load time); the reference ignores it."""
+        return ref.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+    def pack_moe_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> object | None:
+        """A load-time form of stacked expert weights that makes ``fused_moe`` faster, or None."""
+        return None
 
     def apply_token_bitmask(self, logits: torch.Tensor, rows: torch.Tensor,
                             bitmask: torch.Tensor) -> None:

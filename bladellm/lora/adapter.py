@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from bladellm.checkpoint.moe import sparse_layers
+
 if TYPE_CHECKING:  # the API process validates adapters without torch; only loading needs it
     import torch
 
@@ -31,6 +33,9 @@ TARGETS: dict[str, tuple[str, int]] = {
     "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0)}
 _REFUSED_TARGETS = ("embed_tokens", "lm_head", "wte", "embed_out", "word_embeddings")
+# A mixture-of-experts block's modules (experts, router, shared expert) in a tensor name.
+_MOE_MODULE = re.compile(r"\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\."
+                         r"((?:experts|gate|shared_expert|shared_expert_gate)\b[\w.]*?)\.lora_[AB]")
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
                   r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])"
                   r"(?:\.default)?\.weight$")
@@ -46,16 +51,22 @@ class BaseShapes:
 
     num_layers: int
     sizes: dict[str, tuple[int, int]]
+    # Mixture-of-experts layers: their MLP is experts, which adapters may not target.
+    sparse_layers: frozenset[int] = frozenset()
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "BaseShapes":
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        inter = getattr(cfg, "intermediate_size", None)
+        if inter is None:  # not the q/k/v/o/gate/up/down layout (e.g. Bloom's fused qkv)
+            raise LoRAError(f"--enable_lora: LoRA is not supported for "
+                            f"{'/'.join(getattr(cfg, 'architectures', None) or ['this model'])}")
+        hidden = cfg.hidden_size
         head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
         q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
         return cls(cfg.num_hidden_layers, {
             "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
             "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden)})
+            "down_proj": (inter, hidden)}, sparse_layers(cfg))
 
 
 @dataclass(frozen=True)
@@ -149,7 +160,17 @@ def check_shapes(shapes: dict[str, list[int]], config: AdapterConfig, base: Base
     """Check tensor names and shapes (from the safetensors header or the loaded tensors)."""
     seen: set[tuple[int, str, str]] = set()
     for key, shape in shapes.items():
+        moe = _MOE_MODULE.search(key)
+        if moe is not None:
+            raise LoRAError(f"{key}: LoRA on the mixture-of-experts module {moe.group(2)!r} "
+                            f"(layer {moe.group(1)}) is not supported; adapt the attention "
+                            f"projections (q_proj, k_proj, v_proj, o_proj)")
         m = _KEY.match(key)
+        if m is not None and m.group(2) in ("gate_proj", "up_proj", "down_proj") and \
+                int(m.group(1)) in base.sparse_layers:
+            raise LoRAError(f"{key}: layer {m.group(1)}'s MLP is a mixture of experts; LoRA on "
+                            f"its experts ({m.group(2)}) is not supported; adapt the attention "
+                            f"projections (q_proj, k_proj, v_proj, o_proj)")
         if m is None:
             if "lora_magnitude_vector" in key:
                 raise LoRAError("DoRA adapters are not supported")

@@ -2,24 +2,42 @@
 
 A ``model`` value is, in order: the base model's served name (no adapter), a registered adapter
 name (``--lora_modules`` or ``POST /v1/load_lora_adapter``), or a path, absolute or relative to
-a ``--lora_root``. A path is resolved with ``os.path.realpath`` (symlinks and ``..`` included)
-and must then lie inside a resolved root; anything else is "not found", without saying whether
-the path exists. The adapter directory is checked here (config and safetensors header, no weights
-read), so a bad adapter is a 400 before the request reaches the engine.
+a ``--lora_root``. A path is resolved with ``os.path.realpath`` (``~`` expanded, symlinks and
+``..`` included) and must then lie inside a resolved root; anything else is "not found", without
+saying whether the path exists. The adapter directory is checked here (config and safetensors
+header, no weights read), so a bad adapter is a 400 before the request reaches the engine.
+
+Bounded: an adapter reached by path is identified by its resolved directory (``./a``, ``a/.``
+and ``/root/a`` are one adapter), named by its path under the root (``/v1/models`` shows no
+server path), and is a dynamic entry: at most ``--max_lora_entries`` dynamic entries (those and
+``/v1/load_lora_adapter``'s) exist at once; past that, the least recently used adapter reached
+by path that no request is using is forgotten (a later request reloads it).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+from collections import OrderedDict
 from typing import Any
 
 from bladellm.lora.adapter import BaseShapes, LoRAError, validate_dir
 from bladellm.lora.request import LoRARequest
 
 
+logger = logging.getLogger(__name__)
+
+MAX_NAME_LEN = 128  # a user-chosen adapter name
+MAX_MODEL_LEN = 1024  # a request's ``model`` naming an adapter by path
+
+
 class LoRANotFoundError(LookupError):
     """No such adapter (HTTP 404)."""
+
+
+class LoRARegistryFullError(LoRAError):
+    """Every dynamic entry is in use (``--max_lora_entries``)."""
 
 
 class LoRARegistry:
@@ -34,11 +52,19 @@ class LoRARegistry:
         self._by_name: dict[str, LoRARequest] = {}
         self._by_id: dict[int, LoRARequest] = {}  # ids are never reused, even after remove()
         self._ids = itertools.count(1)
+        self.max_entries = getattr(config, "max_lora_entries", 256)
+        self._by_path: OrderedDict[str, LoRARequest] = OrderedDict()  # by path; LRU first
+        self._dynamic: set[str] = set()  # names of /v1/load_lora_adapter's entries
+        self._in_use: dict[int, int] = {}  # lora id -> requests running with it
         for name, path in config.named_modules.items():
             try:
-                self.add(name, path, trusted=True, named=True)
+                self.add(name, path, trusted=True, named=True, dynamic=False)
             except (LoRAError, LoRANotFoundError) as exc:
                 raise ValueError(f"--lora_modules {name}={path}: {exc}") from None
+        if not self.roots and not self._by_name:
+            logger.warning("--enable_lora without --lora_root or --lora_modules: no adapter can "
+                           "be used (requests name adapters by a path under a --lora_root, or "
+                           "by a name from --lora_modules)")
 
     def adapters(self) -> list[LoRARequest]:
         return list(self._by_name.values())
@@ -61,6 +87,8 @@ class LoRARegistry:
         directory under a ``--lora_root`` is fine: both select the same adapter)."""
         if not name:
             raise LoRAError("lora_name: must not be empty")
+        if len(name) > MAX_NAME_LEN:
+            raise LoRAError(f"lora_name: at most {MAX_NAME_LEN} characters, got {len(name)}")
         if name != name.strip() or any(c in name for c in "/\\\x00") or name in (".", ".."):
             raise LoRAError(f"lora_name: {name!r} must be a plain name (no '/', '\\', "
                             "surrounding spaces, '.' or '..'): names that look like paths would "
@@ -77,9 +105,10 @@ class LoRARegistry:
                                 "naming another adapter; pick another name")
 
     def add(self, name: str, path: str, *, trusted: bool = False,
-            named: bool = False) -> LoRARequest:
+            named: bool = False, dynamic: bool = True) -> LoRARequest:
         """Register an adapter. ``trusted`` (operator flags) skips the ``--lora_root`` check;
-        ``named``: ``name`` was chosen by the user (checked by ``check_name``)."""
+        ``named``: ``name`` was chosen by the user (checked by ``check_name``); ``dynamic``:
+        it counts against ``--max_lora_entries`` (all but ``--lora_modules``)."""
         if not name:
             raise LoRAError("lora_name: must not be empty")
         if name in self._by_name:
@@ -91,6 +120,14 @@ class LoRARegistry:
             validate_dir(real, self.max_rank, self.base)
         except FileNotFoundError:
             raise LoRANotFoundError(f"no LoRA adapter at '{path}'") from None
+        if dynamic:
+            self._make_room()
+        req = self._register(name, real)
+        if dynamic:
+            self._dynamic.add(name)
+        return req
+
+    def _register(self, name: str, real: str) -> LoRARequest:
         lora_id = next(self._ids)
         while lora_id in self._by_id:  # taken by an adopted (user-numbered) adapter
             lora_id = next(self._ids)
@@ -98,6 +135,39 @@ class LoRARegistry:
         self._by_name[name] = req
         self._by_id[lora_id] = req
         return req
+
+    # ---- bounded dynamic entries ----------------------------------------------------------------
+    def acquire(self, req: LoRARequest) -> None:
+        """A request runs with ``req``: it is not evicted until ``release``."""
+        self._in_use[req.lora_int_id] = self._in_use.get(req.lora_int_id, 0) + 1
+
+    def release(self, req: LoRARequest) -> None:
+        left = self._in_use.get(req.lora_int_id, 0) - 1
+        if left > 0:
+            self._in_use[req.lora_int_id] = left
+        else:
+            self._in_use.pop(req.lora_int_id, None)
+
+    @property
+    def num_dynamic(self) -> int:
+        return len(self._by_path) + len(self._dynamic)
+
+    def _make_room(self) -> None:
+        """Below ``--max_lora_entries`` dynamic entries, evicting the least recently used
+        unused adapter reached by path if need be."""
+        if self.num_dynamic < self.max_entries:
+            return
+        for real, req in self._by_path.items():
+            if not self._in_use.get(req.lora_int_id):
+                del self._by_path[real]
+                self._by_name.pop(req.lora_name, None)
+                self._by_id.pop(req.lora_int_id, None)
+                logger.info("LoRA adapter '%s' forgotten (least recently used of "
+                            "--max_lora_entries %d)", req.lora_name, self.max_entries)
+                return
+        raise LoRARegistryFullError(
+            f"{self.num_dynamic} LoRA adapters are registered and in use (--max_lora_entries "
+            f"{self.max_entries}); retry later or unload one (/v1/unload_lora_adapter)")
 
     def adopt(self, req: LoRARequest) -> LoRARequest:
         """A ``LoRARequest`` the offline user built (vLLM style, with their own id): its path is
@@ -126,14 +196,41 @@ class LoRARegistry:
         req = self._by_name.pop(name, None)
         if req is None:
             raise LoRANotFoundError(f"The lora adapter '{name}' cannot be found.")
+        self._dynamic.discard(name)
+        if self._by_path.get(req.lora_path) is req:
+            del self._by_path[req.lora_path]
         return req
 
     def resolve(self, model: str) -> LoRARequest:
         """The adapter a request's ``model`` names (registered, or a path under a root)."""
         req = self._by_name.get(model)
-        if req is not None:
-            return req
-        return self.add(model, model)
+        if req is None:
+            if len(model) > MAX_MODEL_LEN:
+                raise LoRANotFoundError(f"'{model[:64]}...' is longer than {MAX_MODEL_LEN} "
+                                        "characters")
+            real = self.resolve_path(model)
+            req = self._by_path.get(real)
+            if req is None:
+                return self._add_by_path(model, real)
+        if self._by_path.get(req.lora_path) is req:
+            self._by_path.move_to_end(req.lora_path)
+        return req
+
+    def _add_by_path(self, model: str, real: str) -> LoRARequest:
+        try:
+            validate_dir(real, self.max_rank, self.base)
+        except FileNotFoundError:
+            raise LoRANotFoundError(f"no LoRA adapter at '{model}'") from None
+        self._make_room()
+        root = next(r for r in self.roots if os.path.commonpath([real, r]) == r)
+        name = base = os.path.relpath(real, root)
+        suffix = 1
+        while name in self._by_name:  # a registered name that means another adapter
+            suffix += 1
+            name = f"{base}@{suffix}"
+        req = self._register(name, real)
+        self._by_path[real] = req
+        return req
 
     def resolve_path(self, path: str) -> str:
         """``path`` resolved inside a ``--lora_root``; LoRANotFoundError otherwise."""
@@ -142,6 +239,7 @@ class LoRARegistry:
                                     "adapters by path needs --lora_root")
         if "\x00" in path:
             raise LoRANotFoundError(f"no LoRA adapter at '{path}'")
+        path = os.path.expanduser(path)  # still checked against the roots below
         candidates = [path] if os.path.isabs(path) else [os.path.join(r, path)
                                                          for r in self.roots]
         for candidate in candidates:

@@ -124,6 +124,8 @@ class CompiledDecoderStack:
     @staticmethod
     def _unsupported(model: nn.Module, kernels: Any) -> str | None:
         from bladellm.kernels.compiled import CompiledKernels
+        from bladellm.model.layers.activation import SiluAndMul
+        from bladellm.model.layers.fused_moe import SparseMoeBlock
         from bladellm.model.layers.linear import LinearBase, UnquantizedLinearMethod
         from bladellm.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
@@ -139,12 +141,18 @@ class CompiledDecoderStack:
         eps = {model.norm.eps}
         shapes = set()  # the scratch buffers are sized once for every layer
         for layer in layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                return "mixture-of-experts layers (the stack runs dense MLPs only)"
             if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not \
                     LlamaAttention or type(layer.mlp) is not LlamaMLP:
                 return f"{type(layer.self_attn).__name__} is not the plain Llama layout"
             attn = layer.self_attn
+            if type(layer.mlp.act_fn) is not SiluAndMul:
+                return f"activation {layer.mlp.act_fn.act} (the stack runs SiLU)"
             if attn.rotary_emb is not layers[0].self_attn.rotary_emb:
                 return "layers with their own rotary tables"
+            if not attn.attn.features.is_plain:
+                return "attention features (sliding window, ALiBi, soft-capping)"
             if type(attn.attn.backend).__name__ != "PagedAttentionBackend" or \
                     attn.attn.backend.kernels is not kernels:
                 return "an attention backend other than the compiled paged one"
@@ -170,6 +178,8 @@ class CompiledDecoderStack:
         if len(shapes) != 1:
             return "layers of different shapes"
         rope = layers[0].self_attn.rotary_emb
+        if rope.interleaved:
+            return "interleaved rotary (the stack runs the neox layout)"
         if rope.cos_cache.dtype != model.dtype or rope.cos_cache.shape[-1] * 2 != \
                 rope.rotary_dim:
             return "a rotary table the kernel does not take"

@@ -29,6 +29,7 @@ from bladellm.attention.backend import AttentionBackend
 from bladellm.checkpoint.locate import ResolvedModel, locate_model
 from bladellm.config import ModelConfig
 from bladellm.model.registry import get_model_class
+from bladellm.model.layers.norm import UnitOffsetRMSNorm
 from bladellm.model.layers.rotary import RotaryEmbedding
 from bladellm.platforms.cpu import CpuInfo, detect_cpu
 from bladellm.platforms.cpu_defaults import choose_cpu_dtype
@@ -110,7 +111,7 @@ def load_model(model_config: ModelConfig, hf_config: Any, dtype: torch.dtype,
 
             groups = get_groups()
             check_split_parallel(manifest, groups.tp.world_size, groups.pp.world_size,
-                                 model_dir)
+                                 model_dir, groups.expert_parallel)
     quant_config = get_quant_config(hf_config, model_config.quantization)
     if quant_config is not None and model_config.load_format == "dummy":
         raise ValueError(f"--load_format dummy: {model_dir} is a quantized checkpoint "
@@ -149,25 +150,14 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: str | torch.device,
     ``kernels.scope.building_with(kernels)``: the layers take the kernel set from there."""
     model_cls = get_model_class(hf_config)
     text_config = getattr(hf_config, "text_config", None) or hf_config  # a VLM's language model
-    check_sliding_window(text_config, max_model_len)
     if quant_config is not None:  # the quantized layers' checkpoint names, as this model fuses
         quant_config = quant_config.for_model(model_cls.packed_modules_mapping)
     with torch.device(device):
         model = model_cls(hf_config, dtype, attn_backend, quant_config=quant_config)
-    _check_positions(model, max_model_len or text_config.max_position_embeddings)
+    limit = max_model_len or getattr(text_config, "max_position_embeddings", None)
+    if limit:  # Bloom (ALiBi) states no position limit
+        _check_positions(model, limit)
     return model
-
-
-def check_sliding_window(hf_config: Any, max_model_len: int | None) -> None:
-    """Sliding-window attention is not implemented: refuse models whose window would bite."""
-    window = getattr(hf_config, "sliding_window", None)
-    if getattr(hf_config, "use_sliding_window", True) is False:
-        window = None
-    limit = max_model_len or hf_config.max_position_embeddings
-    if window is not None and window < limit:
-        raise ValueError(
-            f"sliding_window={window} is smaller than the context length {limit}, and sliding-"
-            f"window attention is not supported yet; pass --max_model_len {window} or less")
 
 
 def _check_positions(model: nn.Module, max_model_len: int) -> None:
@@ -264,8 +254,14 @@ def read_split_manifest(model_dir: str) -> dict[str, Any] | None:
 
 
 def check_split_parallel(manifest: dict[str, Any], tp_size: int, pp_size: int,
-                         model_dir: str) -> None:
-    """A split checkpoint serves exactly the degrees it was split for."""
+                         model_dir: str, expert_parallel: bool = False) -> None:
+    """A split checkpoint serves exactly the degrees (and expert layout) it was split for."""
+    split_ep = bool(manifest.get("enable_expert_parallel", False))
+    if split_ep != expert_parallel:
+        flag = "with" if split_ep else "without"
+        raise ValueError(f"--enable_expert_parallel: {model_dir} was split by blade_llm_split "
+                         f"{flag} --enable_expert_parallel; serve it {flag} it, or split the "
+                         f"original checkpoint ({manifest.get('source', '?')}) again")
     for key, size in (("tensor_parallel_size", tp_size), ("pipeline_parallel_size", pp_size)):
         split = manifest[key]
         if size != split:
@@ -340,6 +336,15 @@ def load_split_shard(model: nn.Module, model_dir: str) -> int:
 def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
     # named_parameters() lists a tied lm_head.weight once, under the embedding's name.
     missing = [name for name, _ in model.named_parameters() if name not in loaded]
+    # A fused parameter is named by the checkpoint tensors it lacks (or is made of).
+    fused = getattr(model, "packed_modules_mapping", {})
+    parts = getattr(loaded, "missing_parts", {})
+    for i, name in enumerate(missing):
+        frag = next((f for f in fused if f".{f}." in name), None)
+        if name in parts:
+            missing[i] = f"{name} (checkpoint: no {', '.join(parts[name])})"
+        elif frag is not None:
+            missing[i] = f"{name} (checkpoint: {', '.join(fused[frag])})"
     if missing:
         shown = ", ".join(missing[:10]) + (f" (+{len(missing) - 10} more)"
                                             if len(missing) > 10 else "")
@@ -348,14 +353,18 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights for benchmarks: normal(0, 0.02); norm weights 1, biases 0."""
+    """Random weights for benchmarks: normal(0, 0.02); norms the identity scale (weights 1, or
+    0 where the weight is an offset from 1), biases 0."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():
-        if "norm" in name.split(".")[-2]:
-            param.fill_(1.0)
-        elif name.endswith("bias"):
+        if name.endswith("bias"):  # LayerNorm's too
             param.zero_()
+        elif "norm" in name.split(".")[-2]:
+            param.fill_(1.0)
         else:
             sample = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02,
                                                                           generator=gen)
             param.copy_(sample)
+    for module in model.modules():  # its weight is the offset from 1: identity is 0
+        if isinstance(module, UnitOffsetRMSNorm):
+            module.weight.zero_()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -94,7 +94,8 @@ def load_weights_with_mapping(module: nn.Module, weights: Iterable[tuple[str, to
                 loader(param, tensor, shard_id)
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {ckpt_name!r} {tuple(tensor.shape)} -> parameter "
-                             f"{name!r} {tuple(param.shape)}: {e}") from e
+                             f"{name!r} {tuple(param.shape)} (its shape from config.json): "
+                             f"{e}") from e
         if shard_id is None:
             loaded.add(name)
             continue
@@ -106,4 +107,56 @@ def load_weights_with_mapping(module: nn.Module, weights: Iterable[tuple[str, to
     if unknown:
         logger.warning("ignored %d checkpoint tensors with no matching parameter: %s",
                        len(unknown), ", ".join(unknown[:8]))
-    return loaded
+    result = LoadedNames(loaded)
+    for name in set(shards_seen) - loaded:  # some of a fused parameter's tensors arrived
+        frag = next(f for f, _, _ in stacked if f".{f}." in name)
+        parts = packed_modules_mapping[frag]
+        result.missing_parts[name] = [name.replace(f".{frag}.", f".{parts[sid]}.")
+                                      for sid in sorted(expected[frag] - shards_seen[name])]
+    return result
+
+
+class LoadedNames(set):
+    """The parameters that received data; ``missing_parts``: for a fused parameter that got
+    only some of its checkpoint tensors, the names of those it did not get (the loader's
+    missing-tensor error names them)."""
+
+    def __init__(self, names: Iterable[str] = ()) -> None:
+        super().__init__(names)
+        self.missing_parts: dict[str, list[str]] = {}
+
+
+def unfuse_checkpoint(weights: Iterable[tuple[str, torch.Tensor]],
+                      fused: dict[str, list[tuple[str, int]]],
+                      params: dict[str, nn.Parameter] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Split checkpoint tensors that fuse several modules along their outputs: a tensor whose
+    name holds ``.{frag}.`` for a key of ``fused`` (``{"qkv_proj": [("q_proj", q_rows),
+    ("k_proj", kv_rows), ("v_proj", kv_rows)]}``) becomes one tensor per part, renamed, so
+    the model's ``packed_modules_mapping`` loads each as its shard (and TP cuts each part on
+    its own). A quantized tensor (its parameter in ``params``, the model's, named like the
+    checkpoint tensor, carries a ``quant_spec``) is split along its spec's output dimension in
+    packed units (GPTQ / AWQ ``qweight``, ``qzeros``, ``scales``), or handed whole to every part
+    where it has none (GPTQ's shared ``g_idx``). A size that disagrees with config.json is a
+    one-line ValueError."""
+    params = params or {}
+    for name, tensor in weights:
+        frag = next((f for f in fused if f".{f}." in name), None)
+        if frag is None:
+            yield name, tensor
+            continue
+        parts = fused[frag]
+        spec = getattr(params.get(name), "quant_spec", None)
+        dim, div = (0, 1) if spec is None else (spec.output_dim, spec.output_div)
+        if dim is None:
+            for part, _ in parts:
+                yield name.replace(f".{frag}.", f".{part}."), tensor
+            continue
+        sizes = [size // div for _, size in parts]
+        if tensor.dim() <= dim or tensor.shape[dim] != sum(sizes):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; "
+                             f"config.json gives {sum(sizes)} in dim {dim} "
+                             f"({' + '.join(f'{p} {s}' for p, s in parts)}"
+                             f"{f', in units of {div}' if div > 1 else ''})")
+        for (part, _), piece in zip(parts, tensor.split(sizes, dim=dim)):
+            yield name.replace(f".{frag}.", f".{part}."), piece

@@ -24,6 +24,7 @@ from bladellm.kernels.scope import building_with
 from bladellm.model.decoder_stack import attach_compiled_stack
 from bladellm.model.forward_context import ForwardContext
 from bladellm.model.layers.embedding import ParallelLMHead
+from bladellm.model.layers.fused_moe import moe_layers
 from bladellm.model.layers.linear import UnquantizedLinearMethod
 from bladellm.model.loader import load_resolved_model
 from bladellm.platforms.cpu_defaults import model_weight_bytes, total_memory_bytes
@@ -143,8 +144,11 @@ class ModelRunner:
         ``CompiledKernels.pack_linear_weight``), when ``prepack_bound`` says they are made.
         Returns the bytes they added."""
         packable = packable_modules(self.model)
-        extra, made = prepack_bound([m.weight for m in packable], model_weight_bytes(self.model),
-                                    self.kernels)
+        experts = moe_layers(self.model)  # mixture of experts: each expert packed as a linear
+        expert_weights = [w[e] for m in experts for w in (m.gate_up_proj, m.down_proj)
+                          for e in range(w.shape[0])]
+        extra, made = prepack_bound([m.weight for m in packable] + expert_weights,
+                                    model_weight_bytes(self.model), self.kernels)
         if not packable or not made:
             if packable:
                 logger.info("linear weights not prepacked: the copies (%.0f MiB) would exceed "
@@ -157,8 +161,10 @@ class ModelRunner:
             m.quant_method.process_weights_after_loading(m)
         for h in heads:
             h.process_weights_after_loading()
+        for m in experts:
+            m.process_weights_after_loading()
         packs = [getattr(m, "packed_weight", None) for m in packable]
-        added = sum(kernels.packed_bytes(p) for p in packs)
+        added = sum(kernels.packed_bytes(p) for p in packs + [m.packed for m in experts])
         narrow = sum(getattr(p, "bf16_copy", None) is not None for p in packs)
         logger.info("prepacked %d of %d linear weights (+%.0f MiB)%s",
                     sum(p is not None for p in packs), len(packable), added / (1 << 20),

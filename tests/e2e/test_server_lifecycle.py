@@ -96,39 +96,41 @@ async def _queued(http: httpx.AsyncClient) -> int:
 
 
 async def test_sigterm_under_load(server):
-    """Last test on this server. 2 run at a time (--max_num_seqs 2): 24 x 2000 tokens are 24,000
-    decode steps, which no CPU runs within the 1 s grace period (24 x 240 drained in 0.9 s on a
-    fast AVX-512 machine); every client still gets a well-formed answer.
+    """Last test on this server. SIGTERM with 24 requests in flight: new requests get 503,
+    every client still gets a well-formed answer, the process exits 0 within grace + 2 s.
+    No premise about CPU speed: the engine core is stopped (SIGSTOP) as soon as it holds all
+    24, so none of them can finish inside the grace period on any machine (only outputs it
+    had already sent can still arrive) and the grace period must cut them; it is continued
+    once they are answered, for the engine's shutdown.
     The signal reaches the engine core too, as a process-group stop (systemd) sends it: the
     core must leave its life to the API process, which is draining."""
     (core,) = [pid for pid in _children(server.proc.pid)
                if "resource_tracker" not in open(f"/proc/{pid}/cmdline").read()]
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-        short = asyncio.ensure_future(_one(http, stream=False, max_tokens=2))
-        # Admitted first (it finishes within the grace period): wait until the engine holds
-        # it, or it is already answered (2 tokens may come and go between two polls).
-        deadline = time.monotonic() + 60
-        while not short.done() and await _queued(http) < 1:
-            assert time.monotonic() < deadline, server.log()[-3000:]
-            await asyncio.sleep(0.01)
+        short_status, _ = await _one(http, stream=False, max_tokens=2)
         jobs = [asyncio.ensure_future(_one(http, stream=i % 2 == 0, max_tokens=2000))
                 for i in range(24)]
-        # All admitted (waiting or running) before the signal: a fixed sleep was not always
-        # enough on a loaded CI machine, and a drain with nothing in flight ends at once.
+        # All admitted (waiting or running) before the signal: a drain with nothing in flight
+        # ends at once. Streams must have their headers (first token) or be queued behind the
+        # two running ones; either way the engine holds them.
         deadline = time.monotonic() + 60
         while await _queued(http) < len(jobs) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert await _queued(http) >= len(jobs), server.log()[-3000:]
-        sent = time.monotonic()
-        os.kill(core, signal.SIGTERM)
-        server.proc.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.2)
+        os.kill(core, signal.SIGSTOP)
         try:
-            refused = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-        except httpx.ConnectError as exc:  # the listener closed early: show why
-            raise AssertionError(server.log()[-4000:]) from exc
-        results = await asyncio.gather(*jobs)
-        short_status, _ = await short
+            sent = time.monotonic()
+            os.kill(core, signal.SIGTERM)  # delivered when the core continues
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            try:
+                refused = await http.post("/v1/completions",
+                                          json={"prompt": "x", "max_tokens": 1})
+            except httpx.ConnectError as exc:  # the listener closed early: show why
+                raise AssertionError(server.log()[-4000:]) from exc
+            results = await asyncio.gather(*jobs)
+        finally:
+            os.kill(core, signal.SIGCONT)
     code = await asyncio.to_thread(server.proc.wait, 30)
     took = time.monotonic() - sent
     assert code == 0
@@ -152,7 +154,9 @@ async def test_sigterm_under_load(server):
                 cut += 1
             else:
                 assert last["choices"][0]["finish_reason"] == "length"
-    assert cut >= 4, "the grace period should have cut the queued requests"
+    # The core was stopped holding all 24 x 2000 tokens behind 2 running: at most the ones
+    # whose last output was already on its way finished; the grace period cut the rest.
+    assert cut >= len(results) - 2, "the grace period should have cut the queued requests"
     assert took < GRACE_S + 2.0, (took, server.log()[-4000:])
     log = server.log()
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]

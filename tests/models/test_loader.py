@@ -153,11 +153,14 @@ def test_dummy_weights(llama_dir, tmp_path):
     assert same_weights(model, load(d, load_format="dummy"))  # seeded
 
 
-def test_sliding_window_smaller_than_context_is_refused(tiny_model_factory):
+def test_sliding_window_smaller_than_context_runs_with_the_window(tiny_model_factory):
+    """Sliding windows are implemented (they used to be refused): each layer carries its
+    window; one at least as long as the context is plain attention."""
     d = tiny_model_factory("mistral", sliding_window=64)  # max_position_embeddings=512
-    with pytest.raises(ValueError, match="sliding_window=64.*--max_model_len"):
-        load(d)
-    assert load(d, max_model_len=64) is not None
+    model = load(d)
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [64, 64]
+    full = load(tiny_model_factory("mistral", sliding_window=512))
+    assert full.model.layers[0].self_attn.attn.sliding_window is None
 
 
 def test_resolve_dtype(llama_dir):

@@ -88,6 +88,6 @@ def test_old_style_config_fields():
 
 def test_unsupported_rope_type_is_a_clear_error():
     cfg = SimpleNamespace(rope_theta=1.0, max_position_embeddings=8,
-                          rope_scaling={"rope_type": "longrope", "factor": 2.0})
-    with pytest.raises(ValueError, match="longrope.*supported"):
+                          rope_scaling={"rope_type": "fancy_rope", "factor": 2.0})
+    with pytest.raises(ValueError, match="unsupported rope type 'fancy_rope'.*supported"):
         rope_parameters_from_config(cfg)

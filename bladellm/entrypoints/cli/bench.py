@@ -262,6 +262,10 @@ def _load_tokenizer(path: str | None, flag: str) -> Any:
     """``load_tokenizer`` with its failure (a missing dir: a Hugging Face traceback about repo
     ids) turned into one line that names where the path came from."""
     try:
+        if path == "demo":  # the demo model's folder, not a hub id
+            from bladellm.checkpoint.demo import demo_hf_dir
+
+            path = demo_hf_dir()
         return load_tokenizer(path)
     except Exception as exc:  # noqa: BLE001 - OSError, HFValidationError, ValueError, ...
         raise ValueError(f"{flag}: cannot load a tokenizer from {path!r} "

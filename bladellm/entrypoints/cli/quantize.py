@@ -33,7 +33,8 @@ def make_parser() -> argparse.ArgumentParser:
         names = [flag] + ([flag.replace("_", "-")] if "_" in flag else [])
         p.add_argument(*names, **kw)
 
-    add("--model", required=True, help="Source model directory (safetensors).")
+    add("--model", required=True, help="Source model directory (safetensors); 'demo': the "
+                                        "demo model's cached dense copy.")
     add("--output_dir", required=True, help="Directory to write the quantized checkpoint to.")
     add("--quant_algo", default="minmax", choices=QUANT_ALGOS,
         help="minmax (default): round to nearest, no calibration; gptq; awq; smoothquant: "
@@ -101,7 +102,8 @@ def config_from_args(ns: argparse.Namespace) -> QuantizeConfig:
         group_size = 64
     return QuantizeConfig(
         # ~ expanded here as for --model: `--output_dir=~/x` reaches us unexpanded by the shell
-        model=ns.model, output_dir=os.path.expanduser(ns.output_dir), quant_algo=ns.quant_algo,
+        model=_model_dir(ns.model), output_dir=os.path.expanduser(ns.output_dir),
+        quant_algo=ns.quant_algo,
         bit=ns.bit,
         group_size=-1 if group_size is None else group_size,
         sym=ns.sym, act_order=ns.act_order, calib_data=ns.calib_data,
@@ -246,3 +248,12 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _model_dir(model: str) -> str:
+    """``demo`` is the demo model's cached dense copy (a float folder); others as given."""
+    if model != "demo":
+        return model
+    from bladellm.checkpoint.demo import demo_hf_dir
+
+    return demo_hf_dir()

@@ -63,6 +63,11 @@ def make_parser() -> argparse.ArgumentParser:
                         help="Allow model code from the model directory.")
     parser.add_argument("--load_format", default="auto", choices=["auto", "safetensors", "pt"],
                         help="Source weight format.")
+    parser.add_argument("--enable_expert_parallel", "--enable-expert-parallel",
+                        action="store_true",
+                        help="Mixture-of-experts models: split whole experts over the "
+                             "tensor-parallel ranks (serve with --enable_expert_parallel) "
+                             "instead of each expert's intermediate size.")
     parser.add_argument("--overwrite", action="store_true",
                         help="Write into a non-empty --output_dir (its rank_* directories and "
                              "manifest are replaced).")
@@ -141,7 +146,8 @@ def _set_config_dtype(path: str, torch_dtype: torch.dtype) -> None:
 def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
                      dtype: str = "auto", trust_remote_code: bool = False,
                      load_format: str = "auto", overwrite: bool = False,
-                     pipeline_parallel_size: int = 1) -> dict[str, Any]:
+                     pipeline_parallel_size: int = 1,
+                     enable_expert_parallel: bool = False) -> dict[str, Any]:
     """Write the split of ``model`` for ``tensor_parallel_size`` ranks to ``output_dir``;
     returns the manifest. Every bad input is a ``ValueError`` naming the flag, raised before
     ``output_dir`` is made; a run that fails later removes what it made."""
@@ -159,9 +165,13 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
     pp = pipeline_parallel_size
     if pp < 1:
         raise ValueError(f"--pipeline_parallel_size: must be >= 1, got {pp}")
-    if model.endswith(".gguf") or model == "demo":
+    if model.endswith(".gguf"):
         raise ValueError(f"--model {model}: GGUF checkpoints are quantized; blade_llm_split "
                          f"supports float checkpoint directories only for now")
+    if model == "demo":  # its dense copy is a float checkpoint directory
+        from bladellm.checkpoint.demo import demo_hf_dir
+
+        model = demo_hf_dir()
     src_dir = os.path.expanduser(model)
     if os.path.isdir(src_dir):
         _check_source(src_dir)
@@ -170,7 +180,10 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
     src_dir = resolved.path
     _check_source(src_dir)  # again, for a hub id now downloaded
     hf_config = resolved.hf_config
-    check_tensor_parallel(hf_config, tp)
+    if enable_expert_parallel and tp < 2:
+        raise ValueError("--enable_expert_parallel: needs --tensor_parallel_size > 1: the "
+                         "experts are split over the tensor-parallel ranks")
+    check_tensor_parallel(hf_config, tp, expert_parallel=enable_expert_parallel)
     check_pipeline_parallel(hf_config, pp)
     # realpath: a link to the model is the model (we would write rank_* into the source, then
     # fail copying its files onto themselves)
@@ -197,7 +210,8 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
     try:
         _prepare_output(output_dir, overwrite)
         return _write_split(model, src_dir, output_dir, files, hf_config, quant_config,
-                            model_cls, torch_dtype, tp, pp, source_bytes)
+                            model_cls, torch_dtype, tp, pp, source_bytes,
+                            enable_expert_parallel)
     except BaseException:
         # What this run made goes: the directories it created, or the rank_* directories it
         # wrote into an existing --output_dir (no manifest yet, so nothing loadable is lost).
@@ -213,7 +227,7 @@ def split_checkpoint(model: str, output_dir: str, tensor_parallel_size: int, *,
 
 def _write_split(model: str, src_dir: str, output_dir: str, files: list[str], hf_config: Any,
                  quant_config: Any, model_cls: Any, torch_dtype: torch.dtype, tp: int, pp: int,
-                 source_bytes: int) -> dict[str, Any]:
+                 source_bytes: int, expert_parallel: bool = False) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     from bladellm.attention import get_attn_backend
@@ -230,7 +244,8 @@ def _write_split(model: str, src_dir: str, output_dir: str, files: list[str], hf
     ranks = []
     for rank in range(tp * pp):  # the workers' rank order: pp_rank * tp + tp_rank
         start = time.perf_counter()
-        with tp_shape_for_split(rank % tp, tp, rank // tp, pp), torch.device("cpu"), \
+        with tp_shape_for_split(rank % tp, tp, rank // tp, pp, expert_parallel), \
+                torch.device("cpu"), \
                 building_with(reference):
             shard = model_cls(hf_config, torch_dtype, attn_backend, quant_config)
             load_checkpoint_files(shard, files)
@@ -256,6 +271,7 @@ def _write_split(model: str, src_dir: str, output_dir: str, files: list[str], hf
         "format_version": SPLIT_FORMAT_VERSION,
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
+        "enable_expert_parallel": expert_parallel,
         "source": os.path.abspath(src_dir) if os.path.isdir(src_dir) else model,
         "architecture": (getattr(hf_config, "architectures", None) or ["?"])[0],
         "dtype": str(torch_dtype).removeprefix("torch."),
@@ -277,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         manifest = split_checkpoint(
             ns.model, ns.output_dir, ns.tensor_parallel_size, dtype=ns.dtype,
             trust_remote_code=ns.trust_remote_code, load_format=ns.load_format,
-            overwrite=ns.overwrite, pipeline_parallel_size=ns.pipeline_parallel_size)
+            overwrite=ns.overwrite, pipeline_parallel_size=ns.pipeline_parallel_size,
+            enable_expert_parallel=ns.enable_expert_parallel)
     except ValueError as exc:
         print(f"blade_llm_split: error: {exc}", file=sys.stderr)
         return 2
@@ -286,9 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ns.output_dir}/{r['dir']}: {r['bytes']} bytes "
               f"({100 * r['bytes'] / max(src, 1):.1f}% of {src})")
     tp, pp = manifest["tensor_parallel_size"], manifest["pipeline_parallel_size"]
-    print(f"split for --tensor_parallel_size {tp} --pipeline_parallel_size {pp}; serve with: "
-          f"blade_llm_server --model {ns.output_dir} --tensor_parallel_size {tp} "
-          f"--pipeline_parallel_size {pp}")
+    ep = " --enable_expert_parallel" if manifest["enable_expert_parallel"] else ""
+    print(f"split for --tensor_parallel_size {tp} --pipeline_parallel_size {pp}{ep}; serve "
+          f"with: blade_llm_server --model {ns.output_dir} --tensor_parallel_size {tp} "
+          f"--pipeline_parallel_size {pp}{ep}")
     return 0
 
 

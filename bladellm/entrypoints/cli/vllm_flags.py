@@ -223,7 +223,7 @@ NOT_SUPPORTED_YET: dict[str, bool] = {
     "--swap-space": True, "--cpu-offload-gb": True, "-q": True,
     "--tokenizer-mode": True, "--tokenizer-revision": True, "--code-revision": True,
     "--distributed-executor-backend": True, "--data-parallel-size": True, "-dp": True,
-    "--enable-expert-parallel": False, "--max-logprobs": True, "--max-seq-len-to-capture": True,
+    "--max-logprobs": True, "--max-seq-len-to-capture": True,
     "--ssl-keyfile": True, "--ssl-certfile": True, "--allowed-origins": True,
     "--middleware": True, "--response-role": True,
     "--num-scheduler-steps": True, "--task": True,

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     resolved = resolve_model(config.model, snapshot_config=True)  # the model must be at the same path on every node
     check_tensor_parallel(resolved.hf_config, par.tensor_parallel_size,
                           None if resolved.gguf is not None else resolved.path,
-                          par.pipeline_parallel_size)
+                          par.pipeline_parallel_size,
+                          expert_parallel=par.enable_expert_parallel)
     check_pipeline_parallel(resolved.hf_config, par.pipeline_parallel_size)
     host, port = par.master_addr, par.master_port
     assert host is not None and port is not None  # ParallelConfig checks them with --nnodes > 1

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from bladellm.config import parse_size, parse_size_flag
 from bladellm.entrypoints.openai.reasoning import REASONING_PARSERS
+from bladellm.http.connections import ConnectionLimits
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -31,6 +32,33 @@ class ServerConfig:
         default="32MiB",
         metadata={"help": "Largest request body accepted (e.g. 32MiB, 1048576); larger ones "
                           "get HTTP 413."})
+    max_prompts_per_request: int = field(
+        default=1024,
+        metadata={"help": "Most prompts one /v1/completions request may carry (a list of "
+                          "texts or of token-id lists); more get HTTP 400 before the body is "
+                          "parsed."})
+    http_header_timeout: float = field(
+        default=30.0,
+        metadata={"help": "Seconds a connection has to send a request's line and headers "
+                          "(from its opening, or from the first byte of its next request); "
+                          "slower ones are closed."})
+    http_body_timeout: float = field(
+        default=60.0,
+        metadata={"help": "Seconds a request body may pause between two reads before the "
+                          "connection is closed."})
+    http_keep_alive_timeout: float = field(
+        default=5.0,
+        metadata={"help": "Seconds an idle kept-alive connection stays open."})
+    max_connections: int = field(
+        default=4096,
+        metadata={"help": "Most open client connections; the next one gets HTTP 503 and is "
+                          "closed. Lowered at start-up to fit the open-file limit (whose soft "
+                          "value is raised to the hard one)."})
+    disable_docs: bool = field(
+        default=False,
+        metadata={"help": "Do not serve /docs, /redoc and /openapi.json (they stay open "
+                          "without a key even under --api_key: they describe the API, not "
+                          "the model)."})
     log_level: str = field(
         default="info", metadata={"help": f"Server log level: one of {', '.join(_LOG_LEVELS)}."})
     disable_access_log: bool = field(
@@ -87,6 +115,9 @@ class ServerConfig:
         _check(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
         _check(self.api_key is None or self.api_key != "", "api_key", "must not be empty")
         parse_size_flag(self.max_request_body_bytes, "max_request_body_bytes")
+        self.connection_limits  # noqa: B018 - validates the four connection flags
+        _check(self.max_prompts_per_request >= 1, "max_prompts_per_request",
+               f"must be >= 1, got {self.max_prompts_per_request}")
         self.log_level = self.log_level.lower()
         _check(self.log_level in _LOG_LEVELS, "log_level",
                f"must be one of {_LOG_LEVELS}, got {self.log_level!r}")
@@ -119,6 +150,12 @@ class ServerConfig:
     def py_log_level(self) -> int:
         """``--log_level`` as a ``logging`` level (``trace`` is uvicorn's; DEBUG for us)."""
         return logging.DEBUG if self.log_level == "trace" else getattr(logging, self.log_level.upper())
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(self.http_header_timeout, self.http_body_timeout,
+                                self.http_keep_alive_timeout, self.max_connections,
+                                self.retry_after)
 
     @property
     def max_body_bytes(self) -> int:

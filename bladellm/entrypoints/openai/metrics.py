@@ -125,6 +125,12 @@ class PrometheusStatLogger:
                                               "Proposed tokens verified.")
         self.spec_accepted_tokens = self._metric(Counter, "spec_decode_num_accepted_tokens",
                                                  None, "Proposed tokens accepted.")
+        self.spec_declined = self._metric(
+            Counter, "spec_decode_declined", (),
+            "sps: request-steps whose draft did not run, by reason (cost: the cost rule found "
+            "plain decoding faster; length: too few tokens left).", labelnames=("reason",))
+        for reason in ("cost", "length"):
+            self.spec_declined.labels(reason=reason)
         self.finished = self._metric(Counter, "request_success", None,
                                      "Finished requests by finish reason.",
                                      labelnames=("finished_reason",))
@@ -186,6 +192,11 @@ class PrometheusStatLogger:
             delta = now - before if now >= before else now
             if delta > 0:
                 counter.inc(delta)
+        for reason, now in stats.num_spec_declined.items():
+            before = last.num_spec_declined.get(reason, 0) if last is not None else 0
+            delta = now - before if now >= before else now
+            if delta > 0:
+                self.spec_declined.labels(reason=reason).inc(delta)
         if stats.prefix_cache_queries:
             self.prefix_hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries)
         self._last = stats

@@ -8,9 +8,11 @@ gets a 400 saying so rather than being silently ignored (see ``serving_common.re
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer
+
+from bladellm.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN
 
 
 class _Request(BaseModel):
@@ -23,6 +25,18 @@ class _Response(BaseModel):
 
 def _now() -> int:
     return int(time.time())
+
+
+# ------------------------------------------------------------------- numbers at the boundary
+# Every numeric request field takes one of these shapes: JSON numbers only (no "5", no true:
+# strict), and only values the engine can hold (its per-row arrays are int32 / int64 / float32
+# and msgspec carries at most 64 bits), so an out-of-range value is a 400 naming the field here,
+# never an overflow inside a step shared with other requests. The meaning of a value (top_p in
+# (0, 1], max_tokens >= 1, ...) is SamplingParams' check, which names the field too.
+
+Int32 = Annotated[int, Strict(), Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+Int64 = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
+Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 
 
 # ----------------------------------------------------------------------------------- requests
@@ -42,25 +56,25 @@ class SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: Int32 | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    n: Int32 = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    seed: Int64 | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Extras (vLLM spelling).
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Int32 | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
+    stop_token_ids: list[Int64] | None = None
+    min_tokens: Int32 = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0  # lower first; other than 0 needs --scheduling_policy priority
@@ -74,15 +88,15 @@ class SamplingRequest(_Request):
     guided_whitespace_pattern: str | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's newer spelling of guided_*
     # Declared but unsupported: a set value gets a 400 naming it.
-    best_of: int | None = None
+    best_of: Int32 | None = None
     use_beam_search: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int32 | None = None
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Int32 | None = None
     suffix: str | None = None
 
 
@@ -108,8 +122,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: Int32 | None = None
+    max_completion_tokens: Int32 | None = None
     # Harmless OpenAI fields: accepted, with no effect on generation.
     metadata: dict[str, str] | None = None
     store: bool | None = None

@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from bladellm.config import EngineConfig
 from bladellm.entrypoints.anthropic.routes import add_anthropic_routes
+from bladellm.entrypoints.openai.body_bounds import BodyBounds, parse_request
 from bladellm.entrypoints.openai.config import ServerConfig
 from bladellm.entrypoints.openai.lifecycle import Lifecycle, LifecycleMiddleware, watch_engine
 from bladellm.entrypoints.openai.metrics import CONTENT_TYPE, PrometheusStatLogger
@@ -31,9 +32,12 @@ from bladellm.entrypoints.openai.protocol import (
 from bladellm.entrypoints.openai.serving_chat import create_chat_completion
 from bladellm.entrypoints.openai.serving_common import ClientDisconnected, ServingContext
 from bladellm.entrypoints.openai.serving_completion import create_completion
-from bladellm.entrypoints.openai.serving_lora import adapter_cards, add_lora_routes
 from bladellm.entrypoints.openai.serving_responses import add_responses_routes
-from bladellm.entrypoints.openai.serving_embedding import EmbeddingRequest, create_embedding
+from bladellm.entrypoints.openai.openapi_bodies import declare_request_bodies
+from bladellm.entrypoints.openai.serving_lora import (
+    LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, adapter_cards, add_lora_routes)
+from bladellm.entrypoints.openai.serving_embedding import (
+    MAX_INPUTS, EmbeddingRequest, create_embedding)
 from bladellm.entrypoints.openai.serving_tokenize import (
     DetokenizeRequest, TokenizeRequest, detokenize, tokenize)
 from bladellm.errors import EngineDeadError
@@ -41,7 +45,9 @@ from bladellm.http.auth import api_key_check as _api_key_check
 from bladellm.http.body_limit import BodyLimitMiddleware, RequestTooLarge, too_large
 from bladellm.http.errors import APIError
 from bladellm.http.handlers import from_exception, install_handlers
-from bladellm.http.listen import bind_socket
+from bladellm.http.connections import (
+    RateLimitedErrors, effective_max_connections, raise_open_file_limit, uvicorn_limits)
+from bladellm.http.listen import bind_socket, open_listener_warning
 
 logger = logging.getLogger("bladellm.server")
 
@@ -66,7 +72,10 @@ def server_version() -> str:
 def build_app(engine: Any, server_config: ServerConfig,
               metrics: PrometheusStatLogger | None = None) -> FastAPI:
     """The HTTP app around a started engine (``AsyncLLM`` or a test double)."""
-    app = FastAPI(title="BladeLLM", version=server_version(), root_path=server_config.root_path)
+    docs = {} if not server_config.disable_docs else {
+        "docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="BladeLLM", version=server_version(), root_path=server_config.root_path,
+                  **docs)
     app.state.retry_after = server_config.retry_after
     app.state.engine = engine
     app.state.metrics = metrics = metrics or PrometheusStatLogger(
@@ -80,12 +89,21 @@ def build_app(engine: Any, server_config: ServerConfig,
     app.add_middleware(LifecycleMiddleware, lifecycle=lifecycle)
 
     v1 = APIRouter(dependencies=[Depends(_api_key_check(server_config.api_key))])
+    # Prompt fields bounded before a body is parsed (body_bounds.py).
+    no_bounds = BodyBounds(ctx.max_model_len)
+    body_bounds = {
+        CompletionRequest: BodyBounds(ctx.max_model_len, {"prompt": (
+            server_config.max_prompts_per_request, "--max_prompts_per_request")}),
+        EmbeddingRequest: BodyBounds(ctx.max_model_len, {"input": (
+            MAX_INPUTS, "OpenAI's limit")}, unbounded_by="truncate_prompt_tokens",
+            generates=False)}
 
     async def serve(request: Request, model_cls: type, handler: Any) -> Response:
         try:
             if engine.is_dead:
                 raise EngineDeadError(engine.dead_reason or "the engine died")
-            req = model_cls.model_validate_json(await request.body())
+            req = await parse_request(model_cls, await request.body(),
+                                      body_bounds.get(model_cls, no_bounds))
             return await handler(req, request, ctx)
         except ClientDisconnected:
             return Response(status_code=499)
@@ -167,6 +185,11 @@ def build_app(engine: Any, server_config: ServerConfig,
                 metrics.update_gauges(stats)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    declare_request_bodies(app, {
+        "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+        "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest,
+        "/detokenize": DetokenizeRequest, "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+        "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest})
     return app
 
 
@@ -211,6 +234,7 @@ class _Server(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop.set_exception_handler(RateLimitedErrors())  # e.g. accept() out of files
         await super().startup(sockets)
         if self.started and sockets:
             host, port = sockets[0].getsockname()[:2]
@@ -262,12 +286,18 @@ async def _serve(engine_config: EngineConfig, server_config: ServerConfig,
     sock = None
     try:
         sock = bind_socket(server_config.host, server_config.port)
+        warning = open_listener_warning(server_config.host, server_config.api_key)
+        if warning:
+            logger.warning(warning)
         app = build_app(engine, server_config, metrics=metrics)
         # Our own drain has finished every request before uvicorn's shutdown starts; its
         # timeout only bounds connections that still will not close (e.g. a stalled reader).
+        limits = effective_max_connections(server_config.connection_limits,
+                                           raise_open_file_limit())
         config = uvicorn.Config(
             app, log_level=server_config.log_level, access_log=not server_config.disable_access_log,
-            root_path=server_config.root_path, timeout_graceful_shutdown=1)
+            root_path=server_config.root_path, timeout_graceful_shutdown=1,
+            **uvicorn_limits(limits))
         server = _Server(config, engine.model_info.served_model_name, engine,
                          app.state.lifecycle, server_config.shutdown_timeout)
         watcher = None

@@ -99,9 +99,10 @@ def _template_tool_calls(i: int, calls: list[Any]) -> list[dict[str, Any]]:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError:
-                raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments: not "
-                                  f"valid JSON", "messages") from None
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+                why = "nested too deeply" if isinstance(exc, RecursionError) else "not valid JSON"
+                raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments: {why}",
+                                  "messages") from None
         result.append({**call, "type": "function",
                        "function": {"name": fn["name"], "arguments": args}})
     return result

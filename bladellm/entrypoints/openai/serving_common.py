@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
+import msgspec
 from fastapi import Request
 
 from bladellm.engine.cpu_offload import CpuOffload
@@ -54,6 +55,7 @@ class ServingContext:
     trust_request_chat_template: bool = False
     default_chat_template: str | None = None  # --chat_template: replaces the tokenizer's
     reasoning_parser: ReasoningParser | None = None  # --reasoning_parser
+    max_prompts_per_request: int = 1024  # --max_prompts_per_request
 
     @classmethod
     def from_engine(cls, engine: Any, server_config: Any = None) -> "ServingContext":
@@ -69,7 +71,9 @@ class ServingContext:
                    default_chat_template=server_config.load_chat_template()
                    if server_config is not None else None,
                    reasoning_parser=get_reasoning_parser(
-                       getattr(server_config, "reasoning_parser", None)))
+                       getattr(server_config, "reasoning_parser", None)),
+                   max_prompts_per_request=getattr(server_config, "max_prompts_per_request",
+                                                   1024))
 
     def check_model(self, name: str | None) -> Any:
         """None for the base model, the ``LoRARequest`` an adapter name or path resolves to
@@ -80,20 +84,31 @@ class ServingContext:
             raise APIError(400, "model: must not be empty", "invalid_request_error",
                            param="model")
         registry = getattr(self.engine, "lora_registry", None)
+        why = ""
         if registry is not None:
-            from bladellm.lora.registry import LoRANotFoundError
+            from bladellm.lora.registry import LoRANotFoundError, LoRARegistryFullError
 
             try:
-                return registry.resolve(name)
-            except LoRANotFoundError:
-                pass
-        raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error",
+                lora = registry.resolve(name)
+            except LoRANotFoundError as exc:
+                why = (f" It is not a LoRA adapter either: {exc} (adapters are named by "
+                       f"--lora_modules or /v1/load_lora_adapter, or by a path under a "
+                       f"--lora_root).")
+            except LoRARegistryFullError as exc:
+                raise APIError(503, str(exc), "server_error", param="model",
+                               code="lora_registry_full", headers={"Retry-After": "1"}) from None
+            else:
+                # The engine knows an adapter by id and path; the response names it as sent.
+                return lora if lora.lora_name == name else msgspec.structs.replace(
+                    lora, lora_name=name)
+        raise APIError(404, f"The model `{name}` does not exist.{why}", "invalid_request_error",
                        param="model", code="model_not_found")
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                  lora: Any = None, priority: int = 0, images: list | None = None) -> Any:
         """The engine's stream for one prompt, with the request's LoRA adapter and scheduling
-        priority if any (the engine refuses a priority other than 0 under fcfs: a 400)."""
+        priority if any (the engine refuses a priority other than 0 under fcfs: a 400); an
+        adapter is marked in use (not evictable from the registry) while its stream lives."""
         kwargs: dict[str, Any] = {}
         if lora is not None:
             kwargs["lora_request"] = lora
@@ -101,7 +116,22 @@ class ServingContext:
             kwargs["priority"] = priority
         if images:  # PIL images of the chat's image_url parts, in order
             kwargs["images"] = images
-        return self.engine.generate(prompt, params, request_id, **kwargs)
+        stream = self.engine.generate(prompt, params, request_id, **kwargs)
+        registry = getattr(self.engine, "lora_registry", None)
+        if lora is None or registry is None or not hasattr(registry, "acquire"):
+            return stream
+        return _holding_adapter(stream, registry, lora)
+
+
+async def _holding_adapter(stream: AsyncIterator[T], registry: Any, lora: Any) -> AsyncIterator[T]:
+    """``stream``, with its adapter marked in use (not evicted from the registry) meanwhile."""
+    registry.acquire(lora)
+    try:
+        async for item in stream:
+            yield item
+    finally:
+        registry.release(lora)
+        await _aclose(stream)
 
 
 # ------------------------------------------------------------------------- request checking
@@ -143,6 +173,9 @@ def build_sampling_params(req: SamplingRequest, ctx: ServingContext, *, max_toke
     if max_tokens is not None and max_tokens > ctx.max_model_len:
         raise bad_request(f"{max_tokens_param}: {max_tokens} exceeds the model's context length "
                           f"({ctx.max_model_len} tokens)", max_tokens_param)
+    if req.min_tokens > ctx.max_model_len:
+        raise bad_request(f"min_tokens: {req.min_tokens} exceeds the model's context length "
+                          f"({ctx.max_model_len} tokens)", "min_tokens")
     logit_bias = None
     if req.logit_bias:
         try:

@@ -39,7 +39,7 @@ class _Choice:
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs (sent once)
 
 
-def _prompts(req: CompletionRequest) -> list[str | list[int]]:
+def _prompts(req: CompletionRequest, max_prompts: int) -> list[str | list[int]]:
     prompt = req.prompt
     if isinstance(prompt, str):
         return [prompt]
@@ -49,6 +49,9 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
         prompts: list[str | list[int]] = [list(prompt)]  # type: ignore[arg-type]
     else:
         prompts = list(prompt)  # type: ignore[arg-type]
+    if len(prompts) > max_prompts:
+        raise bad_request(f"prompt: at most {max_prompts} prompts per request "
+                          f"(--max_prompts_per_request), got {len(prompts)}", "prompt")
     return prompts  # their tokens and lengths: InputProcessor's checks, in the engine
 
 
@@ -63,7 +66,7 @@ async def create_completion(req: CompletionRequest, raw: Request,
                             ctx: ServingContext) -> Response:
     lora = ctx.check_model(req.model)
     _check(req)
-    prompts = _prompts(req)
+    prompts = _prompts(req, ctx.max_prompts_per_request)
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     params = build_sampling_params(req, ctx, max_tokens=max_tokens, logprobs=req.logprobs)
     echo_top = req.logprobs if (req.echo and req.logprobs is not None) else None

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from bladellm.http.errors import bad_request
+from bladellm.entrypoints.openai.protocol import Int32, Int64
 from bladellm.entrypoints.openai.serving_common import ServingContext, until_disconnect
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -22,11 +23,11 @@ MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[Int64] | list[list[Int64]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: Int32 | None = None
     # vLLM's extension: keep the last k tokens of each input (-1: the model's context length).
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: Int32 | None = None
     user: str | None = None
 
 

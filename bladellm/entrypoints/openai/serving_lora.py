@@ -37,7 +37,9 @@ def adapter_cards(engine: Any, base_name: str, created: int,
     registry = getattr(engine, "lora_registry", None)
     if registry is None:
         return []
-    return [ModelCard(id=a.lora_name, created=created, root=a.lora_path, parent=base_name,
+    # ``root`` is the adapter's name too: its directory on the server is not the client's
+    # business (a path under --lora_root is named by its path relative to the root).
+    return [ModelCard(id=a.lora_name, created=created, root=a.lora_name, parent=base_name,
                       max_model_len=max_model_len) for a in registry.adapters()]
 
 

@@ -18,9 +18,10 @@ namespace {
 
 // The item's rows (already in sc.q, row-major) through lanes_step, VLEN rows per group; the
 // results go back to sc.acc / row_max / row_sum, row-major, as row_step leaves them.
-template <typename C, int DC>
+template <typename C, int DC, bool kFeat>
 static void run_lanes(const PagedAttentionArgs& a, const WorkItem& w, const Geometry& g,
                       Scratch& sc, const int32_t* table, int first_pos, int key_end) {
+  const Features f = features_of(a);
   const int d = g.d, heads = w.head_end - w.head_begin, per_head = g.tokens * g.G;
   const int groups = (per_head + VLEN - 1) / VLEN;
   sc.reserve_lanes(heads * groups, d);
@@ -48,10 +49,26 @@ static void run_lanes(const PagedAttentionArgs& a, const WorkItem& w, const Geom
         vint pos;
         std::memcpy(&pos, sc.lane_pos.data() + grp * VLEN, sizeof pos);
         const int idx = hh * groups + grp;
-        lanes_step<DC>(sc.k.data() + hh * VLEN * d, sc.v.data() + hh * VLEN * d, n, kt,
-                       sc.qt.data() + idx * d * VLEN, sc.acct.data() + idx * d * VLEN,
-                       sc.lane_max.data() + idx * VLEN, sc.lane_sum.data() + idx * VLEN, pos,
-                       d);
+        if constexpr (kFeat) {
+          // Lane positions grow with the lane: the first lane's window starts first.
+          if (f.window > 0 && sc.lane_pos[grp * VLEN] - f.window + 1 > kt + n - 1) continue;
+          const vint lo = f.window > 0 ? pos - (f.window - 1) : vint{} + (-0x7fffffff);
+          vfloat slope2{};
+          if (f.slopes != nullptr)
+            for (int l = 0; l < VLEN; ++l) {
+              const int r = std::min(grp * VLEN + l, per_head - 1);
+              slope2[l] = f.slopes[(w.head_begin + hh) * g.G + r % g.G] * 1.4426950408889634f;
+            }
+          lanes_step<DC, true>(sc.k.data() + hh * VLEN * d, sc.v.data() + hh * VLEN * d, n, kt,
+                               sc.qt.data() + idx * d * VLEN, sc.acct.data() + idx * d * VLEN,
+                               sc.lane_max.data() + idx * VLEN, sc.lane_sum.data() + idx * VLEN,
+                               pos, d, lo, slope2, f.cap2);
+        } else {
+          lanes_step<DC>(sc.k.data() + hh * VLEN * d, sc.v.data() + hh * VLEN * d, n, kt,
+                         sc.qt.data() + idx * d * VLEN, sc.acct.data() + idx * d * VLEN,
+                         sc.lane_max.data() + idx * VLEN, sc.lane_sum.data() + idx * VLEN, pos,
+                         d);
+        }
       }
   }
   for (int hh = 0; hh < heads; ++hh)
@@ -65,9 +82,10 @@ static void run_lanes(const PagedAttentionArgs& a, const WorkItem& w, const Geom
 
 // The item's rows one at a time through row_step, reading sc.q and leaving sc.acc / row_max /
 // row_sum.
-template <typename C, int DC>
+template <typename C, int DC, bool kFeat>
 static void run_rows(const PagedAttentionArgs& a, const WorkItem& w, const Geometry& g,
                      Scratch& sc, const int32_t* table, int first_pos, int key_end) {
+  const Features f = features_of(a);
   const float** kp = sc.kp.data();
   const float** vp = sc.vp.data();
   for (int kt = w.key_begin; kt < key_end; kt += VLEN) {
@@ -78,17 +96,31 @@ static void run_rows(const PagedAttentionArgs& a, const WorkItem& w, const Geome
     for (int hh = 0; hh < w.head_end - w.head_begin; ++hh)
       for (int t = std::max(0, kt - first_pos); t < g.tokens; ++t) {
         const int valid = std::min(n, first_pos + t - kt + 1);  // causal: keys <= position
-        for (int h = 0; h < g.G; ++h) {
-          const int m = g.row(hh, t, h);
-          row_step<DC>(sc.q.data() + m * g.d, sc.acc.data() + m * g.d, sc.row_max[m],
-                       sc.row_sum[m], kp + hh * VLEN, vp + hh * VLEN, valid, g.d);
+        if constexpr (kFeat) {
+          const int pos = first_pos + t;
+          const int lo = f.window > 0 ? pos - f.window + 1 : -0x7fffffff;
+          if (lo > kt + n - 1) break;  // this and every later row: the tile precedes the window
+          for (int h = 0; h < g.G; ++h) {
+            const int m = g.row(hh, t, h);
+            const float slope =
+                f.slopes != nullptr ? f.slopes[(w.head_begin + hh) * g.G + h] : 0.0f;
+            const RowFeat rf{kt, pos, lo, slope * 1.4426950408889634f, f.cap2};
+            row_step<DC, true>(sc.q.data() + m * g.d, sc.acc.data() + m * g.d, sc.row_max[m],
+                               sc.row_sum[m], kp + hh * VLEN, vp + hh * VLEN, valid, g.d, &rf);
+          }
+        } else {
+          for (int h = 0; h < g.G; ++h) {
+            const int m = g.row(hh, t, h);
+            row_step<DC>(sc.q.data() + m * g.d, sc.acc.data() + m * g.d, sc.row_max[m],
+                         sc.row_sum[m], kp + hh * VLEN, vp + hh * VLEN, valid, g.d);
+          }
         }
       }
   }
 }
 
 // T: query / output dtype; C: cache element (T, or int8_t for an int8 cache).
-template <typename T, typename C, int DC>
+template <typename T, typename C, int DC, bool kFeat>
 static void run_item(const PagedAttentionArgs& a, const WorkItem& w, Scratch& sc,
                      float* partial) {
   const int d = DC ? DC : a.head_dim;
@@ -119,9 +151,9 @@ static void run_item(const PagedAttentionArgs& a, const WorkItem& w, Scratch& sc
   // Lanes pay for VLEN rows whatever the count; from half full on they still win, for decodes
   // with large GQA groups and for short verifications alike (docs/kernels.md).
   if (tokens * G >= VLEN / 2)
-    run_lanes<C, DC>(a, w, g, sc, table, first_pos, key_end);
+    run_lanes<C, DC, kFeat>(a, w, g, sc, table, first_pos, key_end);
   else
-    run_rows<C, DC>(a, w, g, sc, table, first_pos, key_end);
+    run_rows<C, DC, kFeat>(a, w, g, sc, table, first_pos, key_end);
 
   if (partial != nullptr) {  // a key partition: keep (acc, max, sum) for the combine pass
     std::copy_n(sc.acc.data(), g.rows * d, partial);
@@ -313,8 +345,12 @@ static Plan plan_work(const PagedAttentionArgs& a) {
                                               kItemHeadDims / a.head_dim}));
       for (int h = 0; h < a.num_kv_heads; h += heads) {
         const int h1 = std::min(a.num_kv_heads, h + heads);
-        const int64_t cost = int64_t(ctx_start + q1) * (q1 - q0) * G * (h1 - h) + 64;
-        units.push_back({r, h, h1, q0, q1, 0, ctx_start + q1, 0, 1, cost, -1});
+        // A window: keys before the tile's first query's window are never read (the KV
+        // manager may have freed their blocks).
+        const int key0 = a.sliding_window > 0 ? std::max(0, ctx_start + q0 - a.sliding_window + 1)
+                                              : 0;
+        const int64_t cost = int64_t(ctx_start + q1 - key0) * (q1 - q0) * G * (h1 - h) + 64;
+        units.push_back({r, h, h1, q0, q1, key0, ctx_start + q1, 0, 1, cost, -1});
       }
     }
   }
@@ -325,7 +361,10 @@ static Plan plan_work(const PagedAttentionArgs& a) {
   std::vector<WorkItem> shared_items;
   std::vector<std::vector<int>> pass_units;  // per pass: the member unit of each member
   std::vector<int> order;
-  for (const SharedGroup& sg : find_shared(a, tile_tokens, order)) {
+  // No cascade with features: a shared pass has no per-row positions (ALiBi, window).
+  const std::vector<SharedGroup> shared_groups =
+      has_features(a) ? std::vector<SharedGroup>{} : find_shared(a, tile_tokens, order);
+  for (const SharedGroup& sg : shared_groups) {
     const int members = sg.end - sg.begin, keys = sg.blocks * a.block_size;
     const int tokens = a.query_start_loc[order[sg.begin] + 1] - a.query_start_loc[order[sg.begin]];
     // Chunks of members so that a pass holds at most kSharedRows rows per kv head.
@@ -398,7 +437,7 @@ static Plan plan_work(const PagedAttentionArgs& a) {
   return plan;
 }
 
-template <typename T, typename C, int DC>
+template <typename T, typename C, int DC, bool kFeat>
 static void run_all(const PagedAttentionArgs& a) {
   const Plan plan = plan_work(a);
   const std::vector<WorkItem>& items = plan.items;
@@ -414,7 +453,7 @@ static void run_all(const PagedAttentionArgs& a) {
       if (w.shared >= 0)
         run_shared<T, C, DC>(a, w, plan.shared[w.shared], sc, partial.data());
       else
-        run_item<T, C, DC>(a, w, sc, w.partial_offset >= 0 ? partial.data() + w.partial_offset
+        run_item<T, C, DC, kFeat>(a, w, sc, w.partial_offset >= 0 ? partial.data() + w.partial_offset
                                                         : nullptr);
     }
     if (plan.partial_size > 0) {
@@ -426,19 +465,25 @@ static void run_all(const PagedAttentionArgs& a) {
   }
 }
 
-template <typename T, typename C>
+template <typename T, typename C, bool kFeat>
 static void dispatch_dim(const PagedAttentionArgs& a) {
   switch (a.head_dim) {
-    case 64: return run_all<T, C, 64>(a);
-    case 128: return run_all<T, C, 128>(a);
-    default: return run_all<T, C, 0>(a);
+    case 64: return run_all<T, C, 64, kFeat>(a);
+    case 128: return run_all<T, C, 128, kFeat>(a);
+    default: return run_all<T, C, 0, kFeat>(a);
   }
+}
+
+template <typename T, typename C>
+static void dispatch_features(const PagedAttentionArgs& a) {
+  if (has_features(a)) return dispatch_dim<T, C, true>(a);
+  return dispatch_dim<T, C, false>(a);
 }
 
 template <typename T>
 static void dispatch_cache(const PagedAttentionArgs& a) {
-  if (a.kv_int8) return dispatch_dim<T, int8_t>(a);
-  return dispatch_dim<T, T>(a);
+  if (a.kv_int8) return dispatch_features<T, int8_t>(a);
+  return dispatch_features<T, T>(a);
 }
 
 }  // namespace

@@ -65,6 +65,38 @@ struct Scratch {  // per thread, grown on demand, reused across calls
   }
 };
 
+// Per-layer features in the kernel's log2 units (scores are q.k * scale * log2(e)); the plain
+// causal kernel is instantiated without them (kFeat = false) and pays nothing.
+struct Features {
+  int window;           // 0: none
+  float cap2;           // soft cap * log2(e); 0: none
+  const float* slopes;  // ALiBi slopes per query head (natural units), nullptr: none
+};
+
+static inline Features features_of(const PagedAttentionArgs& a) {
+  return {a.sliding_window, a.soft_cap * 1.4426950408889634f, a.alibi_slopes};
+}
+
+static inline bool has_features(const PagedAttentionArgs& a) {
+  return a.sliding_window > 0 || a.soft_cap != 0.0f || a.alibi_slopes != nullptr;
+}
+
+// cap2 * tanh(s / cap2), as sign(y) * (1 - e) / (1 + e) with e = exp(-2|y|) <= 1.
+static inline vfloat soft_cap(vfloat s, float cap2) {
+  const vfloat y = s * (1.0f / cap2);
+  const vint sign = bit_cast<vint>(y) & (vint{} + int32_t(0x80000000u));
+  const vfloat ay = bit_cast<vfloat>(bit_cast<vint>(y) & (vint{} + 0x7fffffff));
+  const vfloat e = exp2_neg(ay * (-2.0f * 1.4426950408889634f));
+  const vfloat t = (1.0f - e) / (1.0f + e);
+  return bit_cast<vfloat>(bit_cast<vint>(t) | sign) * cap2;
+}
+
+// One row's view of the features for a key tile: its position, first visible key, slope.
+struct RowFeat {
+  int kt, pos, lo;
+  float slope2, cap2;  // slope * log2(e)
+};
+
 struct Geometry {
   int d, G, kvh, bs, q_begin_token, ctx_start, tokens, rows;
   // Row of (kv head offset hh in the item, token t of the tile, query head g of the group).
@@ -163,9 +195,10 @@ static inline void prefetch_kv_tile(const PagedAttentionArgs& a, const int32_t* 
 
 // One row against one key tile: scores, online-softmax update, accumulate P.V.
 // DC is the head dim when known at compile time (unrolled, accumulators in registers), else 0.
-template <int DC>
+template <int DC, bool kFeat = false>
 static inline void row_step(const float* q, float* acc, float& row_max, float& row_sum,
-                            const float* const* kp, const float* const* vp, int n, int dim) {
+                            const float* const* kp, const float* const* vp, int n, int dim,
+                            const RowFeat* rf = nullptr) {
   const int d = DC ? DC : dim;
   vfloat part[VLEN];
   for (int j = 0; j < n; ++j) {
@@ -175,12 +208,22 @@ static inline void row_step(const float* q, float* acc, float& row_max, float& r
   }
   for (int j = n; j < VLEN; ++j) part[j] = vfloat{};
   vfloat s = transpose_sum(part);
+  if constexpr (kFeat) {
+    vint key;
+    for (int j = 0; j < VLEN; ++j) key[j] = rf->kt + j;
+    if (rf->cap2 != 0.0f) s = soft_cap(s, rf->cap2);
+    s += splat(rf->slope2) * __builtin_convertvector(key - rf->pos, vfloat);
+    s = key >= rf->lo ? s : splat(-__builtin_inff());
+  }
   if (n < VLEN) {
     vint lane;
     for (int j = 0; j < VLEN; ++j) lane[j] = j;
     s = lane < n ? s : splat(-__builtin_inff());
   }
   const float new_max = std::max(row_max, hmax(s));
+  if constexpr (kFeat) {
+    if (new_max == -__builtin_inff()) return;  // every key of the tile before the window
+  }
   const float alpha = std::exp2(row_max - new_max);  // 0 on the first tile (max was -inf)
   const vfloat p = exp2_neg(s - new_max);
   row_sum = row_sum * alpha + hsum(p);
@@ -207,10 +250,13 @@ static inline void row_step(const float* q, float* acc, float& row_max, float& r
 // rows of `kt_`/`vt_` [VLEN][d], zero past n). qT/accT are [d][VLEN]; pos holds each lane's
 // position: key kt + j counts for lane l iff kt + j <= pos[l]. A lane that has seen no key yet
 // keeps max -inf and sum 0.
-template <int DC>
+// With kFeat, `lo` holds each lane's first visible key and `slope2` its ALiBi slope (log2
+// units); cap2 the soft cap (0: none).
+template <int DC, bool kFeat = false>
 static inline void lanes_step(const float* kt_, const float* vt_, int n, int kt,
                               const float* qT, float* accT, float* lane_max, float* lane_sum,
-                              vint pos, int dim) {
+                              vint pos, int dim, vint lo = vint{}, vfloat slope2 = vfloat{},
+                              float cap2 = 0.0f) {
   const int d = DC ? DC : dim;
   vfloat s[VLEN];
   for (int j = 0; j < VLEN; ++j) s[j] = vfloat{};
@@ -222,6 +268,12 @@ static inline void lanes_step(const float* kt_, const float* vt_, int n, int kt,
   const vfloat old_max = loadu(lane_max);
   vfloat mx = old_max;
   for (int j = 0; j < VLEN; ++j) {
+    if constexpr (kFeat) {
+      const vint key = vint{} + (kt + j);
+      if (cap2 != 0.0f) s[j] = soft_cap(s[j], cap2);
+      s[j] += slope2 * __builtin_convertvector(key - pos, vfloat);
+      s[j] = (key >= lo) ? s[j] : ninf;
+    }
     s[j] = j >= n ? ninf : (pos >= vint{} + (kt + j)) ? s[j] : ninf;
     mx = mx > s[j] ? mx : s[j];
   }

@@ -19,6 +19,10 @@ struct PagedAttentionArgs {  // mirrored by kernels/compiled.py; all strides in 
   int32_t num_reqs, num_heads, num_kv_heads, head_dim, block_size, dtype, num_threads;
   float scale;
   int32_t kv_int8;  // caches hold int8 rows + their fp32 scale (kernels/kv_int8.py)
+  // Per-layer features (ref.attention_scores); zero / nullptr: off, the plain causal kernel.
+  int32_t sliding_window;     // a query sees keys with pos - key < sliding_window
+  float soft_cap;             // scores -> soft_cap * tanh(scores / soft_cap)
+  const float* alibi_slopes;  // [num_heads]: scores += slope * (key - pos)
 };
 
 struct RotaryArgs {     // mirrored by kernels/compiled.py; strides in elements
@@ -31,6 +35,7 @@ struct RotaryArgs {     // mirrored by kernels/compiled.py; strides in elements
   const void* sin;
   int64_t q_in_stride, q_out_stride, k_in_stride, k_out_stride, tokens, max_position;
   int32_t num_q_heads, num_k_heads, head_dim, rotary_dim, dtype, positions_int64, num_threads;
+  int32_t interleaved;  // 0: neox (i, i + rotary_dim / 2); 1: GPT-J / GLM pairs (2i, 2i + 1)
 };
 
 struct CacheWriteArgs {  // mirrored by kernels/compiled.py; strides in elements
@@ -54,6 +59,8 @@ struct RmsNormArgs {  // mirrored by kernels/compiled.py; strides in elements
   int64_t outer, inner;  // rows = outer * inner
   int32_t hidden, dtype, sum_lanes, num_threads;  // sum_lanes: the vector width torch sums with
   float eps;
+  int32_t kind;         // NormKind: RMSNorm, RMSNorm by (1 + weight) in fp32, LayerNorm
+  const void* bias;     // LayerNorm's bias (dtype of x) or nullptr
 };
 
 int bl_paged_attention(const PagedAttentionArgs* a);

@@ -1,4 +1,5 @@
-// RMSNorm with an optional fused residual add; semantics of kernels/ref.py rms_norm (which is
+// RMSNorm, (1 + w) RMSNorm and LayerNorm, each with an optional fused residual add (kind:
+// RmsNormArgs.kind). RMSNorm semantics of kernels/ref.py rms_norm (which is
 // transformers'): residual add rounded to the dtype, normalise in fp32, round, then scale by the
 // weight (rounded). Compiled with -ffp-contract=off: every product and sum rounds as in torch.
 //
@@ -76,6 +77,40 @@ static float sum_squares_lanes(const float* x, int64_t n, int lanes) {
   return lanes == 16 ? sum_squares<f16>(x, n) : sum_squares<f8>(x, n);
 }
 
+enum NormKind : int32_t { kRms = 0, kRmsUnitOffset = 1, kLayerNorm = 2 };
+
+// LayerNorm of the fp32 row h: two vectorized passes (mean, then the centred variance), then
+// torch's form (x * rstd - mean * rstd) * w + b in fp32, one rounding. Agrees with F.layer_norm
+// (a Welford pass) to float rounding, not bit for bit.
+template <typename T>
+static void layer_norm_row(const RmsNormArgs& a, const float* h, const T* w, T* out) {
+  const int H = a.hidden;
+  vfloat vsum = vfloat{};
+  float sum = 0.0f;
+  int c = 0;
+  for (; c + VLEN <= H; c += VLEN) vsum += loadu(h + c);
+  for (; c < H; ++c) sum += h[c];
+  const float mean = (hsum(vsum) + sum) / float(H);
+  vfloat vsq = vfloat{};
+  float sq = 0.0f;
+  for (c = 0; c + VLEN <= H; c += VLEN) {
+    vfloat d = loadu(h + c) - mean;
+    vsq += d * d;
+  }
+  for (; c < H; ++c) sq += (h[c] - mean) * (h[c] - mean);
+  const float rstd = 1.0f / std::sqrt((hsum(vsq) + sq) / float(H) + a.eps);
+  const float shift = -mean * rstd;
+  const T* b = static_cast<const T*>(a.bias);
+  for (c = 0; c + VLEN <= H; c += VLEN) {
+    vfloat y = (loadu(h + c) * rstd + shift) * loadu(w + c);
+    storeu(out + c, b != nullptr ? y + loadu(b + c) : y);
+  }
+  for (; c < H; ++c) {
+    float y = (h[c] * rstd + shift) * to_float(w[c]);
+    store1(out + c, b != nullptr ? y + to_float(b[c]) : y);
+  }
+}
+
 template <typename T>
 static void norm_row(const RmsNormArgs& a, int64_t row, float* h) {
   const int H = a.hidden;
@@ -100,11 +135,19 @@ static void norm_row(const RmsNormArgs& a, int64_t row, float* h) {
     for (; c + VLEN <= H; c += VLEN) storeu(h + c, loadu(x + c));
     for (; c < H; ++c) h[c] = to_float(x[c]);
   }
-  const float mean = sum_squares_lanes(h, H, a.sum_lanes) / float(H);
-  const float inv = 1.0f / std::sqrt(mean + a.eps);
   const T* w = static_cast<const T*>(a.weight);
   T* out = static_cast<T*>(a.out) + row * H;
+  if (a.kind == kLayerNorm) return layer_norm_row(a, h, w, out);
+  const float mean = sum_squares_lanes(h, H, a.sum_lanes) / float(H);
+  const float inv = 1.0f / std::sqrt(mean + a.eps);
   int c = 0;
+  if (a.kind == kRmsUnitOffset) {  // everything in fp32, one rounding
+    const vfloat one = splat(1.0f);
+    for (; c + VLEN <= H; c += VLEN)
+      storeu(out + c, (loadu(h + c) * inv) * (one + loadu(w + c)));
+    for (; c < H; ++c) store1(out + c, (h[c] * inv) * (1.0f + to_float(w[c])));
+    return;
+  }
   for (; c + VLEN <= H; c += VLEN)
     storeu(out + c, loadu(w + c) * round_to(loadu(h + c) * inv, out));
   for (; c < H; ++c) store1(out + c, to_float(w[c]) * round_to(h[c] * inv, out));

@@ -41,12 +41,13 @@ _LOG2E = 1.4426950408889634
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr,
         seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale_log2, num_heads, head_dim,
-        block_size, partition,
+        block_size, partition, window, cap_log2, alibi_ptr,
         stride_ot, stride_oh, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch,
         stride_bt,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_INT8: tl.constexpr,
-        DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     req = tl.program_id(0)
     q_tile = tl.program_id(1)
     kv_head = tl.program_id(2) // NUM_SPLITS
@@ -83,7 +84,11 @@ def _paged_attention_kernel(
     # program takes keys [split * partition, (split + 1) * partition) of them (maybe none).
     kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
     n_start = split * partition
+    if HAS_ALIBI:  # slope per row's head, in log2 units
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
     n_end = tl.minimum(kv_end, n_start + partition)
+    if HAS_WINDOW:  # keys before the tile's first query's window are never read
+        n_start = tl.maximum(n_start, context_len + q_tile * BLOCK_Q - window + 1)
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(n_start, n_end, BLOCK_N):
         k_pos = n0 + offs_n
@@ -105,7 +110,14 @@ def _paged_attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [ROWS, BLOCK_N]
+        if HAS_CAP:  # cap * tanh(s / cap) in log2 units: tanh(y) = 1 - 2 / (e^(2y) + 1)
+            e2y = tl.exp2(s * (2.0 / cap_log2) * 1.4426950408889634)
+            s = cap_log2 * (1.0 - 2.0 / (e2y + 1.0))
+        if HAS_ALIBI:
+            s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
         visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -186,7 +198,9 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     *, max_query_len: int | None = None, block_q: int | None = None,
                     block_n: int = 32, num_splits: int = 1,
-                    max_seq_len: int | None = None) -> None:
+                    max_seq_len: int | None = None, sliding_window: int | None = None,
+                    alibi_slopes: torch.Tensor | None = None,
+                    soft_cap: float | None = None) -> None:
     """Into ``out [T, nh, d]``, as ``ref.paged_attention``. ``max_query_len``: the longest
     request's query (AttentionMetadata has it); None reads it from ``query_start_loc``, a host
     sync. ``block_q`` query tokens per program (default: enough for 64 rows with the GQA group,
@@ -196,7 +210,10 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     ``num_splits > 1`` (flash decoding): each program takes one of ``num_splits`` equal key
     ranges of the longest context (``max_seq_len``, read from ``seq_lens`` when None), and a
     second kernel merges their partial softmaxes, so that a small decode batch over long
-    contexts still fills the GPU. Costs fp32 workspace of ``T * nh * num_splits * (d + 2)``."""
+    contexts still fills the GPU. Costs fp32 workspace of ``T * nh * num_splits * (d + 2)``.
+
+    Per-layer features as the twin's: ``sliding_window`` (keys before a tile's first window are
+    not read), ``alibi_slopes`` [nh], ``soft_cap``."""
     _check(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -236,16 +253,24 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tenso
     else:
         partition = 1 << 30  # one range: every key
         part_m = part_l = part_acc = out  # not touched with one split
+    if alibi_slopes is not None:
+        if alibi_slopes.shape != (num_heads,):
+            raise ValueError(f"alibi_slopes must be [{num_heads}], got "
+                             f"{tuple(alibi_slopes.shape)}")
+        alibi_slopes = alibi_slopes.to(device=query.device, dtype=torch.float32).contiguous()
     grid = (num_reqs, triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         part_m, part_l, part_acc, scale * _LOG2E, num_heads, head_dim, k_cache.shape[1],
-        partition,
+        partition, sliding_window or 0, (soft_cap or 0.0) * _LOG2E,
+        alibi_slopes if alibi_slopes is not None else seq_lens,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P2=group_p2, BLOCK_Q=block_q, BLOCK_N=block_n,
         HEAD_DIM=head_dim_p2, KV_INT8=int8, DOT_FP32=dot_fp32,
-        PRECISION="ieee" if dot_fp32 else None, NUM_SPLITS=num_splits)
+        PRECISION="ieee" if dot_fp32 else None, NUM_SPLITS=num_splits,
+        HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
+        HAS_ALIBI=alibi_slopes is not None)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_m, part_l, part_acc, num_heads, head_dim, out.stride(0), out.stride(1),

@@ -1,5 +1,6 @@
-"""GPU elementwise kernels in Triton: KV-cache store (float or int8 rows), RMSNorm (+ residual
-add), neox rotary embedding and SiLU-and-mul. Their twins are the reference kernels in
+"""GPU elementwise kernels in Triton: KV-cache store (float or int8 rows), RMSNorm, (1 + w)
+RMSNorm and LayerNorm (each + residual add), rotary embedding (neox or interleaved), SiLU-and-mul
+and the other activations (plain and gated). Their twins are the reference kernels in
 ``bladellm/kernels/ref.py`` (the same contracts: argument order, shapes, in-place behaviour,
 output dtypes).
 
@@ -119,7 +120,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
                      stride_x, stride_r, stride_o, stride_ro,
-                     X_DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     X_DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     UNIT_OFFSET: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -131,9 +133,14 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
     var = tl.sum(x * x, axis=0) / n_cols
     # div_rn(1, sqrt_rn): torch's rsqrt is correctly rounded; tl.rsqrt is approximate on GPUs.
     inv = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
-    h = _round(x * inv, X_DTYPE)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+    if UNIT_OFFSET:  # (1 + w) RMSNorm: all in fp32, one rounding (ref.rms_norm_unit_offset)
+        tl.store(out_ptr + row * stride_o + cols, ((x * inv) * (1.0 + w)).to(X_DTYPE),
+                 mask=mask)
+    else:
+        h = _round(x * inv, X_DTYPE)
+        tl.store(out_ptr + row * stride_o + cols, (w * h).to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -143,14 +150,17 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     eps: float, unit_offset: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError("residual must have x's shape and dtype")
     x_dtype = _tl_dtype(x.dtype)
     # ``weight * h.to(x.dtype)`` in the twin: the result dtype is the promoted one.
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    # (1 + w) RMSNorm rounds once to x's dtype.
+    out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     new_res = torch.empty_like(x, memory_format=torch.contiguous_format) \
         if residual is not None else None
     x2, o2 = _rows(x), out.view(-1, x.shape[-1])
@@ -160,7 +170,7 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, o2, nr2, x.shape[-1], eps, x2.stride(0), r2.stride(0), o2.stride(0),
             nr2.stride(0), X_DTYPE=x_dtype, HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(x.shape[-1]))
+            BLOCK=triton.next_power_of_2(x.shape[-1]), UNIT_OFFSET=unit_offset)
     return out, new_res
 
 
@@ -177,12 +187,89 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return out, new_res
 
 
-# ---- Rotary embedding (neox / rotate-half) -------------------------------------------------------
+def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``ref.rms_norm_unit_offset``: scale by ``1 + weight`` in fp32, one rounding."""
+    return _launch_rms_norm(x, None, weight, eps, unit_offset=True)[0]
+
+
+def fused_add_rms_norm_unit_offset(x: torch.Tensor, residual: torch.Tensor,
+                                   weight: torch.Tensor, eps: float
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ref.fused_add_rms_norm_unit_offset`` in one pass."""
+    out, new_res = _launch_rms_norm(x, residual, weight, eps, unit_offset=True)
+    return out, new_res
+
+
+# ---- LayerNorm -----------------------------------------------------------------------------------
+
+@triton.jit
+def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, n_cols, eps,
+                       stride_x, stride_r, stride_o, stride_ro,
+                       X_DTYPE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _round(x + r, X_DTYPE)
+        tl.store(res_out_ptr + row * stride_ro + cols, x.to(X_DTYPE), mask=mask)
+    mean = tl.sum(x, axis=0) / n_cols
+    centred = tl.where(mask, x - mean, 0.0)
+    var = tl.sum(centred * centred, axis=0) / n_cols
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
+    y = centred * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(X_DTYPE), mask=mask)
+
+
+def _launch_layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       bias: torch.Tensor | None, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n = x.shape[-1]
+    if weight.shape != (n,) or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"weight and bias must be [{n}], got {tuple(weight.shape)}"
+                         f"{'' if bias is None else f' and {tuple(bias.shape)}'}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError("residual must have x's shape and dtype")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_res = torch.empty_like(x, memory_format=torch.contiguous_format) \
+        if residual is not None else None
+    x2, o2 = _rows(x), out.view(-1, n)
+    r2 = _rows(residual) if residual is not None else x2
+    nr2 = new_res.view(-1, n) if new_res is not None else o2
+    if x2.shape[0]:
+        _layer_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, weight if bias is None else bias, o2, nr2, n, eps, x2.stride(0),
+            r2.stride(0), o2.stride(0), nr2.stride(0), X_DTYPE=_tl_dtype(x.dtype),
+            HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+            BLOCK=triton.next_power_of_2(n))
+    return out, new_res
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               eps: float) -> torch.Tensor:
+    """``ref.layer_norm`` (two-pass statistics in fp32: equal to F.layer_norm to rounding)."""
+    return _launch_layer_norm(x, None, weight, bias, eps)[0]
+
+
+def fused_add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None, eps: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ref.fused_add_layer_norm`` in one pass."""
+    out, new_res = _launch_layer_norm(x, residual, weight, bias, eps)
+    return out, new_res
+
+
+# ---- Rotary embedding (neox / rotate-half, or interleaved pairs) ---------------------------------
 
 @triton.jit
 def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, num_heads, head_dim, half,
                    stride_xt, stride_cos,
-                   DTYPE: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr):
+                   DTYPE: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr,
+                   INTERLEAVED: tl.constexpr = False):
     """In place on ``x [T, heads * head_dim]``: the first ``2 * half`` dims of each head are
     rotated, the rest are not touched."""
     t = tl.program_id(0).to(tl.int64)
@@ -192,18 +279,24 @@ def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, num_heads, head_dim, half,
     sin = tl.load(sin_ptr + pos * stride_cos + j, mask=j < half, other=0.0).to(tl.float32)
     heads = tl.arange(0, HEADS)[:, None]
     mask = (heads < num_heads) & (j[None, :] < half)
-    p1 = x_ptr + t * stride_xt + heads * head_dim + j[None, :]
+    if INTERLEAVED:  # pair j is dims (2j, 2j + 1)
+        p1 = x_ptr + t * stride_xt + heads * head_dim + 2 * j[None, :]
+        p2 = p1 + 1
+    else:  # pair j is dims (j, j + half)
+        p1 = x_ptr + t * stride_xt + heads * head_dim + j[None, :]
+        p2 = p1 + half
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + half, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
     # The twin's tensor ops, each rounded to the dtype: x1*cos - x2*sin, x2*cos + x1*sin.
     o1 = _round(x1 * cos, DTYPE) - _round(x2 * sin, DTYPE)
     o2 = _round(x2 * cos, DTYPE) + _round(x1 * sin, DTYPE)
     tl.store(p1, o1.to(DTYPE), mask=mask)
-    tl.store(p1 + half, o2.to(DTYPE), mask=mask)
+    tl.store(p2, o2.to(DTYPE), mask=mask)
 
 
 def _rotate_in_place(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
-                     sin_cache: torch.Tensor, head_dim: int, rotary_dim: int) -> None:
+                     sin_cache: torch.Tensor, head_dim: int, rotary_dim: int,
+                     interleaved: bool) -> None:
     if x.dim() != 2 or x.shape[1] % head_dim or x.stride(1) != 1:
         raise ValueError(f"q/k must be [T, heads * {head_dim}] with contiguous rows")
     if x.shape[0] == 0:
@@ -213,14 +306,14 @@ def _rotate_in_place(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.
     _rotary_kernel[(x.shape[0],)](
         x, positions, cos_cache, sin_cache, num_heads, head_dim, half, x.stride(0),
         cos_cache.stride(0), DTYPE=_tl_dtype(x.dtype), HEADS=triton.next_power_of_2(num_heads),
-        HALF=triton.next_power_of_2(half), enable_fp_fusion=False)
+        HALF=triton.next_power_of_2(half), INTERLEAVED=interleaved, enable_fp_fusion=False)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_cache: torch.Tensor, sin_cache: torch.Tensor, head_dim: int,
-                     rotary_dim: int, *, inplace: bool = True
+                     rotary_dim: int, *, inplace: bool = True, interleaved: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ref.rotary_embedding`` (neox, the only style the engine's RotaryEmbedding builds):
+    """``ref.rotary_embedding`` (neox, or ``interleaved`` GPT-J / GLM pairs):
     q ``[T, nh*d]`` and k ``[T, kvh*d]`` (rows may be strided views of the qkv output) rotated
     at ``positions [T]`` with cos/sin ``[max_position, rotary_dim / 2]`` in q's dtype. In place
     (returns q, k), or on contiguous copies (``inplace=False``)."""
@@ -238,8 +331,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         raise ValueError("positions must be [T] for q and k of T rows")
     if not inplace:
         q, k = q.contiguous().clone(), k.contiguous().clone()
-    _rotate_in_place(q, positions, cos_cache, sin_cache, head_dim, rotary_dim)
-    _rotate_in_place(k, positions, cos_cache, sin_cache, head_dim, rotary_dim)
+    _rotate_in_place(q, positions, cos_cache, sin_cache, head_dim, rotary_dim, interleaved)
+    _rotate_in_place(k, positions, cos_cache, sin_cache, head_dim, rotary_dim, interleaved)
     return q, k
 
 
@@ -269,3 +362,70 @@ def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
             x2, o2, d, x2.stride(0), o2.stride(0), DTYPE=_tl_dtype(x.dtype), BLOCK=block)
     return out
+
+
+# ---- Activations (plain and gated) ---------------------------------------------------------------
+
+# ref.ACTIVATIONS by code (the constexpr ACT below).
+_ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "gelu_new": 3, "relu": 4}
+
+
+@triton.jit
+def _tanh(y):
+    e = tl.exp(tl.minimum(2.0 * tl.abs(y), 80.0))  # tanh is 1 in fp32 long before
+    t = 1.0 - tl.math.div_rn(2.0, e + 1.0)
+    return tl.where(y < 0, -t, t)
+
+
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """``ref.activation`` in fp32 (x fp32)."""
+    if ACT == 0:
+        y = tl.math.div_rn(x, 1.0 + tl.exp(-x))
+    elif ACT == 1:
+        y = x * 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 4:
+        y = tl.where(x > 0, x, tl.where(x != x, x, 0.0))
+    else:  # the tanh GELUs: one formula, computed in fp32
+        y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * (x * x * x))))
+    return y
+
+
+@triton.jit
+def _act_kernel(x_ptr, out_ptr, d, stride_x, stride_o, DTYPE: tl.constexpr, ACT: tl.constexpr,
+                GATED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    y = _act(x, ACT)
+    if GATED:
+        up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _round(y, DTYPE) * up  # the activation is a tensor of the dtype in the twin
+    tl.store(out_ptr + row * stride_o + cols, y.to(DTYPE), mask=mask)
+
+
+def _launch_act(x: torch.Tensor, act: str, gated: bool, block: int) -> torch.Tensor:
+    if act not in _ACT_CODES:
+        raise ValueError(f"activation {act!r} is not one of {', '.join(_ACT_CODES)}")
+    if gated and x.shape[-1] % 2:
+        raise ValueError(f"the last dimension must be even (gate | up), got {x.shape[-1]}")
+    d = x.shape[-1] // 2 if gated else x.shape[-1]
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
+    x2, o2 = _rows(x), out.view(-1, d)
+    block = min(block, triton.next_power_of_2(max(d, 1)))
+    if x2.shape[0] and d:
+        _act_kernel[(x2.shape[0], triton.cdiv(d, block))](
+            x2, o2, d, x2.stride(0), o2.stride(0), DTYPE=_tl_dtype(x.dtype),
+            ACT=_ACT_CODES[act], GATED=gated, BLOCK=block)
+    return out
+
+
+def act_and_mul(x: torch.Tensor, act: str, block: int = 1024) -> torch.Tensor:
+    """``ref.act_and_mul``: ``[..., 2d]`` (gate | up) -> ``act(gate) * up`` ``[..., d]``."""
+    return _launch_act(x, act, True, block)
+
+
+def activation(x: torch.Tensor, act: str, block: int = 1024) -> torch.Tensor:
+    """``ref.activation``: ``act`` elementwise, in fp32, rounded once."""
+    return _launch_act(x, act, False, block)

@@ -1,8 +1,10 @@
-"""Rotary position embedding (neox / rotate-half layout) with transformers' scaling types.
+"""Rotary position embedding with transformers' scaling types.
 
 The inverse frequencies follow ``transformers.modeling_rope_utils`` exactly (default, linear,
-dynamic, llama3, yarn); cos/sin are computed once for every position up to ``max_position`` and
-indexed by ``positions``, so there is no per-step work besides a gather.
+dynamic, llama3, yarn, longrope); cos/sin are computed once for every position up to
+``max_position`` and indexed by ``positions``, so there is no per-step work besides a gather.
+Rotary may cover only the first ``partial_rotary_factor`` of each head, in the neox
+(rotate-half) layout or the interleaved one (GPT-J / GLM pairs).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from torch import nn
 
 from bladellm.kernels.scope import kernels_for
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# Older spellings transformers still reads: Phi-3's "su" is LongRoPE.
+ROPE_TYPE_ALIASES = {"su": "longrope"}
 
 
 def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
@@ -31,21 +35,28 @@ def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
         params = dict(scaling)
     if any(isinstance(v, dict) for v in params.values()):
         raise ValueError("per-layer-type rope_parameters are not supported")
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = ROPE_TYPE_ALIASES.get(rope_type, rope_type)
     if params.get("rope_theta") is None:
         params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
     if params.get("partial_rotary_factor") is None:
         factor = getattr(hf_config, "partial_rotary_factor", None)
         if factor is not None:
             params["partial_rotary_factor"] = factor
-    if params["rope_type"] in ("llama3", "yarn"):
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
         # Same default as transformers' standardize_rope_params.
         params.setdefault("original_max_position_embeddings",
                           getattr(hf_config, "original_max_position_embeddings", None)
                           or hf_config.max_position_embeddings)
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {params['rope_type']!r} is not supported; supported: "
+        raise ValueError(f"unsupported rope type {params['rope_type']!r} (rope_scaling / "
+                         f"rope_parameters in config.json); supported: "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if params["rope_type"] == "longrope":
+        for key in ("short_factor", "long_factor"):
+            if not params.get(key):
+                raise ValueError(f"rope type 'longrope' needs {key} (rope_scaling in "
+                                 f"config.json)")
     return params
 
 
@@ -101,6 +112,38 @@ def _yarn_inv_freq(p: dict[str, Any], dim: int, max_position: int) -> tuple[torc
     return inv_freq, attention_factor
 
 
+def _longrope_freqs(p: dict[str, Any], dim: int, max_position: int
+                    ) -> tuple[torch.Tensor, float]:
+    """Per-position angles and the attention factor of LongRoPE (Phi-3).
+
+    transformers uses ``short_factor`` while the sequence is at most
+    ``original_max_position_embeddings`` long and ``long_factor`` beyond (for every position of
+    the sequence it recomputes). Position ``p`` here gets the short factors below that length
+    and the long ones from it on: exactly transformers' token-by-token decode, and its prefill
+    of any prompt that fits the original length. A prompt longer than that differs in its first
+    ``original_max_position_embeddings`` positions (transformers rotates them with the long
+    factors in that prefill only, and with the short ones when decoded token by token).
+    """
+    orig = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_position / orig
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else \
+            math.sqrt(1 + math.log(factor) / math.log(orig))
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    for key in ("short_factor", "long_factor"):
+        if len(p[key]) != dim // 2:
+            raise ValueError(f"rope_scaling.{key} has {len(p[key])} entries; the rotary "
+                             f"dimension {dim} needs {dim // 2}")
+    short = 1.0 / (torch.tensor(p["short_factor"], dtype=torch.float32)
+                   * p["rope_theta"] ** exponent)
+    long = 1.0 / (torch.tensor(p["long_factor"], dtype=torch.float32)
+                  * p["rope_theta"] ** exponent)
+    pos = torch.arange(max_position, dtype=torch.float32)
+    inv_freq = torch.where(pos[:, None] < orig, short[None, :], long[None, :])
+    return pos[:, None] * inv_freq, attention_factor
+
+
 def _dynamic_freqs(p: dict[str, Any], dim: int, max_position: int,
                    num_positions: int) -> torch.Tensor:
     """Per-position angles for dynamic NTK.
@@ -124,11 +167,17 @@ class RotaryEmbedding(nn.Module):
     """Applies rotary embedding to q [T, nh*hd] and k [T, nkv*hd] at ``positions`` [T]."""
 
     def __init__(self, head_dim: int, rope_parameters: dict[str, Any], max_position: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, *, interleaved: bool = False) -> None:
         super().__init__()
         p = rope_parameters
         self.head_dim = head_dim
         self.rotary_dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
+        # Dims (2i, 2i + 1) form pair i (GPT-J / GLM) instead of (i, i + rotary_dim / 2).
+        self.interleaved = interleaved
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
+            raise ValueError(f"partial_rotary_factor {p.get('partial_rotary_factor')} gives a "
+                             f"rotary dimension of {self.rotary_dim} for head_dim {head_dim}; "
+                             f"it must be even and in (0, head_dim]")
         dim, rope_type = self.rotary_dim, p["rope_type"]
         num_positions = max_position
         scaling = 1.0
@@ -136,6 +185,8 @@ class RotaryEmbedding(nn.Module):
             # Positions past max_position_embeddings are legal with NTK scaling.
             num_positions = int(max_position * p["factor"])
             freqs = _dynamic_freqs(p, dim, max_position, num_positions)
+        elif rope_type == "longrope":
+            freqs, scaling = _longrope_freqs(p, dim, max_position)
         else:
             if rope_type == "default":
                 inv_freq = _base_inv_freq(p["rope_theta"], dim)
@@ -158,10 +209,12 @@ class RotaryEmbedding(nn.Module):
         """Rotated (q, k). ``inplace=True`` overwrites q and k (which may be views of a fused
         qkv output): the models do that, since nothing reads the unrotated values."""
         return self.kernels.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache,
-                                             self.head_dim, self.rotary_dim, inplace=inplace)
+                                             self.head_dim, self.rotary_dim, inplace=inplace,
+                                             interleaved=self.interleaved)
 
 
-def get_rope(hf_config: Any, head_dim: int, dtype: torch.dtype) -> RotaryEmbedding:
+def get_rope(hf_config: Any, head_dim: int, dtype: torch.dtype, *,
+             interleaved: bool = False) -> RotaryEmbedding:
     """The model builds one and shares it across layers: one cos/sin table per model."""
     return RotaryEmbedding(head_dim, rope_parameters_from_config(hf_config),
-                           hf_config.max_position_embeddings, dtype)
+                           hf_config.max_position_embeddings, dtype, interleaved=interleaved)

@@ -7,14 +7,15 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from bladellm.attention.backend import AttentionBackend
+from bladellm.attention.backend import AttentionBackend, AttentionFeatures
 from bladellm.model.forward_context import ForwardContext
 from bladellm.distributed.parallel_state import get_pp_group
 from bladellm.distributed.partition import pipeline_stages
 from bladellm.distributed.pipeline import StageChannel
 from bladellm.model.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead,
                                    PPMissingLayer, QKVParallelLinear, RMSNorm, RotaryEmbedding,
-                                   RowParallelLinear, SiluAndMul, VocabParallelEmbedding, get_rope)
+                                   RowParallelLinear, VocabParallelEmbedding, get_act_fn, get_rope)
+from bladellm.model.layers.attention import layer_index, layer_sliding_window
 from bladellm.model.utils import KVCacheSpec, load_weights_with_mapping
 
 
@@ -28,8 +29,6 @@ class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool,
                  dtype: torch.dtype, quant_config: Any, prefix: str) -> None:
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}; only silu is supported")
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, bias=bias, params_dtype=dtype,
             quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
@@ -38,7 +37,7 @@ class LlamaMLP(nn.Module):
             intermediate_size, hidden_size, bias=bias, params_dtype=dtype,
             quant_config=quant_config, prefix=f"{prefix}.down_proj",
             input_partition=self.gate_up_proj.output_shards[0])
-        self.act_fn = SiluAndMul()
+        self.act_fn = get_act_fn(hidden_act, gated=True)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x, ctx)), ctx)
@@ -64,8 +63,12 @@ class LlamaAttention(nn.Module):
             params_dtype=dtype, quant_config=quant_config, prefix=f"{prefix}.o_proj",
             input_partition=self.qkv_proj.output_shards[0])
         self.rotary_emb = rotary_emb
+        # Mistral / Qwen2 with a real sliding_window: this layer's window, as transformers reads
+        # the config (layer_types, use_sliding_window, max_window_layers).
+        window = layer_sliding_window(hf_config, layer_index(prefix))
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
-                              self.num_kv_heads, layer_idx, attn_backend)
+                              self.num_kv_heads, layer_idx, attn_backend,
+                              AttentionFeatures(sliding_window=window))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -77,12 +80,13 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, self_attn: nn.Module, hf_config: Any, dtype: torch.dtype,
-                 quant_config: Any, prefix: str) -> None:
+                 quant_config: Any, prefix: str, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size,
-                            hf_config.hidden_act, getattr(hf_config, "mlp_bias", False), dtype,
-                            quant_config, f"{prefix}.mlp")
+        # ``mlp``: a model's own MLP for this layer (mixture of experts), else the dense one.
+        self.mlp = mlp if mlp is not None else LlamaMLP(
+            hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act,
+            getattr(hf_config, "mlp_bias", False), dtype, quant_config, f"{prefix}.mlp")
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype=dtype)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype=dtype)
@@ -101,7 +105,9 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Embedding, decoder stack and final norm; ``make_attn(layer_idx, prefix)`` builds each
-    layer's self-attention so Qwen variants can swap only that part.
+    layer's self-attention so Qwen variants can swap only that part, and ``make_mlp(layer,
+    prefix)`` (``layer``: the index in the full model) its MLP, or None for the dense one
+    (mixture-of-experts models).
 
     Under pipeline parallelism this process holds only its stage: decoder layers
     ``[start_layer, end_layer)`` (``pipeline_stages``), the embedding on the first stage and the
@@ -112,7 +118,8 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant_config: Any, prefix: str,
-                 make_attn: Any) -> None:
+                 make_attn: Any, layer_cls: type[nn.Module] = LlamaDecoderLayer,
+                 make_mlp: Any = None) -> None:
         super().__init__()
         pp = get_pp_group()
         self.is_first_stage, self.is_last_stage = pp.is_first, pp.is_last
@@ -125,8 +132,9 @@ class LlamaModel(nn.Module):
             hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype) \
             if self.is_first_stage else PPMissingLayer()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(make_attn(i - self.start_layer, f"{prefix}.layers.{i}.self_attn"),
-                              hf_config, dtype, quant_config, f"{prefix}.layers.{i}")
+            layer_cls(make_attn(i - self.start_layer, f"{prefix}.layers.{i}.self_attn"),
+                      hf_config, dtype, quant_config, f"{prefix}.layers.{i}",
+                      make_mlp(i, f"{prefix}.layers.{i}.mlp") if make_mlp else None)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(hf_config.num_hidden_layers))
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=dtype) \
@@ -176,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer  # Glm4 adds sandwich norms
+    rope_interleaved = False  # GLM pairs rotary dims (2i, 2i + 1)
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  quant_config: Any = None, prefix: str = "") -> None:
@@ -183,9 +193,11 @@ class LlamaForCausalLM(nn.Module):
         self.hf_config, self.dtype, self.quant_config = hf_config, dtype, quant_config
         self.attn_backend = attn_backend
         self.head_dim = get_head_dim(hf_config)
-        self.rotary_emb = get_rope(hf_config, self.head_dim, dtype)
+        self.rotary_emb = get_rope(hf_config, self.head_dim, dtype,
+                                   interleaved=self.rope_interleaved)
         model_prefix = f"{prefix}.model" if prefix else "model"
-        self.model = LlamaModel(hf_config, dtype, quant_config, model_prefix, self.make_attention)
+        self.model = LlamaModel(hf_config, dtype, quant_config, model_prefix, self.make_attention,
+                                self.decoder_layer_cls, self.make_mlp)
         # Per process: the KV cache holds this pipeline stage's layers and this TP rank's heads.
         self.num_layers = self.model.end_layer - self.model.start_layer
         self.num_kv_heads = self.model.layers[self.model.start_layer].self_attn.num_kv_heads
@@ -207,6 +219,11 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias, o_bias = self.attention_biases(self.hf_config)
         return LlamaAttention(self.hf_config, layer_idx, self.rotary_emb, self.attn_backend,
                               self.dtype, self.quant_config, prefix, qkv_bias, o_bias)
+
+    def make_mlp(self, layer: int, prefix: str) -> nn.Module | None:
+        """Layer ``layer``'s MLP; None: the dense ``LlamaMLP`` (mixture-of-experts models
+        override it)."""
+        return None
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
         """Per TP rank: ``num_kv_heads`` is this rank's (it may differ between ranks when the
@@ -245,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Same weights and math as Llama; sliding windows are checked by the loader."""
+    """Same weights and math as Llama; a ``sliding_window`` applies to every layer."""
 
 
 __all__ = ["LlamaForCausalLM", "MistralForCausalLM"]

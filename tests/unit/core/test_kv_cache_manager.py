@@ -1,6 +1,6 @@
 import pytest
 
-from bladellm.core.block_pool import BlockAccountingError
+from bladellm.core.block_pool import NULL_BLOCK_ID, BlockAccountingError
 from bladellm.core.hashing import extend_block_hashes, hash_block_tokens
 from bladellm.core.kv_cache_manager import KVCacheManager
 from sched_utils import make_request
@@ -121,3 +121,72 @@ def test_check_invariants_catches_a_lost_reference():
     kv.req_to_blocks["a"].pop()
     with pytest.raises(BlockAccountingError):
         kv.check_invariants()
+
+
+# --- sliding window ------------------------------------------------------------------------------
+
+
+def _windowed(num_blocks: int, window: int) -> KVCacheManager:
+    return KVCacheManager(num_blocks, BS, sliding_window=window)
+
+
+def _req(req_id: str, tokens: list[int]):
+    return make_request(req_id, tokens, max_tokens=64)
+
+
+def test_window_frees_blocks_before_the_next_query_window():
+    """A request of 4x the window holds about window / block_size blocks, the rest null."""
+    window = 2 * BS
+    kv = _windowed(16, window)
+    req = _req("a", list(range(8 * BS)))
+    assert kv.allocate_slots(req, 8 * BS) is not None  # the whole prompt in one step
+    req.num_computed_tokens = 8 * BS
+    kv.cache_blocks(req, req.num_computed_tokens)
+    for _ in range(3 * BS):  # decode: each step frees what fell out of the window
+        req.append_output_token_ids([5])
+        assert kv.allocate_slots(req, 1) is not None
+        kv.check_invariants()
+        table = kv.get_block_ids("a")
+        held = [b for b in table if b != NULL_BLOCK_ID]
+        # this step's query (position num_computed) sees num_computed - window + 1 on
+        assert len(held) <= window // BS + 1
+        first = max(0, req.num_computed_tokens - window + 1) // BS
+        assert first > 0 and all(b == NULL_BLOCK_ID for b in table[:first])
+        assert NULL_BLOCK_ID not in table[first:]
+        req.num_computed_tokens += 1
+        kv.cache_blocks(req, req.num_computed_tokens)
+    kv.free(req)
+    kv.check_invariants()
+    assert kv.pool.num_used_blocks == 0
+
+
+def test_window_prompt_cache_hit_needs_only_the_window_blocks():
+    """Blocks before the window may be evicted: the hit still covers the prefix, with null
+    entries before the window; a full-attention manager stops at the first missing block."""
+    window = 2 * BS
+    tokens = list(range(6 * BS + 1))
+    for sliding_window, want_tokens in ((window, 6 * BS), (None, 0)):
+        kv = KVCacheManager(32, BS, sliding_window=sliding_window)
+        first = _req("a", tokens)
+        assert kv.allocate_slots(first, len(tokens)) is not None
+        first.num_computed_tokens = len(tokens)
+        kv.cache_blocks(first, first.num_computed_tokens)
+        first_blocks = list(kv.get_block_ids("a"))
+        kv.free(first)
+        # Evict the first block only (as if the LRU had taken it).
+        kv.pool._cached_free.pop(first_blocks[0])
+        kv.pool._evict(first_blocks[0])
+        kv.pool._free.append(first_blocks[0])
+        second = _req("b", tokens)
+        blocks, num = kv.get_computed_blocks(second)
+        assert num == want_tokens
+        if sliding_window is not None:
+            needed = (num - window + 1) // BS
+            assert blocks[:needed] == [NULL_BLOCK_ID] * needed
+            assert blocks[needed:] == first_blocks[needed:6]
+            assert kv.allocate_slots(second, len(tokens) - num, blocks) is not None
+            second.num_computed_tokens = num
+            kv.check_invariants()
+            kv.free(second)
+        kv.check_invariants()
+        assert kv.pool.num_used_blocks == 0

@@ -1,0 +1,172 @@
+"""Bloom (``BloomForCausalLM``): ALiBi instead of positions (slopes per head; a tensor-parallel
+rank takes its own heads' slopes), LayerNorm with bias (also right after the embedding),
+``query_key_value`` fused per head in the checkpoint (rows [head][q | k | v][head_dim]), a
+plain GELU MLP (tanh form), biases everywhere, the LM head tied to the embedding. One pipeline
+stage (tensor parallelism of any degree, uneven head splits included)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from bladellm.attention.backend import AttentionBackend, AttentionFeatures
+from bladellm.model.forward_context import ForwardContext
+from bladellm.model.layers import (Attention, ColumnParallelLinear, LayerNorm, ParallelLMHead,
+                                   QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                   get_act_fn)
+from bladellm.model.layers.attention import alibi_slopes
+from bladellm.model.models.opt import check_single_stage
+from bladellm.model.utils import KVCacheSpec, load_weights_with_mapping
+
+
+class BloomAttention(nn.Module):
+    def __init__(self, cfg: Any, layer: int, attn_backend: AttentionBackend, dtype: torch.dtype,
+                 quant_config: Any, prefix: str) -> None:
+        super().__init__()
+        heads = cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // heads
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, self.head_dim, heads, heads, bias=True, params_dtype=dtype,
+            quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.num_heads = self.num_kv_heads = self.qkv_proj.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.dense = RowParallelLinear(
+            cfg.hidden_size, cfg.hidden_size, bias=True, params_dtype=dtype,
+            quant_config=quant_config, prefix=f"{prefix}.dense",
+            input_partition=self.qkv_proj.output_shards[0])
+        start = self.qkv_proj.q_head_start
+        slopes = alibi_slopes(heads)[start:start + self.num_heads]
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+                              self.num_kv_heads, layer, attn_backend,
+                              AttentionFeatures(alibi_slopes=slopes))
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden, ctx).split([self.q_size] * 3, dim=-1)
+        return self.dense(self.attn(q, k, v, ctx), ctx)
+
+
+class BloomBlock(nn.Module):
+    def __init__(self, cfg: Any, layer: int, attn_backend: AttentionBackend, dtype: torch.dtype,
+                 quant_config: Any, prefix: str) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.layer_norm_epsilon
+        self.post_ln_residual = bool(cfg.apply_residual_connection_post_layernorm)
+        self.input_layernorm = LayerNorm(h, eps, params_dtype=dtype)
+        self.self_attention = BloomAttention(cfg, layer, attn_backend, dtype, quant_config,
+                                             f"{prefix}.self_attention")
+        self.post_attention_layernorm = LayerNorm(h, eps, params_dtype=dtype)
+        self.dense_h_to_4h = ColumnParallelLinear(h, 4 * h, bias=True, params_dtype=dtype,
+                                                  quant_config=quant_config,
+                                                  prefix=f"{prefix}.mlp.dense_h_to_4h")
+        self.dense_4h_to_h = RowParallelLinear(4 * h, h, bias=True, params_dtype=dtype,
+                                               quant_config=quant_config,
+                                               prefix=f"{prefix}.mlp.dense_4h_to_h",
+                                               input_partition=self.dense_h_to_4h.output_shards[0])
+        # Bloom's GELU is the tanh form (transformers' bloom_gelu_forward).
+        self.act = get_act_fn("gelu_pytorch_tanh", gated=False)
+
+    def mlp(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x, ctx)), ctx)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(block output, residual): the add is fused into the next LayerNorm. With the
+        residual taken after the norms (``apply_residual_connection_post_layernorm``) the
+        sums are made here and the residual is None."""
+        if self.post_ln_residual:
+            if residual is not None:
+                hidden = hidden + residual
+            ln = self.input_layernorm(hidden)
+            attn_out = self.self_attention(ln, ctx) + ln
+            ln = self.post_attention_layernorm(attn_out)
+            return self.mlp(ln, ctx) + ln, None
+        if residual is None:
+            residual, ln = hidden, self.input_layernorm(hidden)
+        else:
+            ln, residual = self.input_layernorm(hidden, residual)
+        ln, residual = self.post_attention_layernorm(self.self_attention(ln, ctx), residual)
+        return self.mlp(ln, ctx), residual
+
+
+class BloomModel(nn.Module):
+    def __init__(self, cfg: Any, attn_backend: AttentionBackend, dtype: torch.dtype,
+                 quant_config: Any, prefix: str) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.layer_norm_epsilon
+        self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, h, params_dtype=dtype)
+        self.word_embeddings_layernorm = LayerNorm(h, eps, params_dtype=dtype)
+        self.h = nn.ModuleList(BloomBlock(cfg, i, attn_backend, dtype, quant_config,
+                                          f"{prefix}.h.{i}")
+                               for i in range(cfg.num_hidden_layers))
+        self.ln_f = LayerNorm(h, eps, params_dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self.word_embeddings_layernorm(self.word_embeddings(input_ids))
+        residual = None
+        for block in self.h:
+            hidden, residual = block(hidden, residual, ctx)
+        return self.ln_f(hidden, residual)[0] if residual is not None else self.ln_f(hidden)
+
+
+class BloomForCausalLM(nn.Module):
+    packed_modules_mapping: dict[str, list[str]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
+                 quant_config: Any = None, prefix: str = "") -> None:
+        super().__init__()
+        check_single_stage("BloomForCausalLM")
+        if hf_config.hidden_size % hf_config.num_attention_heads:
+            raise ValueError(f"config.json: hidden_size {hf_config.hidden_size} is not a "
+                             f"multiple of n_head {hf_config.num_attention_heads}")
+        self.hf_config, self.dtype = hf_config, dtype
+        self.transformer = BloomModel(hf_config, attn_backend, dtype, quant_config,
+                                      f"{prefix}.transformer" if prefix else "transformer")
+        attn = self.transformer.h[0].self_attention
+        self.head_dim, self.num_kv_heads = attn.head_dim, attn.num_kv_heads
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                      params_dtype=dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.transformer.word_embeddings)
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(len(self.transformer.h), self.num_kv_heads, self.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        return self.transformer(input_ids, ctx)  # ALiBi: positions come from the cache layout
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint names as this module names them; ``query_key_value`` (rows per head:
+        q, k, v of head_dim each) split into q_proj / k_proj / v_proj."""
+        cfg = self.hf_config
+        heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+        for name, tensor in weights:
+            if not name.startswith(("transformer.", "lm_head.")):
+                name = f"transformer.{name}"  # saved from BloomModel
+            if self.tie_word_embeddings and name.startswith("lm_head."):
+                continue  # it is the embedding
+            name = name.replace(".mlp.", ".")
+            if ".query_key_value." not in name:
+                yield name, tensor
+                continue
+            if tensor.shape[0] != 3 * hidden:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; "
+                                 f"config.json gives {3 * hidden} rows (3 x hidden_size "
+                                 f"{hidden})")
+            per_head = tensor.reshape(heads, 3, hidden // heads, *tensor.shape[1:])
+            for i, part in enumerate(("q_proj", "k_proj", "v_proj")):
+                yield (name.replace(".query_key_value.", f".{part}."),
+                       per_head[:, i].reshape(hidden, *tensor.shape[1:]))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_weights_with_mapping(self, self._unfused(weights), self.packed_modules_mapping)
+
+
+__all__ = ["BloomForCausalLM"]
