@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
+from bladellm.entrypoints.openai.protocol import Int32, Number
+
 # ----------------------------------------------------------------------------------- requests
 
 
@@ -133,7 +135,7 @@ class ThinkingEnabled(_Request):
     type: Literal["enabled"]
     # Anthropic's rule (>= 1024, < max_tokens). Not enforced during generation: like
     # Anthropic's own recent models, the budget guides the model and max_tokens bounds it.
-    budget_tokens: int = Field(ge=1024)
+    budget_tokens: Annotated[Int32, Field(ge=1024)]
     display: Literal["summarized", "omitted"] | None = None
 
 
@@ -191,11 +193,11 @@ class _PromptRequest(_Request):
 
 
 class MessagesRequest(_PromptRequest):
-    max_tokens: int = Field(ge=1)
+    max_tokens: Annotated[Int32, Field(ge=1)]
     stop_sequences: list[str] | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=1)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: Annotated[Number, Field(ge=0.0, le=1.0)] | None = None
+    top_k: Annotated[Int32, Field(ge=1)] | None = None
+    top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
     metadata: Metadata | None = None
     stream: bool = False
     # One tier here: both values mean "the standard one".

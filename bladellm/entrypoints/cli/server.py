@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
         client = AsyncMPClient(engine_config, wait=False, log_level=server_config.py_log_level)
     try:
-        from bladellm.entrypoints.openai.server import run_server
+        from bladellm.entrypoints.api_server import run_server
     except BaseException:
         if client is not None:
             client.close()

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from bladellm.entrypoints.openai.protocol import Int32, Int64, Number
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -135,9 +137,9 @@ class ResponsesRequest(_Request):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_output_tokens: Int32 | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     stream: bool = False
@@ -145,15 +147,15 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = None
     include: list[str] | None = None
     truncation: Literal["disabled", "auto"] | None = None
-    priority: int = 0  # lower is served first (vLLM's convention)
+    priority: Int64 = 0  # lower is served first (vLLM's convention)
     # Harmless OpenAI fields: accepted, with no effect on generation (as on chat).
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     # Declared but unsupported: a set value gets a 400 naming it.
     background: bool | None = None
-    max_tool_calls: int | None = None
-    top_logprobs: int | None = None
+    max_tool_calls: Int32 | None = None
+    top_logprobs: Int32 | None = None
     conversation: Any = None
     prompt: Any = None
 

@@ -43,7 +43,7 @@ def test_checkpoint_package_imports_neither_torch_nor_model():
 
 def test_api_process_modules_import_no_model_package():
     modules = _modules_after(textwrap.dedent("""
-        import bladellm.entrypoints.openai.server
+        import bladellm.entrypoints.api_server
         import bladellm.engine.async_llm
         import bladellm.engine.model_info
     """))

@@ -170,7 +170,7 @@ def test_warm_start_skips_transformers_config_and_auto_imports(tiny_model_factor
         import sys
         import bladellm.engine.core_client
         assert "torch" not in sys.modules, "core_client imports torch"
-        import bladellm.entrypoints.openai.server
+        import bladellm.entrypoints.api_server
         import bladellm.engine.async_llm
         from bladellm.config import ModelConfig
         from bladellm.engine.model_info import model_info_for

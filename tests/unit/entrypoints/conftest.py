@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from fake_engine import FakeAsyncLLM  # noqa: E402
 
 from bladellm.entrypoints.openai.config import ServerConfig  # noqa: E402
-from bladellm.entrypoints.openai.server import build_app  # noqa: E402
+from bladellm.entrypoints.api_server import build_app  # noqa: E402
 
 
 @pytest.fixture

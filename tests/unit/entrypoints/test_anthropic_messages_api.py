@@ -12,7 +12,7 @@ import pytest
 from fake_engine import FakeAsyncLLM
 
 from bladellm.entrypoints.openai.config import ServerConfig
-from bladellm.entrypoints.openai.server import build_app
+from bladellm.entrypoints.api_server import build_app
 from bladellm.errors import EngineOverloadedError
 from bladellm.outputs import CompletionOutput, RequestOutput
 
@@ -236,6 +236,12 @@ async def test_errors_in_anthropic_shape(client, http, engine):
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
     r = await http.post("/v1/messages", headers={"x-api-key": KEY}, content=b"{not json")
     assert r.status_code == 400 and r.json()["type"] == "error"
+    for field, value in (("max_tokens", "5"), ("max_tokens", 2**40), ("top_k", 2**63),
+                         ("temperature", True)):  # strict numbers the engine can hold
+        body = {"model": "fake-model", "max_tokens": 5, "messages": HI, field: value}
+        r = await http.post("/v1/messages", headers={"x-api-key": KEY}, json=body)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert field in r.json()["error"]["message"], r.json()
     r = await http.post("/v1/messages", headers={"x-api-key": KEY}, json={
         "model": "fake-model", "max_tokens": 5, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "data": ""}}]}]})

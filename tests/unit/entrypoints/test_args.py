@@ -306,6 +306,6 @@ def test_parsing_flags_imports_no_http_stack_or_torch(tmp_path):
             "from bladellm.entrypoints.cli.args import parse_args\n"
             f"parse_args(['--model', {str(tmp_path)!r}, '--port', '0'])\n"
             "print(sorted(m for m in ('fastapi', 'uvicorn', 'torch', 'transformers',\n"
-            "      'bladellm.entrypoints.openai.server') if m in sys.modules))\n")
+            "      'bladellm.entrypoints.api_server') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

@@ -13,7 +13,7 @@ from fake_engine import FakeAsyncLLM
 
 from bladellm.entrypoints.openai.body_bounds import BodyBounds, check_body
 from bladellm.entrypoints.openai.config import ServerConfig
-from bladellm.entrypoints.openai.server import build_app
+from bladellm.entrypoints.api_server import build_app
 from bladellm.http.errors import APIError
 
 BOUNDS = BodyBounds(128, {"prompt": (4, "--max_prompts_per_request")})

@@ -14,7 +14,7 @@ import pytest
 from fake_engine import FakeAsyncLLM
 
 from bladellm.entrypoints.openai.config import ServerConfig
-from bladellm.entrypoints.openai.server import build_app
+from bladellm.entrypoints.api_server import build_app
 from bladellm.outputs import CompletionOutput, RequestOutput
 
 MSGS = [{"role": "user", "content": "hi"}]

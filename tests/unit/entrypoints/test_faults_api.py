@@ -16,7 +16,7 @@ from bladellm.engine.messages import SchedulerStats
 from bladellm.engine.metrics import IterationStats
 from bladellm.entrypoints.openai.config import ServerConfig
 from bladellm.entrypoints.openai.metrics import PrometheusStatLogger
-from bladellm.entrypoints.openai.server import build_app
+from bladellm.entrypoints.api_server import build_app
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from bladellm.engine.messages import EngineCoreRequest
 from bladellm.entrypoints.openai.config import ServerConfig
-from bladellm.entrypoints.openai.server import build_app
+from bladellm.entrypoints.api_server import build_app
 from bladellm.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from bladellm.sample.sampler import Sampler
 from bladellm.sampling_params import SamplingParams

@@ -14,7 +14,7 @@ from fake_engine import FakeAsyncLLM
 from test_lifecycle_api import _call
 
 from bladellm.entrypoints.openai.config import ServerConfig
-from bladellm.entrypoints.openai.server import build_app
+from bladellm.entrypoints.api_server import build_app
 from bladellm.outputs import CompletionOutput, RequestOutput
 
 
@@ -308,6 +308,11 @@ async def test_priority_reaches_the_engine(fake):
      400, "text.format"),
     ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, 400, "metadata"),
     ({"input": "x", "metadata": {"k": "v" * 513}}, 400, "metadata"),
+    # Numbers the engine cannot hold, or not strict JSON numbers (issue 37's boundary rule).
+    ({"input": "x", "max_output_tokens": "5"}, 400, "max_output_tokens"),
+    ({"input": "x", "top_logprobs": 2**63}, 400, "top_logprobs"),
+    ({"input": "x", "temperature": True}, 400, "temperature"),
+    ({"input": "x", "priority": 2**64}, 400, "priority"),
 ])
 async def test_bad_requests_get_openai_errors(fake, body, status, param):
     _, http = _sdk(build_app(fake, ServerConfig()))

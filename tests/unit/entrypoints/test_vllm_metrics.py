@@ -9,7 +9,7 @@ from bladellm.engine.messages import SchedulerStats
 from bladellm.engine.metrics import FinishedRequestStats, IterationStats
 from bladellm.entrypoints.openai.config import ServerConfig
 from bladellm.entrypoints.openai.metrics import PrometheusStatLogger
-from bladellm.entrypoints.openai.server import build_app
+from bladellm.entrypoints.api_server import build_app
 
 VLLM_NAMES = [
     "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",

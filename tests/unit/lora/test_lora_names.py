@@ -19,7 +19,7 @@ from test_lora_adapter import BASE, KEY, write  # noqa: E402
 
 from bladellm.config import EngineConfig, LoRAConfig  # noqa: E402
 from bladellm.entrypoints.openai.config import ServerConfig  # noqa: E402
-from bladellm.entrypoints.openai.server import build_app, check_lora_module_names  # noqa: E402
+from bladellm.entrypoints.api_server import build_app, check_lora_module_names  # noqa: E402
 from bladellm.lora.adapter import LoRAError, load_adapter, validate_dir  # noqa: E402
 from bladellm.lora.registry import LoRARegistry  # noqa: E402
 

@@ -21,7 +21,7 @@ from test_lora_adapter import write  # noqa: E402
 
 from bladellm.config import LoRAConfig  # noqa: E402
 from bladellm.entrypoints.openai.config import ServerConfig  # noqa: E402
-from bladellm.entrypoints.openai.server import build_app  # noqa: E402
+from bladellm.entrypoints.api_server import build_app  # noqa: E402
 from bladellm.lora.adapter import LoRAError  # noqa: E402
 from bladellm.lora.registry import (  # noqa: E402
     LoRANotFoundError, LoRARegistry, LoRARegistryFullError)
