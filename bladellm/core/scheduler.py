@@ -339,10 +339,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             self._start_running(req)
-            out.scheduled_new_reqs.append(NewRequestData(
-                req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
-                req.sampling_params, list(kv.get_block_ids(req.request_id)), num_hit,
-                lora_id=req.lora_id, mm_items=req.mm_items))
+            out.scheduled_new_reqs.append(
+                NewRequestData.of(req, kv.get_block_ids(req.request_id), num_hit))
             if req.lora_id:
                 running_loras.add(req.lora_id)
             self._runner_num_tokens[req.request_id] = req.num_tokens
