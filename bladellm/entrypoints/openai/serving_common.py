@@ -105,7 +105,7 @@ class ServingContext:
                        param="model", code="model_not_found")
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 lora: Any = None, priority: int = 0) -> Any:
+                 lora: Any = None, priority: int = 0, images: list | None = None) -> Any:
         """The engine's stream for one prompt, with the request's LoRA adapter and scheduling
         priority if any (the engine refuses a priority other than 0 under fcfs: a 400); an
         adapter is marked in use (not evictable from the registry) while its stream lives."""
@@ -114,6 +114,8 @@ class ServingContext:
             kwargs["lora_request"] = lora
         if priority != 0:
             kwargs["priority"] = priority
+        if images:  # PIL images of the chat's image_url parts, in order
+            kwargs["images"] = images
         stream = self.engine.generate(prompt, params, request_id, **kwargs)
         registry = getattr(self.engine, "lora_registry", None)
         if lora is None or registry is None or not hasattr(registry, "acquire"):
