@@ -32,6 +32,7 @@ from bladellm.entrypoints.openai.protocol import (
 from bladellm.entrypoints.openai.serving_chat import create_chat_completion
 from bladellm.entrypoints.openai.serving_common import ClientDisconnected, ServingContext
 from bladellm.entrypoints.openai.serving_completion import create_completion
+from bladellm.entrypoints.openai.protocol_responses import ResponsesRequest
 from bladellm.entrypoints.openai.serving_responses import add_responses_routes
 from bladellm.entrypoints.openai.openapi_bodies import declare_request_bodies
 from bladellm.entrypoints.openai.serving_lora import (
@@ -155,7 +156,7 @@ def build_app(engine: Any, server_config: ServerConfig,
                            "invalid_request_error", param="model", code="model_not_found")
         return Response(card.model_dump_json(), media_type="application/json")
 
-    add_responses_routes(v1, ctx, engine, server_config)  # /v1/responses (serving_responses)
+    add_responses_routes(v1, ctx, server_config, serve)  # /v1/responses (serving_responses)
     add_lora_routes(v1, engine)
     add_anthropic_routes(app, v1, serve)  # Anthropic's /v1/messages (entrypoints/anthropic)
 
@@ -188,7 +189,8 @@ def build_app(engine: Any, server_config: ServerConfig,
     declare_request_bodies(app, {
         "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
         "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest,
-        "/detokenize": DetokenizeRequest, "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+        "/detokenize": DetokenizeRequest, "/v1/responses": ResponsesRequest,
+        "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
         "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest})
     return app
 

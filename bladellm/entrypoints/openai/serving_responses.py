@@ -10,7 +10,7 @@ the same functions as chat streaming, for both modes (so a stream and a plain re
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,6 @@ from bladellm.entrypoints.openai.serving_common import (
 from bladellm.entrypoints.openai.structured_output import after_reasoning
 from bladellm.entrypoints.openai.tool_calls import (
     ToolChoice, forced_constraint, parse_tool_choice)
-from bladellm.errors import EngineDeadError
 from bladellm.http.errors import APIError, bad_request, unsupported
 from bladellm.http.handlers import from_exception
 from bladellm.outputs import RequestOutput
@@ -259,26 +258,28 @@ def _sampling_params(chat: ChatCompletionRequest, ctx: ServingContext,
         raise
 
 
-def add_responses_routes(router: APIRouter, ctx: ServingContext, engine: Any,
-                         server_config: Any) -> None:
-    """The Responses routes, with their own store (one per app)."""
+def add_responses_routes(router: APIRouter, ctx: ServingContext, server_config: Any,
+                         serve: Callable[[Request, type, Any], Awaitable[Response]]) -> None:
+    """The Responses routes, with their own store (one per app). ``serve``: the app's POST
+    path (api_server.py), which parses the body off the event loop like every other POST."""
     service = ResponsesService(ctx, ResponseStore(server_config.responses_store_max_entries,
                                                   server_config.responses_store_ttl))
     retry_after = server_config.retry_after
 
-    async def guarded(work: Any, needs_engine: bool = False) -> Response:
+    async def guarded(work: Any) -> Response:
         try:
-            if needs_engine and engine.is_dead:
-                raise EngineDeadError(engine.dead_reason or "the engine died")
             return await work()
         except (ClientDisconnected, ClientDisconnect):
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error body
             return from_exception(exc, retry_after).response()
 
-    @router.post("/v1/responses", response_model=None)
-    async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        return await guarded(lambda: service.create(body, request), needs_engine=True)
+    async def create(req: ResponsesRequest, raw: Request, _ctx: ServingContext) -> Response:
+        return await service.create(req, raw)
+
+    @router.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await serve(request, ResponsesRequest, create)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:
