@@ -96,7 +96,8 @@ class ResponsesService:
         ctx = self.ctx
         lora = ctx.check_model(req.model)
         check_request(req)
-        items = self._history(req) + with_ids(input_items(req))
+        history = self._history(req)
+        items = (list(history.items) if history else []) + with_ids(input_items(req))
         chat = chat_request(req, items)
         tools = parse_tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
         prompt, prompt_text = await ctx.offload.run(_prompt, chat, ctx, tools)
@@ -124,28 +125,33 @@ class ResponsesService:
         if req.stream:
             first = await naming_context_errors(until_disconnect(anext(merged), raw), "input",
                                                 "max_output_tokens")
-            body = self._stream(run, first, merged, items)
+            body = self._stream(run, first, merged, items, history)
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
         await naming_context_errors(until_disconnect(self._collect(run, merged), raw),
                                     "input", "max_output_tokens")
-        self._keep(run, items)
+        await self._keep(run, items, history)
         return Response(response.model_dump_json(), media_type="application/json")
 
-    def _history(self, req: ResponsesRequest) -> list[dict[str, Any]]:
+    def _history(self, req: ResponsesRequest) -> StoredResponse | None:
         if req.previous_response_id is None:
-            return []
+            return None
         entry = self.store.get(req.previous_response_id)
         if entry is None:
             raise APIError(404, f"Previous response with id '{req.previous_response_id}' not "
                                 f"found.", param="previous_response_id",
                            code="previous_response_not_found")
-        return list(entry.items)
+        return entry
 
-    def _keep(self, run: _Run, items: list[dict[str, Any]]) -> None:
+    async def _keep(self, run: _Run, items: list[dict[str, Any]],
+                    history: StoredResponse | None) -> None:
         response = run.builder.response
         if response.store:
             output = [item.model_dump(mode="json") for item in response.output]
-            self.store.put(StoredResponse(response, items + output, len(items)))
+            earlier = len(history.items) if history else 0
+            # Sized off the loop: an input of many items is tens of MiB of JSON.
+            size = await self.ctx.offload.run(_json_size, response, items[earlier:] + output)
+            size += history.size if history else 0
+            self.store.put(StoredResponse(response, items + output, len(items), size))
 
     @staticmethod
     async def _collect(run: _Run, merged: AsyncIterator) -> None:
@@ -155,7 +161,8 @@ class ResponsesService:
         run.finish()
 
     async def _stream(self, run: _Run, first: Any, merged: AsyncIterator,
-                      items: list[dict[str, Any]]) -> AsyncIterator[str]:
+                      items: list[dict[str, Any]],
+                      history: StoredResponse | None) -> AsyncIterator[str]:
         builder = run.builder
         try:
             builder.start()
@@ -170,7 +177,7 @@ class ResponsesService:
                 except StopAsyncIteration:
                     break
             run.finish()
-            self._keep(run, items)
+            await self._keep(run, items, history)
         except Exception as exc:  # noqa: BLE001 - mid-stream failure: tell the client in-band
             # Events made before the failure still go out: sequence numbers have no gaps.
             builder.fail(from_exception(exc).message)
@@ -226,6 +233,10 @@ class ResponsesService:
                        param="response_id", code="response_not_cancellable")
 
 
+def _json_size(response: ResponseObject, items: list[dict[str, Any]]) -> int:
+    return len(response.model_dump_json()) + len(json.dumps(items))
+
+
 def _json(body: str) -> Response:
     return Response(body, media_type="application/json")
 
@@ -263,7 +274,8 @@ def add_responses_routes(router: APIRouter, ctx: ServingContext, server_config: 
     """The Responses routes, with their own store (one per app). ``serve``: the app's POST
     path (api_server.py), which parses the body off the event loop like every other POST."""
     service = ResponsesService(ctx, ResponseStore(server_config.responses_store_max_entries,
-                                                  server_config.responses_store_ttl))
+                                                  server_config.responses_store_ttl,
+                                                  server_config.responses_store_bytes))
     retry_after = server_config.retry_after
 
     async def guarded(work: Any) -> Response:
