@@ -100,12 +100,15 @@ def build_app(engine: Any, server_config: ServerConfig,
             generates=False)}
 
     async def serve(request: Request, model_cls: type, handler: Any) -> Response:
+        # The request's LoRA adapter is held from its resolution until the handler is done;
+        # by then a streamed response's engine streams have started and hold it themselves.
+        request_ctx = ctx.for_request()
         try:
             if engine.is_dead:
                 raise EngineDeadError(engine.dead_reason or "the engine died")
             req = await parse_request(model_cls, await request.body(),
                                       body_bounds.get(model_cls, no_bounds))
-            return await handler(req, request, ctx)
+            return await handler(req, request, request_ctx)
         except ClientDisconnected:
             return Response(status_code=499)
         except ClientDisconnect:  # gone while uploading the body: nothing to answer, no error
@@ -115,6 +118,8 @@ def build_app(engine: Any, server_config: ServerConfig,
             return too_large(server_config.max_body_bytes).response()
         except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error body
             return from_exception(exc, retry_after).response()
+        finally:
+            request_ctx.holds.release()
 
     @v1.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -92,9 +92,11 @@ class ResponsesService:
     ctx: ServingContext
     store: ResponseStore
 
-    async def create(self, req: ResponsesRequest, raw: Request) -> Response:
-        ctx = self.ctx
-        lora = ctx.check_model(req.model)
+    async def create(self, req: ResponsesRequest, raw: Request,
+                     ctx: ServingContext | None = None) -> Response:
+        """``ctx``: the request's own (``ServingContext.for_request``), else the service's."""
+        ctx = ctx or self.ctx
+        lora = await ctx.check_model(req.model)
         check_request(req)
         history = self._history(req)
         items = (list(history.items) if history else []) + with_ids(input_items(req))
@@ -286,8 +288,8 @@ def add_responses_routes(router: APIRouter, ctx: ServingContext, server_config: 
         except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error body
             return from_exception(exc, retry_after).response()
 
-    async def create(req: ResponsesRequest, raw: Request, _ctx: ServingContext) -> Response:
-        return await service.create(req, raw)
+    async def create(req: ResponsesRequest, raw: Request, request_ctx: ServingContext) -> Response:
+        return await service.create(req, raw, request_ctx)
 
     @router.post("/v1/responses")
     async def create_response(request: Request) -> Response:
