@@ -99,9 +99,9 @@ class ResponsesService:
         lora = await ctx.check_model(req.model)
         check_request(req)
         history = self._history(req)
-        items = (list(history.items) if history else []) + with_ids(input_items(req))
-        chat = chat_request(req, items)
-        tools = parse_tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+        # Off the loop: an input may hold hundreds of thousands of items.
+        items, chat, tools = await ctx.offload.run(
+            _conversation, req, list(history.items) if history else [])
         prompt, prompt_text = await ctx.offload.run(_prompt, chat, ctx, tools)
         parser = (ctx.reasoning_parser.for_prompt(prompt_text)
                   if ctx.reasoning_parser is not None else None)
@@ -241,6 +241,15 @@ def _json_size(response: ResponseObject, items: list[dict[str, Any]]) -> int:
 
 def _json(body: str) -> Response:
     return Response(body, media_type="application/json")
+
+
+def _conversation(req: ResponsesRequest, earlier: list[dict[str, Any]],
+                  ) -> tuple[list[dict[str, Any]], ChatCompletionRequest, ToolChoice | None]:
+    """The conversation's items (earlier turns, then this input), and the chat request and tool
+    choice they make."""
+    items = earlier + with_ids(input_items(req))
+    chat = chat_request(req, items)
+    return items, chat, parse_tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
 
 
 def _prompt(chat: ChatCompletionRequest, ctx: ServingContext,
