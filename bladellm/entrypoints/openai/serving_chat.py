@@ -189,7 +189,7 @@ def _has_images(req: ChatCompletionRequest) -> bool:
 
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
                                  ctx: ServingContext) -> Response:
-    lora = ctx.check_model(req.model)
+    lora = await ctx.check_model(req.model)
     _check(req)
     tools = parse_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
     template_options(req, ctx.trust_request_chat_template)  # 400s before any CPU work
