@@ -30,6 +30,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(i) for i in ids if i >= 2)
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(i) for i in ids]
+
     def __call__(self, text: str, add_special_tokens: bool = True) -> Any:
         return type("Enc", (), {"input_ids": self.encode(text, add_special_tokens)})()
 
