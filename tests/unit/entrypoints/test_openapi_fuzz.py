@@ -1,36 +1,103 @@
 """schemathesis over the server's own /openapi.json: every declared operation (OpenAI, Responses
-with its store routes, Anthropic Messages, tokenizer, LoRA, health) gets bodies generated from
-the request schemas the routes declare, and must never answer a 5xx; where a response schema
-is declared, the answer must conform to it.
+with its store routes, Anthropic Messages, tokenizer, LoRA, models, health) gets bodies and
+parameters generated from the schemas the routes declare, and must never answer a 5xx; where a
+response schema is declared, the answer must conform to it.
 
 In-process against the fake engine (``fake_engine.py``): the real app, parsing and validation,
-with no model. A short run is in the default suite; a few thousand cases run with ``-m slow``.
-tests/e2e/test_openapi_fuzz_live.py runs a smaller pass against a live server on a tiny model.
+with no model; LoRA on, with one adapter under its root. Random ``model`` names and response
+ids would stop almost every case at a 404, so three cases in four are steered (``_steer``,
+a deterministic function of the case, so that hypothesis can replay and shrink): the served
+model or the adapter, a stored response's id, a real adapter path. A short run is in the
+default suite; several thousand cases run with ``-m slow``. tests/e2e/test_openapi_fuzz_live.py
+runs a smaller pass against a live server on a tiny model.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import zlib
+from types import SimpleNamespace
 
 import pytest
 import schemathesis
 from fake_engine import FakeAsyncLLM
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error, response_schema_conformance
+from starlette.testclient import TestClient
 
-from bladellm.entrypoints.api_server import build_app
-from bladellm.entrypoints.openai.config import ServerConfig
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "lora"))
+
+from test_lora_adapter import write  # noqa: E402
+
+from bladellm.config import LoRAConfig  # noqa: E402
+from bladellm.entrypoints.api_server import build_app  # noqa: E402
+from bladellm.entrypoints.openai.config import ServerConfig  # noqa: E402
+from bladellm.lora.registry import LoRARegistry  # noqa: E402
 
 CHECKS = [not_a_server_error, response_schema_conformance]
 _SETTINGS = dict(deadline=None, derandomize=True, database=None,
                  suppress_health_check=list(HealthCheck))
+MODEL = "fake-model"
+_HF = SimpleNamespace(hidden_size=8, intermediate_size=16, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=4, num_hidden_layers=2)
+# Built at import: schemathesis reads the schema when the tests are collected.
+_ROOT = tempfile.TemporaryDirectory(prefix="bladellm-fuzz-lora-")
+ADAPTER = write(os.path.join(_ROOT.name, "a1"), {})
 
 
-def _schema() -> schemathesis.Schema:
-    # LoRA enabled so that the adapter routes run their real code, not "LoRA is disabled".
-    app = build_app(FakeAsyncLLM(), ServerConfig())
-    return schemathesis.openapi.from_asgi("/openapi.json", app)
+def _app():
+    engine = FakeAsyncLLM()
+    engine.eos_after_tokens = 4
+    # Many entries: random names registered by the fuzz would fill a small registry, whose
+    # answer (503, retry later) is right but would stop the cases that follow.
+    engine.lora_registry = LoRARegistry(
+        LoRAConfig(enable_lora=True, lora_root=[_ROOT.name], max_lora_entries=100_000), _HF)
+    return build_app(engine, ServerConfig())
 
 
-schema = _schema()
+app = _app()
+schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+_client = TestClient(app)
+
+
+def _stored_response() -> str:
+    r = _client.post("/v1/responses", json={"model": MODEL, "input": "hi",
+                                            "max_output_tokens": 8})
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
+
+
+def _steer(case: schemathesis.Case) -> None:
+    """Point three cases in four at things that exist (see the module's docstring)."""
+    key = json.dumps([case.path_parameters, case.body], sort_keys=True, default=repr)
+    pick = zlib.crc32(key.encode()) % 4
+    if pick == 0:
+        return  # as generated
+    params = case.path_parameters or {}
+    if "response_id" in params:
+        params["response_id"] = _stored_response()
+    if "model_id" in params:
+        params["model_id"] = MODEL if pick < 3 else "a1"
+    body = case.body
+    if not isinstance(body, dict):
+        return
+    if "model" in body:
+        body["model"] = MODEL if pick < 3 else "a1"
+    if isinstance(body.get("previous_response_id"), str):
+        body["previous_response_id"] = _stored_response()
+    if "lora_path" in body:
+        body["lora_path"] = ADAPTER
+    if "lora_name" in body and pick == 2:
+        body["lora_name"] = "a1"
+
+
+def _run(case: schemathesis.Case) -> None:
+    _steer(case)
+    case.call_and_validate(checks=CHECKS)
+
 
 # Operations the fuzz must reach: a route that stops being declared would silently leave the run.
 EXPECTED = {
@@ -56,11 +123,11 @@ def test_every_endpoint_is_declared_with_its_body() -> None:
 @schema.parametrize()
 @settings(max_examples=25, **_SETTINGS)
 def test_fuzz_short(case: schemathesis.Case) -> None:
-    case.call_and_validate(checks=CHECKS)
+    _run(case)
 
 
 @pytest.mark.slow
 @schema.parametrize()
 @settings(max_examples=300, **_SETTINGS)
 def test_fuzz_long(case: schemathesis.Case) -> None:
-    case.call_and_validate(checks=CHECKS)
+    _run(case)
