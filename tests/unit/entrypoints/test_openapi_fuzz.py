@@ -5,26 +5,25 @@ response schema is declared, the answer must conform to it.
 
 In-process against the fake engine (``fake_engine.py``): the real app, parsing and validation,
 with no model; LoRA on, with one adapter under its root. Random ``model`` names and response
-ids would stop almost every case at a 404, so three cases in four are steered (``_steer``,
-a deterministic function of the case, so that hypothesis can replay and shrink): the served
-model or the adapter, a stored response's id, a real adapter path. A short run is in the
-default suite; several thousand cases run with ``-m slow``. tests/e2e/test_openapi_fuzz_live.py
-runs a smaller pass against a live server on a tiny model.
+ids would stop almost every case at a 404, so three cases in four are steered to the served
+model or the adapter, a stored response's id, a real adapter path (tests/openapi_steer.py).
+A short run is in the default suite; several thousand cases run with ``-m slow``.
+tests/e2e/test_openapi_fuzz_live.py runs a smaller pass against a live server on a tiny model,
+directly and through ``blade_llm_router``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
-import zlib
 from types import SimpleNamespace
 
 import pytest
 import schemathesis
 from fake_engine import FakeAsyncLLM
 from hypothesis import HealthCheck, settings
+from openapi_steer import steer
 from schemathesis.checks import not_a_server_error, response_schema_conformance
 from starlette.testclient import TestClient
 
@@ -70,32 +69,8 @@ def _stored_response() -> str:
     return r.json()["id"]
 
 
-def _steer(case: schemathesis.Case) -> None:
-    """Point three cases in four at things that exist (see the module's docstring)."""
-    key = json.dumps([case.path_parameters, case.body], sort_keys=True, default=repr)
-    pick = zlib.crc32(key.encode()) % 4
-    if pick == 0:
-        return  # as generated
-    params = case.path_parameters or {}
-    if "response_id" in params:
-        params["response_id"] = _stored_response()
-    if "model_id" in params:
-        params["model_id"] = MODEL if pick < 3 else "a1"
-    body = case.body
-    if not isinstance(body, dict):
-        return
-    if "model" in body:
-        body["model"] = MODEL if pick < 3 else "a1"
-    if isinstance(body.get("previous_response_id"), str):
-        body["previous_response_id"] = _stored_response()
-    if "lora_path" in body:
-        body["lora_path"] = ADAPTER
-    if "lora_name" in body and pick == 2:
-        body["lora_name"] = "a1"
-
-
 def _run(case: schemathesis.Case) -> None:
-    _steer(case)
+    steer(case, MODEL, _stored_response, "a1", ADAPTER)
     case.call_and_validate(checks=CHECKS)
 
 
