@@ -33,8 +33,9 @@ class RequestInfo:
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # content parts: keep the text ones
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if isinstance(content, list):  # content parts: keep the text ones (any body reaches here)
+        return "".join(p["text"] for p in content
+                       if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
 
 
@@ -49,7 +50,8 @@ def prompt_text(body: dict[str, Any]) -> str:
     then ``input``, a string or a list of items)."""
     # The system prompt of Messages and Responses comes first in the template, as chat's does.
     system = body.get("system", body.get("instructions"))
-    head = f"system\n{_content_text(system)}\n" if system else ""
+    system_text = _content_text(system)
+    head = f"system\n{system_text}\n" if system_text else ""
     if "messages" in body and isinstance(body["messages"], list):
         return head + _messages_text(body["messages"])
     if "input" in body:  # Responses (an embeddings input has no items: no text)
