@@ -1,6 +1,6 @@
 """schemathesis through ``blade_llm_router``: the server's /openapi.json cases sent to the router
 in front of two real server apps (the fake engine, no model) get no 5xx from the router or the
-instances. The router reads every body it forwards (prompt text, cost, previous_response_id) and
+instances, and declared response schemas hold through it. The router reads every body it forwards (prompt text, cost, previous_response_id) and
 answers some errors itself; a body the server refuses with a 400 must not fail the router
 first. A short run; tests/e2e/test_openapi_fuzz_live.py does the same with a real engine."""
 
@@ -15,7 +15,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from openapi_steer import steer
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import not_a_server_error, response_schema_conformance
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "entrypoints"))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -59,4 +59,5 @@ def test_fuzz_through_the_router(case: schemathesis.Case, router_url: str) -> No
         return r.json()["id"]
 
     steer(case, MODEL, stored)
-    case.call_and_validate(base_url=router_url, checks=[not_a_server_error], timeout=30)
+    case.call_and_validate(base_url=router_url, timeout=30,
+                           checks=[not_a_server_error, response_schema_conformance])
