@@ -259,6 +259,11 @@ class SchedulerConfig:
         default=2048,
         metadata={"help": "Token budget of one step; prompts longer than this are prefilled "
                           "in chunks mixed with decodes."})
+    max_num_encoder_tokens_per_step: int | None = field(
+        default=None,
+        metadata={"help": "Most image tokens whose vision encoding may start in one step (a "
+                          "vision-language model; default: no limit): a prefill chunk stops "
+                          "before an image that would exceed it (docs/multimodal.md)."})
     preempt_strategy: str = field(
         default="recompute",
         metadata={"help": "What to do when KV blocks run out: recompute (free the newest "
@@ -290,6 +295,9 @@ class SchedulerConfig:
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
+        _check(self.max_num_encoder_tokens_per_step is None
+               or self.max_num_encoder_tokens_per_step >= 1, "max_num_encoder_tokens_per_step",
+               f"must be >= 1, got {self.max_num_encoder_tokens_per_step}")
         _check(self.preempt_strategy == "recompute", "preempt_strategy",
                f"only 'recompute' is supported, got {self.preempt_strategy!r}")
         _check(self.max_queue_size is None or self.max_queue_size >= 1, "max_queue_size",
@@ -659,6 +667,92 @@ class LoRAConfig:
         return dict(item.split("=", 1) for item in self.lora_modules or [])
 
 
+# A finite default: an unbounded number of images per request would let one request hold the
+# encoder (and the API process's image decoding) for as long as it likes.
+DEFAULT_IMAGE_LIMIT = 8
+
+
+def parse_mm_limits(value: str | None) -> dict[str, int]:
+    """``--limit_mm_per_prompt``: ``image=N`` (comma-separated ``modality=N`` pairs) or vLLM's
+    JSON ``{"image": N}``; only the image modality is served."""
+    if value is None or not str(value).strip():
+        return {"image": DEFAULT_IMAGE_LIMIT}
+    text = str(value).strip()
+    if text.startswith("{"):
+        import json
+
+        try:
+            raw = json.loads(text)
+        except ValueError:
+            raise ValueError(f"--limit_mm_per_prompt: not valid JSON: {text!r}") from None
+        _check(isinstance(raw, dict), "limit_mm_per_prompt", "JSON must be an object")
+        pairs = list(raw.items())
+    else:
+        pairs = []
+        for item in text.split(","):
+            key, sep, num = item.partition("=")
+            _check(bool(sep), "limit_mm_per_prompt", f"expected modality=N, got {item!r}")
+            try:
+                pairs.append((key.strip(), int(num)))
+            except ValueError:
+                raise ValueError(f"--limit_mm_per_prompt: {num!r} is not an integer") from None
+    limits = {"image": DEFAULT_IMAGE_LIMIT}
+    for key, num in pairs:
+        _check(key == "image", "limit_mm_per_prompt",
+               f"only the 'image' modality is supported, got {key!r}")
+        _check(isinstance(num, int) and not isinstance(num, bool) and num >= 0,
+               "limit_mm_per_prompt", f"image: must be an integer >= 0, got {num!r}")
+        limits[key] = num
+    return limits
+
+
+@dataclass
+class MultiModalConfig:
+    """Images in prompts (docs/multimodal.md); read only for a vision-language model."""
+
+    limit_mm_per_prompt: str | None = field(
+        default=None,
+        metadata={"help": f"Most images one request may carry, as image=N (or vLLM's JSON "
+                          f"'{{\"image\": N}}'); default image={DEFAULT_IMAGE_LIMIT}."})
+    max_image_pixels: int = field(
+        default=4096 * 4096,
+        metadata={"help": "Largest image accepted, in pixels (width x height, read from the "
+                          "header before decoding); larger ones, decompression bombs "
+                          "included, are a 400."})
+    max_image_bytes: str = field(
+        default="20MiB",
+        metadata={"help": "Largest encoded image accepted (a data: URL after base64 "
+                          "decoding, or a fetched URL's body)."})
+    allowed_media_domains: list[str] | None = field(
+        default=None,
+        metadata={"help": "Hosts whose http(s) image URLs the server may fetch (exact host "
+                          "names). Default: none; only data: URLs are accepted, so no request "
+                          "can make the server fetch a URL."})
+    media_fetch_timeout: float = field(
+        default=10.0,
+        metadata={"help": "Seconds allowed for fetching one image URL (with "
+                          "--allowed_media_domains)."})
+
+    def __post_init__(self) -> None:
+        parse_mm_limits(self.limit_mm_per_prompt)
+        _check(isinstance(self.max_image_pixels, int) and self.max_image_pixels > 0,
+               "max_image_pixels", f"must be a positive integer, got {self.max_image_pixels!r}")
+        parse_size_flag(self.max_image_bytes, "max_image_bytes")
+        _check(math.isfinite(self.media_fetch_timeout) and self.media_fetch_timeout > 0,
+               "media_fetch_timeout", f"must be positive, got {self.media_fetch_timeout}")
+        for host in self.allowed_media_domains or []:
+            _check(bool(host) and "/" not in host and ":" not in host and host == host.strip(),
+                   "allowed_media_domains", f"expected a bare host name, got {host!r}")
+
+    @property
+    def image_limit(self) -> int:
+        return parse_mm_limits(self.limit_mm_per_prompt)["image"]
+
+    @property
+    def max_image_nbytes(self) -> int:
+        return parse_size_flag(self.max_image_bytes, "max_image_bytes")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine core needs; the server adds ``ServerConfig``."""
@@ -671,6 +765,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
     device: str = field(default="cpu", metadata={"help": "Device to run on (only cpu so far)."})
     debug_block_accounting: bool = field(
         default=False,
@@ -719,7 +814,8 @@ class EngineConfig:
         sections = {"model": ModelConfig, "cache": CacheConfig,
                     "scheduler": SchedulerConfig, "parallel": ParallelConfig,
                     "guided": GuidedDecodingConfig, "speculative": SpeculativeConfig,
-                    "draft": DraftConfig, "lora": LoRAConfig}
+                    "draft": DraftConfig, "lora": LoRAConfig,
+                    "multimodal": MultiModalConfig}
         top: dict[str, Any] = {}
         for key, value in kwargs.items():
             if key.startswith("draft_"):  # LLM(draft_model=...) for --draft.model

@@ -15,6 +15,7 @@ import enum
 import time
 from typing import Any, Protocol
 
+from bladellm.multimodal.inputs import MultiModalItem
 from bladellm.sampling_params import SamplingParams
 
 
@@ -86,6 +87,7 @@ class Request:
         arrival_time: float | None = None,
         lora_request: Any = None,
         priority: int = 0,
+        mm_items: list[MultiModalItem] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -97,6 +99,8 @@ class Request:
         # --scheduling_policy priority: lower runs first (ignored by fcfs, which the front end
         # only lets 0 through to).
         self.priority = priority
+        # Images, in prompt order: each replaces the input embeddings of its token span.
+        self.mm_items: list[MultiModalItem] = list(mm_items or ())
         # Set by the scheduler on arrival: its place under priority scheduling
         # (core/request_queue.py), fixed for the request's life.
         self.schedule_key: tuple[float, int] = (0.0, 0)

@@ -39,6 +39,12 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+# Longest regex a constraint may carry (``regex``, ``whitespace_pattern``, a JSON schema's
+# ``pattern`` / ``patternProperties``): far above any real one, and it bounds the work of
+# checking and compiling each.
+MAX_REGEX_CHARS = 16_384
+
+
 class GuidedDecodingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One output constraint (structured output / JSON mode); see docs/structured_output.md.
 
@@ -80,6 +86,11 @@ class GuidedDecodingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"guided_{name}: must be a non-empty string")
+        for name in ("regex", "whitespace_pattern"):
+            value = getattr(self, name)
+            if isinstance(value, str) and len(value) > MAX_REGEX_CHARS:
+                raise ValueError(f"guided_{name}: at most {MAX_REGEX_CHARS} characters, got "
+                                 f"{len(value)}")
         if self.whitespace_pattern is not None and self.kind not in ("json", "json_object"):
             raise ValueError("guided_whitespace_pattern: only applies to JSON constraints")
         if self.reasoning_end is not None and (

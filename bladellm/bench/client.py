@@ -108,7 +108,11 @@ def build_payload(req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
         payload["stream_options"] = {"include_usage": True}
     if opts.endpoint == "chat":
         messages = [{"role": "system", "content": req.system}] if req.system else []
-        payload["messages"] = messages + [{"role": "user", "content": req.prompt}]
+        content: Any = req.prompt
+        if req.images:
+            content = [{"type": "image_url", "image_url": {"url": url}} for url in req.images]
+            content.append({"type": "text", "text": req.prompt})
+        payload["messages"] = messages + [{"role": "user", "content": content}]
     else:
         payload["prompt"] = f"{req.system}\n{req.prompt}" if req.system else req.prompt
     if opts.ignore_eos:

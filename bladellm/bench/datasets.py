@@ -1,6 +1,7 @@
 """Benchmark workloads: lists of ``BenchRequest`` built from a spec string.
 
-Specs: ``random``, ``shared_prefix``, ``sharegpt:FILE``, ``jsonl:FILE``. Token counts are exact
+Specs: ``random``, ``random_mm`` (random prompts with images: ``bench/mm_dataset.py``),
+``shared_prefix``, ``sharegpt:FILE``, ``jsonl:FILE``. Token counts are exact
 when a tokenizer is given (prompts are re-encoded until they have the asked-for length); without
 one, prompts are random words and a word stands in for a token.
 """
@@ -10,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
+
+from bladellm.bench.mm_dataset import ImageConfig, draw_images
 
 WORDS = (
     "the of and to in is was for on that with as by at from his her they this which have had are "
@@ -39,6 +42,8 @@ class BenchRequest:
     system: str | None = None
     # --priority_mix: the request's priority class (0 urgent, 1 the rest); None: no classes.
     priority: int | None = None
+    # random_mm: image data URLs sent before the text (prompt_len counts the text only).
+    images: list[str] | None = None
 
 
 @dataclass
@@ -50,6 +55,7 @@ class DatasetConfig:
     num_groups: int = 4
     prefix_len: int = 512
     seed: int = 0
+    images: ImageConfig = field(default_factory=ImageConfig)  # random_mm
 
 
 def parse_range(text: str, flag: str) -> tuple[int, int]:
@@ -66,7 +72,7 @@ def parse_range(text: str, flag: str) -> tuple[int, int]:
     return values[0], values[1]
 
 
-DATASETS = ("random", "shared_prefix", "sharegpt:FILE", "jsonl:FILE")
+DATASETS = ("random", "random_mm", "shared_prefix", "sharegpt:FILE", "jsonl:FILE")
 
 
 def check_dataset_args(spec: str, num_groups: int = DatasetConfig.num_groups,
@@ -85,7 +91,7 @@ def check_dataset_args(spec: str, num_groups: int = DatasetConfig.num_groups,
         if tuple(input_len_range) != DatasetConfig.input_len_range:
             raise ValueError(f"--input_len_range: not used with --dataset {kind}:FILE (the "
                              "prompts are the file's)")
-    elif kind not in ("random", "shared_prefix") or arg:
+    elif kind not in ("random", "random_mm", "shared_prefix") or arg:
         raise ValueError(f"--dataset: unknown dataset {spec!r} ({', '.join(DATASETS)})")
     if kind == "shared_prefix":
         if num_groups < 1:
@@ -162,6 +168,11 @@ def build_dataset(cfg: DatasetConfig, tokenizer: Tokenizer | None = None) -> lis
     kind, _, arg = cfg.spec.partition(":")
     if kind == "random":
         return _random(cfg, PromptMaker(tokenizer, rng), rng)
+    if kind == "random_mm":
+        requests = _random(cfg, PromptMaker(tokenizer, rng), rng)
+        for req, urls in zip(requests, draw_images(len(requests), cfg.images, rng)):
+            req.images = urls
+        return requests
     if kind == "shared_prefix":
         return _shared_prefix(cfg, PromptMaker(tokenizer, rng), rng)
     if kind in ("sharegpt", "jsonl"):
@@ -170,8 +181,7 @@ def build_dataset(cfg: DatasetConfig, tokenizer: Tokenizer | None = None) -> lis
         maker = PromptMaker(tokenizer, rng)
         rows = _sharegpt_rows(arg) if kind == "sharegpt" else _jsonl_rows(arg)
         return _from_rows(rows, cfg, maker, rng, kind)
-    raise ValueError(f"--dataset: unknown dataset {cfg.spec!r} "
-                     "(random, shared_prefix, sharegpt:FILE, jsonl:FILE)")
+    raise ValueError(f"--dataset: unknown dataset {cfg.spec!r} ({', '.join(DATASETS)})")
 
 
 def _random(cfg: DatasetConfig, maker: PromptMaker, rng: random.Random) -> list[BenchRequest]:

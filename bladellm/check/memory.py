@@ -95,12 +95,14 @@ def rank_memory(config: EngineConfig, target: ResolvedModel,
                               (config.model.attn_cls, config.draft.attn_cls))
     model = meta_model(target, config.model.attn_cls, kernels)
     if config.lora.enable_lora:  # the runner's device slots: buffers of every adapted linear
+        from bladellm.lora.adapter import BaseShapes
         from bladellm.lora.layers import wrap_model
 
         lora = config.lora
         dtype = target.dtype if lora.lora_dtype == "auto" else getattr(torch, lora.lora_dtype)
+        layout = BaseShapes.from_hf_config(target.hf_config).layout
         with torch.device("meta"):
-            wrap_model(model, lora.max_loras, lora.max_lora_rank, dtype)
+            wrap_model(model, layout, lora.max_loras, lora.max_lora_rank, dtype)
     weights = model_weight_bytes(model)
     # packed_bytes_bound reads a weight's shape, dtype, device and layout only, and is 0 off the
     # CPU: give it empty stand-ins on the server's device kind, one at a time (the generator),

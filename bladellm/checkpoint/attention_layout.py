@@ -54,6 +54,7 @@ def layer_sliding_window(hf_config: Any, layer: int) -> int | None:
 def kv_free_window(hf_config: Any) -> int | None:
     """The window past which the KV manager may free a request's blocks: the widest window
     when every layer slides; None when any layer is global (its blocks stay for it)."""
+    hf_config = getattr(hf_config, "text_config", None) or hf_config  # a VLM's language model
     windows = [layer_sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)]
     if not windows or any(w is None for w in windows):
         return None

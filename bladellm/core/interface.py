@@ -26,6 +26,17 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # prompt-cache hit (or 0)
     lora_id: int = 0  # LoRA adapter (0: the base model)
+    # Images (bladellm.multimodal.inputs.MultiModalItem), in prompt order.
+    mm_items: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, req: Any, block_ids: list[int], num_computed_tokens: int) -> "NewRequestData":
+        """The whole of scheduler request ``req`` (``core.scheduler.Request``) for a runner that
+        does not hold it: one place, so a re-sent request (preemption, step isolation) never
+        loses a part such as its images."""
+        return cls(req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
+                   req.sampling_params, list(block_ids), num_computed_tokens,
+                   lora_id=req.lora_id, mm_items=req.mm_items)
 
 
 @dataclass

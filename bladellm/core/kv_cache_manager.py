@@ -68,7 +68,7 @@ class KVCacheManager:
     def block_hashes(self, req: Request) -> list[BlockHash]:
         """The request's full-block hashes, extended lazily as its tokens grow."""
         return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size,
-                                   request_extra_keys(req.lora_id))
+                                   request_extra_keys(req.lora_id), req.mm_items)
 
     def _num_reusable_blocks(self, req: Request) -> int:
         # Leave at least one token to compute: a fully cached prompt recomputes its last block.

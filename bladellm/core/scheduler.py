@@ -38,6 +38,7 @@ from collections.abc import Callable, Collection, Iterable
 from bladellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from bladellm.core import spec_decode
 from bladellm.core.block_pool import _require
+from bladellm.core.encoder_budget import EncoderBudget
 from bladellm.core.interface import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                      SchedulerOutput)
 from bladellm.core.kv_cache_manager import KVCacheManager, cdiv
@@ -162,12 +163,16 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
         budget = self.config.max_num_batched_tokens
+        encoder = EncoderBudget(self.config.max_num_encoder_tokens_per_step)
         room = self.config.max_num_seqs if max_num_reqs is None else max_num_reqs
         granted = self.spec_policy.choose_grants(self.running, budget, room, skip)
         i = 0
         while i < len(self.running) and budget > 0 and room > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new > 0 and req.request_id not in skip:
+                num_new = encoder.cut(req, req.num_computed_tokens, num_new,
+                                      just_admitted=False)
             if num_new <= 0 or req.request_id in skip:
                 i += 1
                 continue
@@ -201,7 +206,7 @@ class Scheduler:
             i += 1
 
         if not out.preempted_req_ids:
-            budget = self._admit_waiting(out, budget, room, skip)
+            budget = self._admit_waiting(out, budget, room, skip, encoder)
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget
         if out.total_num_scheduled_tokens:
             self.num_steps += 1
@@ -291,7 +296,7 @@ class Scheduler:
             self.running.append(req)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, room: int,
-                       skip: Collection[str]) -> int:
+                       skip: Collection[str], encoder: EncoderBudget) -> int:
         kv = self.kv_cache_manager
         held_back: list[Request] = []
         running_loras = self._running_loras()
@@ -313,6 +318,10 @@ class Scheduler:
                 held_back.append(self.waiting.pop())
                 continue
             num_new = min(req.num_tokens - num_hit, budget)
+            if req.mm_items:
+                num_new = encoder.cut(req, num_hit, num_new, just_admitted=True)
+                if num_new <= 0:
+                    break  # the encoder budget is spent: queue order, as for blocks
             lookahead = self._lookahead_new(req, num_hit, num_new)
             if self.priority:  # out of blocks or sequence slots: preempt requests after it
                 freed = self._make_room(req, num_new + lookahead, hit_blocks, room, out)
@@ -330,10 +339,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             self._start_running(req)
-            out.scheduled_new_reqs.append(NewRequestData(
-                req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
-                req.sampling_params, list(kv.get_block_ids(req.request_id)), num_hit,
-                lora_id=req.lora_id))
+            out.scheduled_new_reqs.append(
+                NewRequestData.of(req, kv.get_block_ids(req.request_id), num_hit))
             if req.lora_id:
                 running_loras.add(req.lora_id)
             self._runner_num_tokens[req.request_id] = req.num_tokens

@@ -71,7 +71,8 @@ class AsyncLLM:
             self.model_info = model_info_for(resolved)
             self.input_processor = InputProcessor(
                 self.model_info, config.guided.guided_max_grammar_size,
-                priority_scheduling=config.scheduler.priority_scheduling)
+                priority_scheduling=config.scheduler.priority_scheduling,
+                mm_config=config.multimodal)
             self.lora_registry = None  # names/paths -> adapters (bladellm/lora/registry.py)
             if config.lora.enable_lora:
                 from bladellm.lora.registry import LoRARegistry
@@ -143,7 +144,8 @@ class AsyncLLM:
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
                        request_id: str, *, delta: bool = True,
                        lora_request: LoRARequest | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0,
+                       images: list | None = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request. Raises before yielding for bad input or overload.
         ``priority``: lower runs first under ``--scheduling_policy priority`` (refused other
         than 0 under fcfs)."""
@@ -161,7 +163,8 @@ class AsyncLLM:
         try:
             core_reqs = await self.cpu_offload.run(
                 self.input_processor.process, request_id, prompt, sampling_params, arrival,
-                lora_request=lora_request, validate_grammar=False, priority=priority)
+                lora_request=lora_request, validate_grammar=False, priority=priority,
+                images=images)
             if sampling_params.guided_decoding is not None:
                 # Not in the tokenizer's queue; a client gone before its turn never starts it.
                 await self.grammar_offload.run(self.input_processor.validate_grammar,

@@ -131,7 +131,7 @@ class EngineCore:
             req.request_id, req.prompt_token_ids, req.sampling_params,
             max_model_len=self.max_model_len,
             arrival_time=req.arrival_time or None,
-            lora_request=req.lora_request, priority=req.priority)
+            lora_request=req.lora_request, priority=req.priority, mm_items=req.mm_items)
         if req.sampling_params.guided_decoding is not None:
             request.grammar = self.guided.grammar_for(req.sampling_params.guided_decoding)
         if req.sampling_params.prompt_logprobs is not None:

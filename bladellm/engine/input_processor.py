@@ -20,11 +20,13 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from bladellm.config import MultiModalConfig
 from bladellm.errors import ContextLengthError
 from bladellm.engine.messages import EngineCoreRequest
 from bladellm.engine.model_info import ModelInfo
 from bladellm.lora.request import LoRARequest
 from bladellm.engine.prompt_limits import check_prompt_chars, prompt_char_limit
+from bladellm.multimodal.inputs import MultiModalItem
 from bladellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,8 +42,12 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
 
 class InputProcessor:
     def __init__(self, model_info: ModelInfo, max_grammar_size: int | None = None,
-                 priority_scheduling: bool = False) -> None:
+                 priority_scheduling: bool = False,
+                 mm_config: MultiModalConfig | None = None) -> None:
         self.model_info = model_info
+        self.mm_config = mm_config or MultiModalConfig()
+        # A vision-language model's image processor and placeholder (None: text only).
+        self.images = _image_processor(model_info, self.mm_config)
         self.priority_scheduling = priority_scheduling  # --scheduling_policy priority
         self.tokenizer = model_info.tokenizer
         self._max_grammar_size = max_grammar_size
@@ -54,20 +60,28 @@ class InputProcessor:
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float, *, add_special_tokens: bool = True,
                 lora_request: LoRARequest | None = None,
-                validate_grammar: bool = True, priority: int = 0) -> list[EngineCoreRequest]:
+                validate_grammar: bool = True, priority: int = 0,
+                images: list[Any] | None = None) -> list[EngineCoreRequest]:
         """Tokenize and validate one request; returns one EngineCoreRequest per sample.
 
         ``add_special_tokens=False`` is for text that already carries them (a chat template's
         output usually starts with BOS). ``validate_grammar=False`` leaves the constraint's
         check (up to seconds for a huge ``guided_choice``) to the caller, which runs
         ``validate_grammar`` elsewhere (``AsyncLLM``: in its own thread pool, not in the
-        tokenizer's queue).
+        tokenizer's queue). ``images``: PIL images, the i-th for the prompt's i-th image
+        placeholder (``multi_modal_data``; the chat API's image parts).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params: must be a SamplingParams, "
                             f"got {type(params).__name__}")
         check_priority(priority, self.priority_scheduling)
         prompt_token_ids = self.tokenize(prompt, add_special_tokens)
+        mm_items: list[MultiModalItem] = []
+        if images and self.images is None:
+            raise ValueError(f"multi_modal_data: {self.model_info.served_model_name!r} is "
+                             f"a text-only model; images are not supported")
+        if self.images is not None:  # also refuses image placeholders without their images
+            prompt_token_ids, mm_items = self.images.process(prompt_token_ids, images or [])
         info = self.model_info
         check_request(prompt_token_ids, params, info.vocab_size, info.max_model_len)
         if validate_grammar and params.guided_decoding is not None:
@@ -75,12 +89,13 @@ class InputProcessor:
         if params.n == 1:
             return [EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                       sampling_params=params, arrival_time=arrival_time,
-                                      lora_request=lora_request, priority=priority)]
+                                      lora_request=lora_request, priority=priority,
+                                      mm_items=mm_items)]
         return [
             EngineCoreRequest(request_id=child_id, prompt_token_ids=prompt_token_ids,
                               sampling_params=_child_params(params, i),
                               arrival_time=arrival_time, lora_request=lora_request,
-                              priority=priority)
+                              priority=priority, mm_items=mm_items)
             for i, child_id in enumerate(child_request_ids(request_id, params.n))
         ]
 
@@ -141,7 +156,8 @@ class InputProcessor:
         if not self.model_info.has_chat_template and "chat_template" not in kwargs:
             raise ValueError(f"the tokenizer of {self.model_info.served_model_name!r} has no "
                              f"chat template; use the completions API or pass a chat template")
-        conversation = normalize_messages(messages)
+        placeholder = self.images.placeholder_text if self.images is not None else None
+        conversation = normalize_messages(messages, placeholder)
         if kwargs.get("tools"):
             self._warn_if_tools_unrendered(kwargs.get("chat_template"))
         try:
@@ -151,6 +167,53 @@ class InputProcessor:
         except Exception as e:  # jinja2 TemplateError, raise_exception() inside templates
             raise ValueError(f"messages: chat template failed: {e}") from e
         return text
+
+    def load_chat_images(self, messages: Any) -> list[Any]:
+        """The images of the messages' ``image_url`` parts, in order, decoded within the
+        ``--limit_mm_per_prompt`` / ``--max_image_pixels`` / ``--max_image_bytes`` limits and
+        the URL-fetch rule (``multimodal/image.py``); each failure is a ``MessageError``
+        naming ``messages[i].content[j]``. Blocking (decoding, maybe fetching): call it off the
+        event loop."""
+        from bladellm.multimodal.image import ImageError, load_image_url
+
+        parts = list(_image_parts(messages))
+        images = []
+        for n, (param, part) in enumerate(parts):
+            if self.images is None:
+                raise MessageError(f"{param}: {self.model_info.served_model_name!r} is a "
+                                   f"text-only model; images are not supported", param,
+                                   "unsupported_parameter")
+            limit = self.mm_config.image_limit
+            if n >= limit:
+                raise MessageError(f"{param}: more than {limit} images in one request "
+                                   f"(--limit_mm_per_prompt image={limit})", param,
+                                   "invalid_image")
+            spec = part.get("image_url")
+            url = spec.get("url") if isinstance(spec, dict) else None
+            try:
+                images.append(load_image_url(url, self.mm_config))
+            except ImageError as e:
+                raise MessageError(f"{param}: {e}", param, "invalid_image") from None
+        return images
+
+
+def _image_parts(messages: Any):
+    """(``messages[i].content[j]``, part) for each ``image_url`` part."""
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                yield f"messages[{i}].content[{j}]", part
+
+
+def _image_processor(model_info: ModelInfo, config: MultiModalConfig):
+    from bladellm.multimodal.processor import ImageInputProcessor, is_multimodal
+
+    hf_config = getattr(model_info, "hf_config", None)
+    if hf_config is None or not is_multimodal(hf_config):
+        return None
+    return ImageInputProcessor(model_info.model_dir, model_info.hf_config,
+                               model_info.tokenizer, config)
 
 
 def check_priority(priority: Any, priority_scheduling: bool) -> None:
@@ -246,8 +309,9 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     return params.clone(**changes)
 
 
-def normalize_messages(messages: Any) -> list[dict]:
-    """OpenAI-style messages as chat templates take them: known roles, content as text."""
+def normalize_messages(messages: Any, image_placeholder: str | None = None) -> list[dict]:
+    """OpenAI-style messages as chat templates take them: known roles, content as text (an
+    ``image_url`` part becomes ``image_placeholder``: a vision-language model's image token)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages: must be a non-empty list")
     conversation = []
@@ -259,12 +323,13 @@ def normalize_messages(messages: Any) -> list[dict]:
             raise ValueError(f"messages[{i}].role: must be one of {list(_CHAT_ROLES)}, "
                              f"got {role!r}")
         normalized = dict(message)
-        normalized["content"] = _content_text(message.get("content"), role, i)
+        normalized["content"] = _content_text(message.get("content"), role, i,
+                                              image_placeholder)
         conversation.append(normalized)
     return conversation
 
 
-def _content_text(content: Any, role: str, i: int) -> str:
+def _content_text(content: Any, role: str, i: int, image_placeholder: str | None = None) -> str:
     if isinstance(content, str):
         return content
     if content is None and role == "assistant":  # an assistant turn that only calls tools
@@ -273,6 +338,13 @@ def _content_text(content: Any, role: str, i: int) -> str:
         texts = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url" and image_placeholder is not None:
+                texts.append(image_placeholder)
+                continue
+            if kind == "image_url":
+                raise MessageError(f"messages[{i}].content[{j}]: this is a text-only model; "
+                                   f"images are not supported", f"messages[{i}].content[{j}]",
+                                   "unsupported_parameter")
             if kind != "text":
                 raise MessageError(f"content part of type '{kind}' is not supported by this "
                                    f"server; only {{'type': 'text', 'text': str}} parts are",

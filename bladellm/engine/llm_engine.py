@@ -42,7 +42,8 @@ class LLMEngine:
         self.model_info = model_info_for(resolved)
         self.input_processor = InputProcessor(
             self.model_info, config.guided.guided_max_grammar_size,
-            priority_scheduling=config.scheduler.priority_scheduling)
+            priority_scheduling=config.scheduler.priority_scheduling,
+            mm_config=config.multimodal)
         self.output_processor = OutputProcessor(self.model_info.tokenizer)
         self.core = EngineCore(config, resolved)
         self.core.set_eos_token_ids(self.model_info.eos_token_ids)
@@ -58,11 +59,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None, priority: int = 0) -> None:
+                    lora_request: LoRARequest | None = None, priority: int = 0,
+                    images: list | None = None) -> None:
         arrival_time = time.time() if arrival_time is None else arrival_time
         lora_request = self.check_lora(lora_request)
         core_reqs = self.input_processor.process(request_id, prompt, params, arrival_time,
-                                                 lora_request=lora_request, priority=priority)
+                                                 lora_request=lora_request, priority=priority,
+                                                 images=images)
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None,
             core_reqs[0].prompt_token_ids, params, [r.request_id for r in core_reqs],
@@ -143,7 +146,8 @@ class LLM:
         self._check_open()
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = [_prompt_of(p) for p in prompts]  # type: ignore[union-attr]
+        prompts, images = zip(*[_prompt_and_images(p) for p in prompts]) if prompts else ((), ())
+        prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.engine.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -171,10 +175,10 @@ class LLM:
         ids = [str(next(self._ids)) for _ in prompts]
         added: list[str] = []
         try:
-            for request_id, prompt, params, lora, prio in zip(ids, prompts, params_list, loras,
-                                                              priorities):
+            for request_id, prompt, params, lora, prio, imgs in zip(
+                    ids, prompts, params_list, loras, priorities, images):
                 self.engine.add_request(request_id, prompt, params, lora_request=lora,
-                                        priority=prio)
+                                        priority=prio, images=imgs)
                 added.append(request_id)
         except Exception:
             # A bad prompt fails the whole call: leave nothing of it in the engine.
@@ -206,9 +210,14 @@ class LLM:
                                  "both be true")
             kwargs["continue_final_message"] = True
         processor = self.engine.input_processor
-        prompts = [processor.tokenize(processor.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, **kwargs),
-            add_special_tokens=False) for conv in conversations]
+        prompts: list = []
+        for conv in conversations:
+            ids = processor.tokenize(processor.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, **kwargs),
+                add_special_tokens=False)
+            images = processor.load_chat_images(conv)  # image_url parts (data: URLs)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+                           if images else ids)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def embed(self, prompts: PromptType | dict | Sequence[PromptType | dict],
@@ -262,6 +271,22 @@ def _type_name(value: object) -> str:
     return type(value).__name__
 
 
+def _prompt_and_images(prompt: PromptType | dict) -> tuple[PromptType, list | None]:
+    """vLLM's prompt forms, ``multi_modal_data`` included: ``{"prompt": str,
+    "multi_modal_data": {"image": PIL.Image | [PIL.Image, ...]}}`` (or ``prompt_token_ids``)."""
+    if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
+        return _prompt_of(prompt), None
+    rest = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data: must be {{'image': PIL.Image or a list of "
+                         f"them}}; got {data if not isinstance(data, dict) else sorted(data)}")
+    images = data.get("image")
+    images = list(images) if isinstance(images, (list, tuple)) else \
+        ([] if images is None else [images])
+    return _prompt_of(rest), images
+
+
 def _prompt_of(prompt: PromptType | dict) -> PromptType:
     """vLLM's prompt forms: a string, token ids, ``{"prompt": str}`` or
     ``{"prompt_token_ids": [...]}``."""
@@ -273,5 +298,5 @@ def _prompt_of(prompt: PromptType | dict) -> PromptType:
     if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
         return list(prompt["prompt_token_ids"])
     raise ValueError(f"prompt: a dict prompt must be {{'prompt': str}} or "
-                     f"{{'prompt_token_ids': [int, ...]}}; got keys {sorted(keys)} "
-                     f"(multi-modal data is not supported)")
+                     f"{{'prompt_token_ids': [int, ...]}} (with 'multi_modal_data' for "
+                     f"images); got keys {sorted(keys)}")

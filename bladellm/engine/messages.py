@@ -10,6 +10,7 @@ import msgspec
 
 from bladellm.core.outputs import EngineCoreOutput, Logprobs, SchedulerStats
 from bladellm.lora.request import LoRARequest
+from bladellm.multimodal.inputs import MultiModalItem
 from bladellm.sampling_params import SamplingParams
 
 __all__ = ["EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest", "Logprobs",
@@ -23,6 +24,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defa
     arrival_time: float = 0.0
     lora_request: LoRARequest | None = None
     priority: int = 0  # --scheduling_policy priority: lower runs first
+    mm_items: list[MultiModalItem] = []  # images, in prompt order (bladellm.multimodal)
 
 
 class EngineCoreOutputs(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):

@@ -48,9 +48,8 @@ def sub_step(sched: SchedulerOutput, req_ids: list[str], scheduler: Scheduler) -
         req = scheduler.requests[req_id]
         # The draft's state went with the request: like a preemption, it starts over.
         req.spec_stats.draft_known = 0
-        out.scheduled_new_reqs.append(NewRequestData(
-            req_id, list(req.all_token_ids), req.num_prompt_tokens, req.sampling_params,
-            list(kv.get_block_ids(req_id)), req.num_computed_tokens, lora_id=req.lora_id))
+        out.scheduled_new_reqs.append(
+            NewRequestData.of(req, kv.get_block_ids(req_id), req.num_computed_tokens))
         out.num_scheduled_tokens[req_id] = sched.num_scheduled_tokens[req_id]
         if req_id in sched.scheduled_spec_tokens:
             out.scheduled_spec_tokens[req_id] = sched.scheduled_spec_tokens[req_id]

@@ -32,6 +32,7 @@ from bladellm.entrypoints.openai.protocol import (
 from bladellm.entrypoints.openai.serving_chat import create_chat_completion
 from bladellm.entrypoints.openai.serving_common import ClientDisconnected, ServingContext
 from bladellm.entrypoints.openai.serving_completion import create_completion
+from bladellm.entrypoints.openai.protocol_responses import ResponsesRequest
 from bladellm.entrypoints.openai.serving_responses import add_responses_routes
 from bladellm.entrypoints.openai.openapi_bodies import declare_request_bodies
 from bladellm.entrypoints.openai.serving_lora import (
@@ -99,12 +100,15 @@ def build_app(engine: Any, server_config: ServerConfig,
             generates=False)}
 
     async def serve(request: Request, model_cls: type, handler: Any) -> Response:
+        # The request's LoRA adapter is held from its resolution until the handler is done;
+        # by then a streamed response's engine streams have started and hold it themselves.
+        request_ctx = ctx.for_request()
         try:
             if engine.is_dead:
                 raise EngineDeadError(engine.dead_reason or "the engine died")
             req = await parse_request(model_cls, await request.body(),
                                       body_bounds.get(model_cls, no_bounds))
-            return await handler(req, request, ctx)
+            return await handler(req, request, request_ctx)
         except ClientDisconnected:
             return Response(status_code=499)
         except ClientDisconnect:  # gone while uploading the body: nothing to answer, no error
@@ -114,6 +118,8 @@ def build_app(engine: Any, server_config: ServerConfig,
             return too_large(server_config.max_body_bytes).response()
         except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error body
             return from_exception(exc, retry_after).response()
+        finally:
+            request_ctx.holds.release()
 
     @v1.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -155,7 +161,7 @@ def build_app(engine: Any, server_config: ServerConfig,
                            "invalid_request_error", param="model", code="model_not_found")
         return Response(card.model_dump_json(), media_type="application/json")
 
-    add_responses_routes(v1, ctx, engine, server_config)  # /v1/responses (serving_responses)
+    add_responses_routes(v1, ctx, server_config, serve)  # /v1/responses (serving_responses)
     add_lora_routes(v1, engine)
     add_anthropic_routes(app, v1, serve)  # Anthropic's /v1/messages (entrypoints/anthropic)
 
@@ -188,7 +194,8 @@ def build_app(engine: Any, server_config: ServerConfig,
     declare_request_bodies(app, {
         "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
         "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest,
-        "/detokenize": DetokenizeRequest, "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+        "/detokenize": DetokenizeRequest, "/v1/responses": ResponsesRequest,
+        "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
         "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest})
     return app
 

@@ -8,11 +8,10 @@ from Python / JavaScript; llguidance's regex engine would read them as Unicode c
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any
 
-from bladellm.sampling_params import GuidedDecodingParams
+from bladellm.sampling_params import MAX_REGEX_CHARS, GuidedDecodingParams
 
 # Compact separators, no free whitespace (llguidance's JsonCompileOptions).
 COMPACT_JSON_OPTIONS: dict[str, Any] = {
@@ -65,36 +64,60 @@ def _ascii_schema(node: Any, dropped: list[str] | None = None) -> Any:
     """A copy of a JSON schema with every ``pattern`` / ``patternProperties`` regex ASCII.
     ``dropped`` (lenient schemas): a regex llguidance cannot compile (look-around, as in the
     pattern pydantic writes for every ``Decimal``; backreferences) is left out and named here,
-    instead of failing the whole schema."""
-    if isinstance(node, list):
-        return [_ascii_schema(x, dropped) for x in node]
-    if not isinstance(node, dict):
-        return node
-    result: dict[str, Any] = {}
-    for key, value in node.items():
-        if key == "pattern" and isinstance(value, str):
-            regex = ascii_regex(value)
-            if dropped is not None and not regex_supported(regex):
-                dropped.append("pattern")
-                continue
-            result[key] = regex
-        elif key == "patternProperties" and isinstance(value, dict):
-            entries = {}
-            for k, v in value.items():
-                regex = ascii_regex(k)
-                if dropped is not None and not regex_supported(regex):
-                    dropped.append("patternProperties")
-                    continue
-                entries[regex] = _ascii_schema(v, dropped)
-            result[key] = entries
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            result[key] = {k: _ascii_schema(v, dropped) for k, v in value.items()}
-        else:
-            result[key] = _ascii_schema(value, dropped)
-    return result
+    instead of failing the whole schema. A regex over ``MAX_REGEX_CHARS`` is a ValueError."""
+    return _SchemaRegexes(dropped).convert(node)
 
 
-@functools.lru_cache(maxsize=1024)
+class _SchemaRegexes:
+    """One schema's conversion. Each distinct regex is checked once per schema (a schema may
+    repeat one pattern in every field, and a check is a grammar build): the memo lives as long
+    as the conversion, so no client regex outlives its request."""
+
+    def __init__(self, dropped: list[str] | None) -> None:
+        self.dropped = dropped
+        self._supported: dict[str, bool] = {}
+
+    def convert(self, node: Any) -> Any:
+        if isinstance(node, list):
+            return [self.convert(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        result: dict[str, Any] = {}
+        for key, value in node.items():
+            if key == "pattern" and isinstance(value, str):
+                regex = self._regex(value, key)
+                if regex is not None:
+                    result[key] = regex
+            elif key == "patternProperties" and isinstance(value, dict):
+                entries = {}
+                for k, v in value.items():
+                    regex = self._regex(k, key)
+                    if regex is not None:
+                        entries[regex] = self.convert(v)
+                result[key] = entries
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                result[key] = {k: self.convert(v) for k, v in value.items()}
+            else:
+                result[key] = self.convert(value)
+        return result
+
+    def _regex(self, pattern: str, keyword: str) -> str | None:
+        """``pattern`` made ASCII; None when it is dropped (lenient, unsupported)."""
+        if len(pattern) > MAX_REGEX_CHARS:
+            raise ValueError(f"{keyword}: a regex of {len(pattern)} characters; at most "
+                             f"{MAX_REGEX_CHARS}")
+        regex = ascii_regex(pattern)
+        if self.dropped is None:
+            return regex
+        supported = self._supported.get(regex)
+        if supported is None:
+            supported = self._supported[regex] = regex_supported(regex)
+        if not supported:
+            self.dropped.append(keyword)
+            return None
+        return regex
+
+
 def regex_supported(regex: str) -> bool:
     """Whether llguidance's regex engine accepts ``regex`` (no look-around, backreferences)."""
     import llguidance

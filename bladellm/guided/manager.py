@@ -115,6 +115,10 @@ class GrammarState:
             raise RuntimeError(f"grammar rollback of {from_matcher} tokens failed: "
                                f"{self.matcher.get_error()}")
         self._num_matched -= from_matcher
+        if self.gate is not None and self._num_matched == 0:
+            # Every answer token taken back: the gate decides afresh from its own tokens (an
+            # optional thinking that a rejected draft token had skipped may still start).
+            self.gate.refresh()
         if num_tokens > from_matcher:
             if self.gate is None:
                 raise RuntimeError(f"grammar rollback of {num_tokens} tokens, only "

@@ -44,6 +44,10 @@ class ReasoningGate:
             return OPEN
         return THINKING
 
+    def refresh(self) -> None:
+        """The state its tokens alone give (after the grammar's tokens were all rolled back)."""
+        self.state = self._state_of(self.history)
+
     @property
     def is_open(self) -> bool:
         return self.state == OPEN
@@ -70,7 +74,7 @@ class ReasoningGate:
                                f"only {len(self.history)} taken")
         if num_tokens:
             del self.history[len(self.history) - num_tokens:]
-        self.state = self._state_of(self.history)
+        self.refresh()
 
     def plan(self, draft: list[int]) -> tuple[list[str], int | None]:
         """The mask rows of one sampling step that verifies ``draft`` (row j: after j draft

@@ -13,15 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from bladellm.lora.adapter import TARGETS
+from bladellm.lora.adapter import LoRALayout
 from bladellm.lora.ops import lora_delta
 from bladellm.model.utils import tp_all_reduce
-
-# Our layer name -> the PEFT module names of its output slices, in order.
-SLICES: dict[str, tuple[str, ...]] = {}
-for _peft, (_ours, _idx) in TARGETS.items():
-    SLICES.setdefault(_ours, ())
-    SLICES[_ours] += (_peft,)
 
 
 class LoRALinear(nn.Module):
@@ -87,21 +81,32 @@ class LoRALinear(nn.Module):
         return tp_all_reduce(y) if self.reduce_after_delta else y
 
 
-def wrap_model(model: nn.Module, num_slots: int, max_rank: int,
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:  # OPT: model.decoder.layers
+        layers = getattr(getattr(inner, "decoder", None), "layers", None)
+    return layers
+
+
+def wrap_model(model: nn.Module, layout: LoRALayout, num_slots: int, max_rank: int,
                dtype: torch.dtype) -> dict[tuple[int, str], LoRALinear]:
-    """Replace each decoder layer's projections by ``LoRALinear``; returns them by
-    (layer index, our layer name)."""
+    """Replace each decoder layer's projections that ``layout.ours`` names by ``LoRALinear``;
+    returns them by (layer index, module name; unique within a layer in every layout)."""
     wrapped: dict[tuple[int, str], LoRALinear] = {}
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    layers = decoder_layers(model)
     if layers is None:
-        raise ValueError("--enable_lora: this model has no decoder layers to adapt")
+        raise ValueError(f"--enable_lora: {type(model).__name__} has no decoder layers to adapt")
     for i, layer in enumerate(layers):
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if name in SLICES:
-                    lora = LoRALinear(child, SLICES[name], num_slots, max_rank, dtype)
-                    setattr(parent, name, lora)
-                    wrapped[(i, name)] = lora
+        for path, roles in layout.ours.items():
+            parent_path, _, name = path.rpartition(".")
+            parent = layer.get_submodule(parent_path) if parent_path else layer
+            child = getattr(parent, name, None)
+            if isinstance(child, nn.Module):
+                lora = LoRALinear(child, roles, num_slots, max_rank, dtype)
+                setattr(parent, name, lora)
+                wrapped[(i, name)] = lora
     if not wrapped:
-        raise ValueError("--enable_lora: no adaptable projections found in this model")
+        raise ValueError(f"--enable_lora: no adaptable projections found in "
+                         f"{type(model).__name__}")
     return wrapped

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bladellm.lora.adapter import TARGETS, BaseShapes, LoRAWeights, load_adapter
+from bladellm.lora.adapter import BaseShapes, LoRAWeights, load_adapter
 from bladellm.lora.layers import LoRALinear, wrap_model
 from bladellm.lora.ops import LoRAMapping
 from bladellm.lora.request import LoRARequest
@@ -41,7 +41,10 @@ class LoRAManager:
                                                                              config.lora_dtype)
         self.base = BaseShapes.from_hf_config(hf_config)
         self.layers: dict[tuple[int, str], LoRALinear] = wrap_model(
-            model, self.num_slots, self.max_rank, self.dtype)
+            model, self.base.layout, self.num_slots, self.max_rank, self.dtype)
+        # role -> the name of our module holding it (a role is one output slice of it)
+        self.module_of = {role: path.rsplit(".", 1)[-1]
+                          for path, roles in self.base.layout.ours.items() for role in roles}
         self.host: OrderedDict[int, LoRAWeights] = OrderedDict()  # LRU: oldest first
         self.loading: dict[int, Future] = {}
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # device LRU: oldest first
@@ -131,8 +134,8 @@ class LoRAManager:
                                    "--max_loras")
             slot = self.slot_of.pop(victim)
         by_layer: dict[tuple[int, str], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
-        for (layer, peft_name), pair in weights.modules.items():
-            by_layer.setdefault((layer, TARGETS[peft_name][0]), {})[peft_name] = pair
+        for (layer, role), pair in weights.modules.items():
+            by_layer.setdefault((layer, self.module_of[role]), {})[role] = pair
         for key, lora_layer in self.layers.items():
             lora_layer.set_slot(slot, by_layer.get(key, {}))
         self.slot_of[lora_id] = slot

@@ -12,6 +12,9 @@ and ``/root/a`` are one adapter), named by its path under the root (``/v1/models
 server path), and is a dynamic entry: at most ``--max_lora_entries`` dynamic entries (those and
 ``/v1/load_lora_adapter``'s) exist at once; past that, the least recently used adapter reached
 by path that no request is using is forgotten (a later request reloads it).
+
+Thread-safe: the API server resolves in a worker thread (the directory checks read files) while
+the event loop acquires and releases; file checks run outside the lock.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -56,6 +60,7 @@ class LoRARegistry:
         self._by_path: OrderedDict[str, LoRARequest] = OrderedDict()  # by path; LRU first
         self._dynamic: set[str] = set()  # names of /v1/load_lora_adapter's entries
         self._in_use: dict[int, int] = {}  # lora id -> requests running with it
+        self._lock = threading.RLock()  # over the dicts above, never over file reads
         for name, path in config.named_modules.items():
             try:
                 self.add(name, path, trusted=True, named=True, dynamic=False)
@@ -120,12 +125,15 @@ class LoRARegistry:
             validate_dir(real, self.max_rank, self.base)
         except FileNotFoundError:
             raise LoRANotFoundError(f"no LoRA adapter at '{path}'") from None
-        if dynamic:
-            self._make_room()
-        req = self._register(name, real)
-        if dynamic:
-            self._dynamic.add(name)
-        return req
+        with self._lock:
+            if name in self._by_name:
+                raise LoRAError(f"The lora adapter '{name}' has already been loaded.")
+            if dynamic:
+                self._make_room()
+            req = self._register(name, real)
+            if dynamic:
+                self._dynamic.add(name)
+            return req
 
     def _register(self, name: str, real: str) -> LoRARequest:
         lora_id = next(self._ids)
@@ -139,14 +147,21 @@ class LoRARegistry:
     # ---- bounded dynamic entries ----------------------------------------------------------------
     def acquire(self, req: LoRARequest) -> None:
         """A request runs with ``req``: it is not evicted until ``release``."""
-        self._in_use[req.lora_int_id] = self._in_use.get(req.lora_int_id, 0) + 1
+        with self._lock:
+            self._in_use[req.lora_int_id] = self._in_use.get(req.lora_int_id, 0) + 1
 
     def release(self, req: LoRARequest) -> None:
-        left = self._in_use.get(req.lora_int_id, 0) - 1
-        if left > 0:
-            self._in_use[req.lora_int_id] = left
-        else:
-            self._in_use.pop(req.lora_int_id, None)
+        with self._lock:
+            left = self._in_use.get(req.lora_int_id, 0) - 1
+            if left > 0:
+                self._in_use[req.lora_int_id] = left
+            else:
+                self._in_use.pop(req.lora_int_id, None)
+
+    def holds(self, req: LoRARequest) -> int:
+        """How many requests are running with ``req``."""
+        with self._lock:
+            return self._in_use.get(req.lora_int_id, 0)
 
     @property
     def num_dynamic(self) -> int:
@@ -189,38 +204,52 @@ class LoRARegistry:
         except (LoRAError, OSError) as exc:
             raise LoRAError(f"LoRA adapter at '{req.lora_path}': {exc}") from None
         adopted = LoRARequest(req.lora_name, req.lora_int_id, real)
-        self._by_id[req.lora_int_id] = adopted
+        with self._lock:
+            self._by_id[req.lora_int_id] = adopted
         return adopted
 
     def remove(self, name: str) -> LoRARequest:
-        req = self._by_name.pop(name, None)
-        if req is None:
-            raise LoRANotFoundError(f"The lora adapter '{name}' cannot be found.")
-        self._dynamic.discard(name)
-        if self._by_path.get(req.lora_path) is req:
-            del self._by_path[req.lora_path]
-        return req
-
-    def resolve(self, model: str) -> LoRARequest:
-        """The adapter a request's ``model`` names (registered, or a path under a root)."""
-        req = self._by_name.get(model)
-        if req is None:
-            if len(model) > MAX_MODEL_LEN:
-                raise LoRANotFoundError(f"'{model[:64]}...' is longer than {MAX_MODEL_LEN} "
-                                        "characters")
-            real = self.resolve_path(model)
-            req = self._by_path.get(real)
+        with self._lock:
+            req = self._by_name.pop(name, None)
             if req is None:
-                return self._add_by_path(model, real)
-        if self._by_path.get(req.lora_path) is req:
-            self._by_path.move_to_end(req.lora_path)
-        return req
+                raise LoRANotFoundError(f"The lora adapter '{name}' cannot be found.")
+            self._dynamic.discard(name)
+            if self._by_path.get(req.lora_path) is req:
+                del self._by_path[req.lora_path]
+            return req
 
-    def _add_by_path(self, model: str, real: str) -> LoRARequest:
+    def resolve(self, model: str, *, hold: bool = False) -> LoRARequest:
+        """The adapter a request's ``model`` names (registered, or a path under a root).
+        ``hold``: also ``acquire`` it, in the same step as finding or registering it (so no
+        other request's eviction comes in between); the caller then owes one ``release``."""
+        with self._lock:
+            req = self._by_name.get(model)
+            if req is not None:
+                return self._found(req, hold)
+        if len(model) > MAX_MODEL_LEN:
+            raise LoRANotFoundError(f"'{model[:64]}...' is longer than {MAX_MODEL_LEN} "
+                                    "characters")
+        real = self.resolve_path(model)
+        with self._lock:
+            req = self._by_path.get(real)
+            if req is not None:
+                return self._found(req, hold)
         try:
             validate_dir(real, self.max_rank, self.base)
         except FileNotFoundError:
             raise LoRANotFoundError(f"no LoRA adapter at '{model}'") from None
+        with self._lock:
+            req = self._by_path.get(real)  # registered by another thread meanwhile
+            return self._found(req if req is not None else self._add_by_path(real), hold)
+
+    def _found(self, req: LoRARequest, hold: bool) -> LoRARequest:
+        if self._by_path.get(req.lora_path) is req:
+            self._by_path.move_to_end(req.lora_path)
+        if hold:
+            self.acquire(req)
+        return req
+
+    def _add_by_path(self, real: str) -> LoRARequest:
         self._make_room()
         root = next(r for r in self.roots if os.path.commonpath([real, r]) == r)
         name = base = os.path.relpath(real, root)

@@ -246,7 +246,8 @@ def attach_compiled_stack(model: nn.Module, kernels: Any) -> bool:
     weights are loaded (and prepacked, and wrapped for LoRA). Returns whether it did."""
     from bladellm.model.models.llama import LlamaModel
 
-    inner = getattr(model, "model", None)
+    # A vision-language model's language model takes the stack (its vision tower is not hot).
+    inner = getattr(getattr(model, "language_model", model), "model", None)
     if not isinstance(inner, LlamaModel):
         return False
     inner.compiled_stack = CompiledDecoderStack.build(inner, kernels)

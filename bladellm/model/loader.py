@@ -149,11 +149,12 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: str | torch.device,
     a quantized model then needs ``process_quantized_layers``). Call it inside
     ``kernels.scope.building_with(kernels)``: the layers take the kernel set from there."""
     model_cls = get_model_class(hf_config)
+    text_config = getattr(hf_config, "text_config", None) or hf_config  # a VLM's language model
     if quant_config is not None:  # the quantized layers' checkpoint names, as this model fuses
         quant_config = quant_config.for_model(model_cls.packed_modules_mapping)
     with torch.device(device):
         model = model_cls(hf_config, dtype, attn_backend, quant_config=quant_config)
-    limit = max_model_len or getattr(hf_config, "max_position_embeddings", None)
+    limit = max_model_len or getattr(text_config, "max_position_embeddings", None)
     if limit:  # Bloom (ALiBi) states no position limit
         _check_positions(model, limit)
     return model

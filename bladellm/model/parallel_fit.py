@@ -30,6 +30,7 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, model_dir: str | None = 
         if manifest is not None:
             check_split_parallel(manifest, tp_size, pp_size, model_dir, expert_parallel)
 
+    hf_config = getattr(hf_config, "text_config", None) or hf_config  # a VLM: its LM is split
     heads = hf_config.num_attention_heads
     try:
         attention_partitions(heads, getattr(hf_config, "num_key_value_heads", None) or heads,
@@ -51,8 +52,9 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, model_dir: str | None = 
                              f"--tensor_parallel_size {tp_size} ranks")
 
 
-# Architectures whose model file has no pipeline stages (models/opt.py).
-SINGLE_STAGE_ARCHITECTURES = ("OPTForCausalLM",)
+# Architectures whose model file has no pipeline stages (models/opt.py; a vision-language
+# model's image features enter at the first stage, models/llava.py).
+SINGLE_STAGE_ARCHITECTURES = ("OPTForCausalLM", "LlavaForConditionalGeneration")
 
 
 def check_pipeline_parallel(hf_config: Any, pp_size: int) -> None:
@@ -63,6 +65,7 @@ def check_pipeline_parallel(hf_config: Any, pp_size: int) -> None:
     if pp_size > 1 and single:
         raise ValueError(f"--pipeline_parallel_size {pp_size}: {single[0]} runs on one pipeline "
                          f"stage only (use --tensor_parallel_size to spread it)")
+    hf_config = getattr(hf_config, "text_config", None) or hf_config  # a VLM: its LM
     try:
         pipeline_stages(hf_config.num_hidden_layers, pp_size)
     except ValueError as exc:

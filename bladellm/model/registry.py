@@ -24,6 +24,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("bladellm.model.models.mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("bladellm.model.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("bladellm.model.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "LlavaForConditionalGeneration": ("bladellm.model.models.llava",
+                                      "LlavaForConditionalGeneration"),
 }
 
 

@@ -33,19 +33,32 @@ class RequestInfo:
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # content parts: keep the text ones
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if isinstance(content, list):  # content parts: keep the text ones (any body reaches here)
+        return "".join(p["text"] for p in content
+                       if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
 
 
+def _messages_text(messages: list[Any]) -> str:
+    return "".join(f"{m.get('role', '')}\n{_content_text(m.get('content'))}\n"
+                   for m in messages if isinstance(m, dict))
+
+
 def prompt_text(body: dict[str, Any]) -> str:
-    """The text the instance will see first: a completion prompt or the flattened messages."""
+    """The text the instance will see first: a completion prompt or the flattened messages
+    (chat's ``messages``; Anthropic's ``system`` then ``messages``; Responses' ``instructions``
+    then ``input``, a string or a list of items)."""
+    # The system prompt of Messages and Responses comes first in the template, as chat's does.
+    system = body.get("system", body.get("instructions"))
+    system_text = _content_text(system)
+    head = f"system\n{system_text}\n" if system_text else ""
     if "messages" in body and isinstance(body["messages"], list):
-        parts = []
-        for m in body["messages"]:
-            if isinstance(m, dict):
-                parts.append(f"{m.get('role', '')}\n{_content_text(m.get('content'))}\n")
-        return "".join(parts)
+        return head + _messages_text(body["messages"])
+    if "input" in body:  # Responses (an embeddings input has no items: no text)
+        items = body["input"]
+        if isinstance(items, str):
+            return head + f"user\n{items}\n"
+        return head + (_messages_text(items) if isinstance(items, list) else "")
     prompt = body.get("prompt", "")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch: its first prompt decides
@@ -72,7 +85,8 @@ def request_info(body: Any, block_chars: int, max_blocks: int) -> RequestInfo:
         return RequestInfo((), 0, 0, False)
     text = prompt_text(body)
     n = body.get("n") if isinstance(body.get("n"), int) and body.get("n", 1) > 0 else 1
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.get("max_completion_tokens",
+                          body.get("max_tokens", body.get("max_output_tokens")))
     if not isinstance(max_tokens, int) or max_tokens < 0:
         max_tokens = _DEFAULT_MAX_TOKENS
     prompt_tokens = -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)

@@ -1,4 +1,4 @@
-"""The router's HTTP app: forwards OpenAI requests to the instance a policy picks.
+"""The router's HTTP app: forwards OpenAI and Anthropic requests to the instance a policy picks.
 
 A request is committed to an instance only once something can be sent to the client: a whole
 non-streamed response, or the first bytes of a stream. Until then a failure (connection refused
@@ -6,9 +6,16 @@ or dropped, or a 502/503 from the instance) sends it to another healthy instance
 ``--max_retries`` times. ``--request_timeout`` running out once connected is no instance
 failure: a 504 (or an in-band error in a started stream), never re-sent, as the request may be
 running there. A client leaving before any byte came back closes the upstream request too.
-After that, a broken stream ends with an in-band OpenAI error event
-(``data: {"error": ...}``, then ``data: [DONE]``), as the server itself does. Streamed bytes pass
+After that, a broken stream ends with an in-band error event in the protocol of its path
+(chat and completions: ``data: {"error": ...}``, then ``data: [DONE]``, as the server itself does;
+Responses: an ``error`` event; Messages: Anthropic's ``error`` event). Streamed bytes pass
 through exactly as they arrive, chunk by chunk, never buffered.
+
+Stored responses (``/v1/responses/{id}`` and ``previous_response_id``) live in the store of the
+instance that created them: the router finds that instance by asking every instance
+(``_locate``), so the lookup needs no router state and survives a router restart. When an
+instance that may hold it is down, the answer is a 503 saying so, never a 404 that is wrong.
+The router's own errors on the Messages paths are in Anthropic's shape (``AnthropicErrors``).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -27,6 +35,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
+from bladellm.http.anthropic_errors import PATHS as ANTHROPIC_PATHS
+from bladellm.http.anthropic_errors import AnthropicErrors, anthropic_error
 from bladellm.http.auth import api_key_check
 from bladellm.http.body_limit import BodyLimitMiddleware, RequestTooLarge, too_large
 from bladellm.http.disconnect import until_disconnect
@@ -41,7 +51,9 @@ from bladellm.router.prompt import request_info
 logger = logging.getLogger("bladellm.router")
 
 INSTANCE_HEADER = "X-BladeLLM-Instance"
-_PASS_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+# x-api-key and anthropic-*: Anthropic's clients authenticate and version with these.
+_PASS_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id",
+                         "x-api-key", "anthropic-version", "anthropic-beta")
 _PASS_RESPONSE_HEADERS = ("content-type", "cache-control", "x-accel-buffering", "retry-after",
                           "www-authenticate", "x-request-id")
 _RETRY_STATUSES = (502, 503)  # the instance is down or overloaded: another may serve it
@@ -105,8 +117,19 @@ def _response_headers(resp: aiohttp.ClientResponse, instance: Instance) -> dict[
     return headers
 
 
-def _sse_error(message: str, type_: str = "server_error", code: str = "upstream_error") -> bytes:
-    body = APIError(502, message, type_, code=code).body()
+RESPONSES = "/v1/responses"
+
+
+def _sse_error(path: str, message: str, type_: str = "server_error",
+               code: str = "upstream_error", status: int = 502) -> bytes:
+    """The in-band error that ends a broken stream, in the protocol of ``path``."""
+    if path in ANTHROPIC_PATHS:
+        _, body = anthropic_error(status, message, code)
+        return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+    if path == RESPONSES:  # the Responses stream's error event (no [DONE] in that protocol)
+        event = {"type": "error", "code": code, "message": message, "param": None}
+        return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
+    body = APIError(status, message, type_, code=code).body()
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
@@ -166,9 +189,16 @@ class Router:
         except ClientDisconnect:
             return Response(status_code=499)
 
-    async def forward(self, request: Request, path: str, use_policy: bool = True) -> Response:
+    @staticmethod
+    def _headers(request: Request) -> dict[str, str]:
+        return {k: v for k, v in request.headers.items() if k.lower() in _PASS_REQUEST_HEADERS}
+
+    async def forward(self, request: Request, path: str, use_policy: bool = True,
+                      pinned: Instance | None = None) -> Response:
         """Send the request to an instance (by the policy, or with ``use_policy=False`` the least
-        busy one), retrying elsewhere while nothing has reached the client."""
+        busy one, or ``pinned``: that one only), retrying elsewhere while nothing has reached
+        the client. A Responses request that continues a stored one (``previous_response_id``)
+        goes to the instance that stores it."""
         body = await self._body(request)
         if isinstance(body, Response):
             return body
@@ -176,14 +206,20 @@ class Router:
             parsed: Any = json.loads(body) if body else None
         except ValueError:
             parsed = None  # the instance answers it with the proper 400
+        headers = self._headers(request)
+        previous = parsed.get("previous_response_id") if isinstance(parsed, dict) else None
+        if path == RESPONSES and isinstance(previous, str) and pinned is None:
+            located = await self._locate(previous, headers, request)
+            if isinstance(located, Response):
+                return located
+            pinned = located  # None: no instance stores it; any one answers the 404
         info = request_info(parsed, self.config.affinity_block_chars,
                             self.config.affinity_max_blocks)
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASS_REQUEST_HEADERS}
         tried: set[str] = set()
         last: Response | None = None
         failed: Instance | None = None  # the instance the previous attempt failed on
         for _ in range(self.config.max_retries + 1):
-            candidates = self.pool.healthy(tried)
+            candidates = [i for i in self.pool.healthy(tried) if pinned is None or i is pinned]
             if not candidates:
                 break
             if failed is not None:  # counted only when another attempt really follows
@@ -204,16 +240,82 @@ class Router:
                             instance.url)
                 return Response(status_code=499)
             if isinstance(result, Response) and not (
-                    result.status_code in _RETRY_STATUSES and self.pool.healthy(tried)):
+                    result.status_code in _RETRY_STATUSES and pinned is None
+                    and self.pool.healthy(tried)):
                 return result
             last = result if isinstance(result, Response) else last
             failed = instance
         if last is not None:
             return last
         self.metrics.no_instance.inc()
+        if pinned is not None:
+            return APIError(503, f"The instance that stores the response this request refers "
+                                 f"to ({pinned.url}) is not available; retry later.",
+                            "server_error", code="no_healthy_instance",
+                            headers={"Retry-After": "1"}).response()
         return APIError(503, "No healthy instance is available to serve the request.",
                         "server_error", code="no_healthy_instance",
                         headers={"Retry-After": "1"}).response()
+
+    async def _locate(self, response_id: str, headers: dict[str, str],
+                      request: Request) -> Instance | Response | None:
+        """The instance whose store holds response ``response_id``: every healthy instance is
+        asked (``GET /v1/responses/{id}``), the one answering 200 holds it. None when every
+        instance answered 404: nobody has it. A ``Response`` when that cannot be told: an
+        instance down or unreachable may hold it (503, naming it), or an instance refused the
+        lookup itself (its answer, e.g. a 401)."""
+        assert self.session is not None
+        path = f"{RESPONSES}/{quote(response_id, safe='')}"
+        timeout = aiohttp.ClientTimeout(total=self.config.health_check_timeout)
+
+        async def probe(instance: Instance) -> tuple[Instance, int, bytes, dict[str, str]]:
+            try:
+                async with self.session.get(instance.url + path, headers=headers,
+                                            timeout=timeout) as resp:
+                    return (instance, resp.status, await resp.read(),
+                            _response_headers(resp, instance))
+            except _CONNECTION_ERRORS:
+                return instance, 0, b"", {}
+
+        healthy = self.pool.healthy()
+        try:
+            results = await _until_disconnect(
+                asyncio.gather(*(probe(i) for i in healthy)), request)
+        except _ClientGone:
+            return Response(status_code=499)
+        for instance, status, _, _ in results:
+            if status == 200:
+                return instance
+        for _, status, content, resp_headers in results:
+            if status not in (0, 404):  # e.g. 401: the lookup itself was refused
+                return Response(content, status, resp_headers)
+        unknown = [i.url for i in self.pool.instances if i not in healthy]
+        unknown += [r[0].url for r in results if r[1] == 0]
+        if unknown:
+            return APIError(503, f"Response '{response_id}' is not on the reachable "
+                                 f"instances; {', '.join(unknown)} may store it but cannot be "
+                                 f"reached now (a stored response lives on the instance that "
+                                 f"created it); retry later.", "server_error",
+                            code="instance_unavailable", headers={"Retry-After": "1"}).response()
+        return None
+
+    async def forward_stored(self, request: Request, response_id: str, suffix: str) -> Response:
+        """``/v1/responses/{id}[suffix]`` (retrieve, delete, cancel, input items): sent to the
+        instance that stores the response; a 404 only when no instance has it."""
+        path = f"{RESPONSES}/{quote(response_id, safe='')}{suffix}"
+        if request.url.query:
+            path += f"?{request.url.query}"
+        # Read (and cached on the request) before the lookup watches the connection for a
+        # disconnect, which consumes what the client sends.
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        located = await self._locate(response_id, self._headers(request), request)
+        if isinstance(located, Response):
+            return located
+        if located is None:  # every instance said 404: any one's answer is the right one
+            return await self.forward(request, path, use_policy=False)
+        return await self.forward(request, path, pinned=located)
 
     def _timeout_error(self) -> APIError:
         return APIError(504, f"The instance did not answer within --request_timeout "
@@ -257,7 +359,7 @@ class Router:
             if resp is not None:
                 resp.close()
             raise
-        stream = self._relay(instance, resp, first, ticket)
+        stream = self._relay(instance, resp, first, ticket, path)
 
         async def on_close() -> None:  # also when the client left before the stream started
             await stream.aclose()
@@ -268,7 +370,7 @@ class Router:
                               headers=_response_headers(resp, instance))
 
     async def _relay(self, instance: Instance, resp: aiohttp.ClientResponse, first: bytes,
-                     ticket: Ticket) -> AsyncGenerator[bytes, None]:
+                     ticket: Ticket, path: str) -> AsyncGenerator[bytes, None]:
         """Yield the instance's bytes as they arrive; end a broken stream with an error event.
         Closing this generator (the client went away) closes the upstream connection, which
         aborts the request on the instance."""
@@ -285,12 +387,14 @@ class Router:
             if _is_request_timeout(exc):  # slow, not broken: the instance stays in service
                 self.metrics.requests.labels(instance=instance.url, outcome="timeout").inc()
                 err = self._timeout_error()
-                yield _sse_error(err.message, err.type, err.code or "upstream_timeout")
+                yield _sse_error(path, err.message, err.type, err.code or "upstream_timeout",
+                                 err.status)
                 return
             self.pool.mark_down(instance, f"stream broken: {type(exc).__name__}")
             self.metrics.requests.labels(instance=instance.url, outcome="broken_stream").inc()
-            yield _sse_error(f"The instance serving this request failed mid-stream "
-                             f"({type(exc).__name__}); the partial answer cannot be resumed.")
+            yield _sse_error(path, f"The instance serving this request failed mid-stream "
+                                   f"({type(exc).__name__}); the partial answer cannot be "
+                                   f"resumed.")
         finally:
             ticket.release()
             if completed:
@@ -307,7 +411,7 @@ class Router:
         body = await self._body(request)
         if isinstance(body, Response):
             return body
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASS_REQUEST_HEADERS}
+        headers = self._headers(request)
 
         async def one(instance: Instance) -> tuple[Instance, int, bytes, dict[str, str]]:
             try:
@@ -398,6 +502,9 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     # Bodies are read whole before forwarding (a request goes to another instance when one
     # fails): without a limit one huge upload would take the router's memory.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    # Outermost: the router's own errors on the Messages paths (401, 413, 503, 504) in
+    # Anthropic's shape, as the server answers them.
+    app.add_middleware(AnthropicErrors)
     v1 = APIRouter(dependencies=[Depends(api_key_check(config.api_key))])
 
     def forwarding(path: str, use_policy: bool) -> Callable[[Request], Awaitable[Response]]:
@@ -410,8 +517,9 @@ def build_router_app(config: RouterConfig) -> FastAPI:
             return await router.broadcast(request, path)
         return endpoint
 
-    # Generation goes where the policy says (load, prompt-cache affinity).
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    # Generation goes where the policy says (load, prompt-cache affinity); a Responses request
+    # with previous_response_id goes where that response is stored.
+    for path in ("/v1/completions", "/v1/chat/completions", RESPONSES, "/v1/messages"):
         v1.add_api_route(path, forwarding(path, True), methods=["POST"])
     v1.add_api_route("/v1/models", forwarding("/v1/models", True), methods=["GET"])
 
@@ -419,8 +527,25 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     async def model(request: Request, model_id: str) -> Response:
         return await router.forward(request, f"/v1/models/{model_id}")
 
+    # Stored responses live on the instance that created them.
+    @v1.get(RESPONSES + "/{response_id}")
+    async def retrieve_response(request: Request, response_id: str) -> Response:
+        return await router.forward_stored(request, response_id, "")
+
+    @v1.delete(RESPONSES + "/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return await router.forward_stored(request, response_id, "")
+
+    @v1.get(RESPONSES + "/{response_id}/input_items")
+    async def response_input_items(request: Request, response_id: str) -> Response:
+        return await router.forward_stored(request, response_id, "/input_items")
+
+    @v1.post(RESPONSES + "/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return await router.forward_stored(request, response_id, "/cancel")
+
     # Served by any one instance (no prompt cache to aim at): the least busy.
-    for path in ("/v1/embeddings", "/tokenize", "/detokenize"):
+    for path in ("/v1/embeddings", "/tokenize", "/detokenize", "/v1/messages/count_tokens"):
         v1.add_api_route(path, forwarding(path, False), methods=["POST"])
     # Adapters must be on every instance: sent to all of them.
     for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):

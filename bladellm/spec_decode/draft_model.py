@@ -57,7 +57,8 @@ def draft_model_config(config: EngineConfig, max_model_len: int,
 
 def check_draft_vocab(target_hf_config, draft_hf_config, draft_path: str) -> None:
     """The draft must share the target's vocabulary (ValueError naming the flag otherwise)."""
-    tv, dv = target_hf_config.vocab_size, draft_hf_config.vocab_size
+    tv = (getattr(target_hf_config, "text_config", None) or target_hf_config).vocab_size
+    dv = draft_hf_config.vocab_size
     if tv != dv:
         raise ValueError(f"--draft.model: the draft {draft_path!r} has a vocabulary of {dv} "
                          f"tokens, the target {tv}; the draft must share the target's tokenizer")

@@ -30,6 +30,7 @@ from bladellm.model.loader import load_resolved_model
 from bladellm.platforms.cpu_defaults import model_weight_bytes, total_memory_bytes
 from bladellm.sample.logprobs import prompt_logprobs
 from bladellm.sample.sampler import Sampler, SamplerOutput
+from bladellm.worker.encoder_cache import EncoderCache
 from bladellm.worker.input_batch import InputBatch, StepInputs
 from bladellm.worker.sampling_rows import attach_grammar_bitmask
 
@@ -53,6 +54,18 @@ def prepack_bound(weights: Iterable[torch.Tensor], weight_bytes: int,
     leaves. ``blade_llm_check`` counts the copies with this too, so the two cannot drift."""
     extra = sum(kernels.packed_bytes_bound(w) for w in weights)
     return extra, extra <= (total_memory_bytes() - weight_bytes) // 4
+
+
+def _check_vision_language_flags(model: torch.nn.Module, config: EngineConfig) -> None:
+    """Features not built for vision-language models yet are refused, not half-applied."""
+    if not hasattr(model, "encode_image"):
+        return
+    if config.lora.enable_lora:
+        raise ValueError("--enable_lora: LoRA adapters are not supported with "
+                         "vision-language models yet")
+    if config.speculative.decode_algo != "normal":
+        raise ValueError(f"--decode_algo {config.speculative.decode_algo}: speculative "
+                         f"decoding is not supported with vision-language models yet")
 
 
 class ModelRunner:
@@ -86,7 +99,11 @@ class ModelRunner:
         spec = self.model.get_kv_cache_spec()  # per rank: stays right under TP
         self.num_layers, self.num_kv_heads, self.head_dim = (
             spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        _check_vision_language_flags(self.model, config)
         self.spec = self._make_spec_decoder(resolved)
+        # A vision-language model: image features by content hash (worker/encoder_cache.py).
+        self.encoder_cache = (EncoderCache(device) if hasattr(self.model, "encode_image")
+                              else None)
         self.lora = None  # LoRAManager: adapter tiers and the layers' device slots
         if config.lora.enable_lora:
             from bladellm.lora.manager import LoRAManager
@@ -177,12 +194,18 @@ class ModelRunner:
         """Forget requests without a scheduler diff (their step failed)."""
         for req_id in req_ids:
             self.input_batch.remove(req_id)
+        if self.encoder_cache is not None:
+            self.encoder_cache.remove_requests(req_ids)
         if self.spec is not None:
             self.spec.drop(req_ids)
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if self.encoder_cache is not None:
+            self.encoder_cache.remove_requests(sched.finished_req_ids | sched.preempted_req_ids)
+            for new in sched.scheduled_new_reqs:
+                self.encoder_cache.add_request(new.req_id, new.mm_items)
         self.input_batch.apply(sched)
         if self.spec is not None:
             self.spec.drop(sched.finished_req_ids | sched.preempted_req_ids)
@@ -197,7 +220,9 @@ class ModelRunner:
         if self.lora is not None:
             ctx.lora = self.lora.prepare_step(inputs.token_lora_ids,
                                               self.input_batch.active_lora_ids())
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        embeds = self._image_embeds(inputs) if self.encoder_cache is not None else None
+        hidden = (self.model(inputs.input_ids, inputs.positions, ctx) if embeds is None
+                  else self.model(inputs.input_ids, inputs.positions, ctx, embeds))
         if hidden is None:  # a pipeline stage before the last: it sent its activations on
             return ModelRunnerOutput(req_ids=inputs.req_ids,
                                      sampled_token_ids=[[] for _ in inputs.req_ids])
@@ -223,6 +248,15 @@ class ModelRunner:
                 logprobs = self._logprobs(inputs, out)
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs, prompt_logprobs=prompt_lps)
+
+    def _image_embeds(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Input embeddings with image features where this step's chunks cover image tokens
+        (None: no image token this step)."""
+        meta = inputs.attn_metadata
+        qsl = meta.query_start_loc_cpu
+        first_positions = meta.seq_lens_cpu - (qsl[1:] - qsl[:-1])
+        return self.encoder_cache.input_embeds(self.model, inputs.input_ids, inputs.req_ids,
+                                               qsl, first_positions)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs) -> dict[str, Logprobs]:
         """Prompt logprobs from this step's own prefill chunks: for each request that wants

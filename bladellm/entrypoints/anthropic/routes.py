@@ -11,7 +11,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from bladellm.entrypoints.anthropic.errors import AnthropicErrors
+from bladellm.http.anthropic_errors import AnthropicErrors
 from bladellm.entrypoints.anthropic.protocol import (
     CountTokensRequest, CountTokensResponse, MessageResponse, MessagesRequest)
 from bladellm.entrypoints.anthropic.serving import count_tokens, create_message

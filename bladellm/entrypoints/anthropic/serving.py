@@ -40,7 +40,7 @@ class Prepared:
 
 async def prepare(req: _PromptRequest, ctx: ServingContext) -> Prepared:
     """Checks, then the prompt's token ids exactly as the engine will see them."""
-    lora = ctx.check_model(req.model)
+    lora = await ctx.check_model(req.model)
     chat = to_chat_request(req)
     tools = parse_tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
     template_options(chat, ctx.trust_request_chat_template)  # 400s before any CPU work

@@ -15,7 +15,7 @@ import asyncio
 import json
 from typing import Any, AsyncIterator
 
-from bladellm.entrypoints.anthropic.errors import from_api_error
+from bladellm.http.anthropic_errors import from_api_error
 from bladellm.entrypoints.anthropic.output import (
     OutputShape, call_input, stop_reason, thinking_signature, tool_use_id, usage)
 from bladellm.entrypoints.openai.serving_common import UsageCounter, check_output

@@ -21,6 +21,7 @@ from typing import Any
 
 from bladellm.bench.client import (RequestOptions, count_tokens_without_usage,
                                    fetch_model_name)
+from bladellm.bench.mm_dataset import ImageConfig, check_image_config, parse_image_sizes
 from bladellm.bench.datasets import (BenchRequest, DatasetConfig, assign_priority_classes,
                                      build_dataset, check_dataset_args, load_tokenizer,
                                      parse_range)
@@ -69,7 +70,7 @@ def build_run_parser() -> argparse.ArgumentParser:
     _add(p, "--endpoint", choices=("completions", "chat"), default="completions",
          help="API to call: /v1/completions or /v1/chat/completions")
     _add(p, "--dataset", default="random",
-         help="random | shared_prefix | sharegpt:FILE | jsonl:FILE")
+         help="random | random_mm | shared_prefix | sharegpt:FILE | jsonl:FILE")
     _add(p, "--tokenizer", default=None,
          help="HF tokenizer dir for exact prompt token counts (default: --model if it is a dir; "
               "else random words, one word ~ one token)")
@@ -80,6 +81,12 @@ def build_run_parser() -> argparse.ArgumentParser:
          help="shared_prefix: number of system prompts")
     _add(p, "--prefix_len", type=int, default=DatasetConfig.prefix_len,
          help="shared_prefix: system prompt tokens")
+    _add(p, "--num_images", type=int, default=None,
+         help="random_mm: images per request (default 1)")
+    _add(p, "--image_size", default=None,
+         help="random_mm: image sizes WxH[,WxH...], one drawn per image (default 336x336)")
+    _add(p, "--image_repeat_ratio", type=float, default=None,
+         help="random_mm: chance that an image repeats one sent before (default 0)")
     _add(p, "--num_prompts", type=int, default=100, help="requests per rate")
     _add(p, "--request_rate", default="inf",
          help="comma list of req/s to sweep, 'inf' sends all at once (e.g. 1,2,4,8,inf)")
@@ -137,7 +144,7 @@ def build_plot_parser() -> argparse.ArgumentParser:
 
 
 def _dataset_config(args: argparse.Namespace, seed: str) -> DatasetConfig:
-    return DatasetConfig(spec=args.dataset, num_prompts=args.num_prompts,
+    return DatasetConfig(spec=args.dataset, num_prompts=args.num_prompts, images=args.image_cfg,
                          input_len_range=args.input_len_range,
                          output_len_range=args.output_len_range,
                          num_groups=args.num_groups, prefix_len=args.prefix_len, seed=seed)
@@ -168,6 +175,28 @@ def _build_dataset(cfg: DatasetConfig, tokenizer: Any) -> list[BenchRequest]:
         raise SystemExit(f"blade_llm_bench: {exc}") from None
 
 
+def _image_config(args: argparse.Namespace) -> ImageConfig:
+    """random_mm's knobs: validated, refused with any other dataset or endpoint."""
+    given = [f"--{n}" for n in ("num_images", "image_size", "image_repeat_ratio")
+             if getattr(args, n) is not None]
+    if args.dataset != "random_mm":
+        if given:
+            raise ValueError(f"{given[0]}: only used with --dataset random_mm")
+        return ImageConfig()
+    if args.endpoint != "chat":
+        raise ValueError("--dataset random_mm: images are sent as chat content parts; "
+                         "pass --endpoint chat")
+    cfg = ImageConfig()
+    if args.num_images is not None:
+        cfg.num_images = args.num_images
+    if args.image_size is not None:
+        cfg.sizes = parse_image_sizes(args.image_size)
+    if args.image_repeat_ratio is not None:
+        cfg.repeat_ratio = args.image_repeat_ratio
+    check_image_config(cfg)
+    return cfg
+
+
 def _check_slo_target(value: float) -> None:
     if not 0 < value <= 1:  # also refuses nan
         raise ValueError(f"--slo_target: must be a fraction in (0, 1], got {value}")
@@ -179,6 +208,7 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.input_len_range = parse_range(args.input_len_range, "--input_len_range")
         args.output_len_range = parse_range(args.output_len_range, "--output_len_range")
         check_dataset_args(args.dataset, args.num_groups, args.prefix_len, args.input_len_range)
+        args.image_cfg = _image_config(args)
         _check_slo_target(args.slo_target)
         if not (args.request_timeout > 0 and math.isfinite(args.request_timeout)):
             raise ValueError(f"--request_timeout: must be a positive number of seconds, "
@@ -274,7 +304,7 @@ async def _run(args: argparse.Namespace, tokenizer: Any = None,
         "label": args.label, "base_url": args.base_url, "model": model,
         "endpoint": args.endpoint, "dataset": args.dataset, "tokenizer": tok_path,
         "slo": args.slo_obj.to_dict() or None, "slo_target": args.slo_target,
-        "args": {k: v for k, v in vars(args).items() if k not in ("slo_obj", "rates")},
+        "args": {k: v for k, v in vars(args).items() if k not in ("slo_obj", "rates", "image_cfg")},
         "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(),
                  "python": platform.python_version()},

@@ -170,8 +170,8 @@ def _check_tensors(model: str, model_dir: str, raw: dict) -> None:
     initialize a missing one at random and we would quantize noise without a word. A checkpoint
     quantized without ``quantization_config`` in config.json (AutoGPTQ's quantize_config.json,
     packed tensors) is named as such."""
-    from bladellm.quantization.algorithms.layer_io import LINEAR_NAMES, O_PROJ, QKV
-    from bladellm.quantization.algorithms.model_source import LAYER_PREFIX, weight_files
+    from bladellm.quantization.algorithms.layouts import layout_of_config
+    from bladellm.quantization.algorithms.model_source import layer_prefix, weight_files
     from bladellm.quantization.algorithms.moe import moe_architecture, required_mlp_tensors
 
     if os.path.isfile(os.path.join(model_dir, "quantize_config.json")):
@@ -182,13 +182,16 @@ def _check_tensors(model: str, model_dir: str, raw: dict) -> None:
     if packed:
         raise ValueError(f"--model: {model} is already quantized ({packed[0]}); start from the "
                          f"float checkpoint")
+    layout = layout_of_config(raw)
+    prefix = layer_prefix(names)
+    # a mixture of experts: the family's attention, the MLP per layer (sparse or dense) by moe.py
     moe = moe_architecture(raw.get("architectures") or [])
-    linears = (QKV + O_PROJ) if moe else LINEAR_NAMES
-    per_layer = [f"{n}.weight" for n in linears + ("input_layernorm",
-                                                   "post_attention_layernorm")]
-    want = ["model.embed_tokens.weight"] + [
-        f"{LAYER_PREFIX}{i}.{n}" for i in range(int(raw.get("num_hidden_layers") or 0))
-        for n in per_layer + (required_mlp_tensors(raw, moe, i) if moe else [])]
+    linears = layout.attention_linear_names if moe else layout.linear_names
+    per_layer = [f"{n}.weight" for n in linears + layout.norms]
+    embed = "model.embed_tokens.weight" if prefix == "model.layers." else \
+        prefix.replace("layers.", "embed_tokens.weight")
+    want = [embed] + [f"{prefix}{i}.{n}" for i in range(int(raw.get("num_hidden_layers") or 0))
+                      for n in per_layer + (required_mlp_tensors(raw, moe, i) if moe else [])]
     missing = [n for n in want if n not in names]
     if missing:
         raise ValueError(f"--model: {model} lacks {len(missing)} tensor(s) its layers need, "
@@ -202,7 +205,8 @@ def _check_group_size(cfg: QuantizeConfig, raw: dict) -> None:
     hidden = raw.get("hidden_size")
     heads = raw.get("num_attention_heads")
     head_dim = raw.get("head_dim") or (hidden // heads if hidden and heads else None)
-    dims = {"hidden_size": hidden, "intermediate_size": raw.get("intermediate_size"),
+    dims = {"hidden_size": hidden,
+            "intermediate_size": raw.get("intermediate_size") or raw.get("ffn_dim"),
             "num_attention_heads * head_dim": heads * head_dim if heads and head_dim else None,
             # mixture of experts: the experts' and the shared expert's down_proj inputs
             "moe_intermediate_size": raw.get("moe_intermediate_size"),

@@ -226,7 +226,7 @@ NOT_SUPPORTED_YET: dict[str, bool] = {
     "--max-logprobs": True, "--max-seq-len-to-capture": True,
     "--ssl-keyfile": True, "--ssl-certfile": True, "--allowed-origins": True,
     "--middleware": True, "--response-role": True,
-    "--num-scheduler-steps": True, "--limit-mm-per-prompt": True, "--task": True,
+    "--num-scheduler-steps": True, "--task": True,
     "--runner": True, "--hf-overrides": True, "--override-generation-config": True,
     "--generation-config": True, "--compilation-config": True, "-O": True,
     "--rope-scaling": True, "--rope-theta": True, "--disable-sliding-window": False,

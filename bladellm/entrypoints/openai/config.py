@@ -106,6 +106,11 @@ class ServerConfig:
         metadata={"help": "Responses kept in memory for /v1/responses (store: true) for "
                           "previous_response_id and GET /v1/responses/{id}; the oldest goes "
                           "when full; 0 stores none."})
+    responses_store_max_bytes: str = field(
+        default="1GiB",
+        metadata={"help": "Most bytes (as JSON) the /v1/responses store holds, e.g. 1GiB; the "
+                          "oldest responses go when over; a response larger than this is not "
+                          "kept."})
     responses_store_ttl: float = field(
         default=3600.0,
         metadata={"help": "Seconds a stored /v1/responses response stays retrievable."})
@@ -136,6 +141,7 @@ class ServerConfig:
         _check(self.retry_after >= 0, "retry_after", f"must be >= 0, got {self.retry_after}")
         _check(self.responses_store_max_entries >= 0, "responses_store_max_entries",
                f"must be >= 0, got {self.responses_store_max_entries}")
+        parse_size_flag(self.responses_store_max_bytes, "responses_store_max_bytes")
         _check(self.responses_store_ttl > 0, "responses_store_ttl",
                f"must be > 0, got {self.responses_store_ttl}")
 
@@ -160,3 +166,7 @@ class ServerConfig:
     @property
     def max_body_bytes(self) -> int:
         return parse_size(self.max_request_body_bytes)
+
+    @property
+    def responses_store_bytes(self) -> int:
+        return parse_size(self.responses_store_max_bytes)

@@ -1,9 +1,10 @@
 """Request and response bodies of OpenAI's Responses API (``/v1/responses``), pydantic v2.
 
 Field and event names follow the official ``openai`` package (``openai/types/responses``). The
-request forbids unknown top-level fields, like the other endpoints; input items allow extra keys,
+request forbids unknown top-level fields, like the other endpoints; input items accept extra keys,
 because clients send earlier ``response.output`` items back as input and those carry fields
-(``status``, ``phase``, ...) that do not change the conversation.
+(``status``, ``phase``, ...) that do not change the conversation. Those keys are dropped while
+parsing: a stored response keeps only what the model reads, not whatever a client attached.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class _Request(BaseModel):
 
 
 class _Item(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="ignore")
 
 
 class _Response(BaseModel):

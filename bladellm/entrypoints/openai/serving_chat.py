@@ -173,12 +173,27 @@ def chat_prompt_ids(req: ChatCompletionRequest, ctx: ServingContext,
     return processor.tokenize(text, add_special_tokens=False, param="messages"), text
 
 
+def chat_images(req: ChatCompletionRequest, ctx: ServingContext) -> list[Any]:
+    """The images of the request's ``image_url`` parts (decoded, maybe fetched: blocking, so
+    it runs in ``ctx.offload``); a bad one is a 400 naming ``messages[i].content[j]``."""
+    try:
+        return ctx.engine.input_processor.load_chat_images(_messages(req))
+    except MessageError as e:
+        raise bad_request(str(e), e.param, code=e.code) from None
+
+
+def _has_images(req: ChatCompletionRequest) -> bool:
+    return any(isinstance(m.content, list) and any(p.type == "image_url" for p in m.content)
+               for m in req.messages)
+
+
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
                                  ctx: ServingContext) -> Response:
-    lora = ctx.check_model(req.model)
+    lora = await ctx.check_model(req.model)
     _check(req)
     tools = parse_tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls)
     template_options(req, ctx.trust_request_chat_template)  # 400s before any CPU work
+    images = await ctx.offload.run(chat_images, req, ctx) if _has_images(req) else None
     prompt, prompt_text = await ctx.offload.run(chat_prompt_ids, req, ctx, tools)  # bad -> 400
     parser = (ctx.reasoning_parser.for_prompt(prompt_text)
               if ctx.reasoning_parser is not None else None)
@@ -193,7 +208,8 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request,
     # Structured output and forced tool calls constrain the answer, not the thinking.
     params.guided_decoding = after_reasoning(params.guided_decoding, parser, ctx.tokenizer)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    merged = merge_streams([ctx.generate(prompt, params, request_id, lora, req.priority)])
+    merged = merge_streams([ctx.generate(prompt, params, request_id, lora, req.priority,
+                                         images=images)])
     model = lora.lora_name if lora is not None else ctx.model_name
     choices = [ChoiceState(reasoning=parser.streamer() if parser is not None else None)
                for _ in range(req.n)]

@@ -4,6 +4,7 @@ merging the per-prompt engine streams, client-disconnect handling, usage and log
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, TypeVar
@@ -39,6 +40,24 @@ class ClientDisconnected(Exception):
 
 
 @dataclass
+class AdapterHolds:
+    """The LoRA adapters one HTTP request holds (not evictable from the registry), from the
+    moment ``check_model`` resolves them until ``release``: through the prompt work, until the
+    engine streams hold their own (``_holding_adapter``)."""
+
+    _held: list[tuple[Any, Any]] = field(default_factory=list)  # (registry, LoRARequest)
+
+    def add(self, registry: Any, lora: Any) -> None:
+        self._held.append((registry, lora))
+
+    def release(self) -> None:
+        """Each hold released once, however often this is called."""
+        while self._held:
+            registry, lora = self._held.pop()
+            registry.release(lora)
+
+
+@dataclass
 class ServingContext:
     """What a handler needs from the engine and the server config."""
 
@@ -56,6 +75,8 @@ class ServingContext:
     default_chat_template: str | None = None  # --chat_template: replaces the tokenizer's
     reasoning_parser: ReasoningParser | None = None  # --reasoning_parser
     max_prompts_per_request: int = 1024  # --max_prompts_per_request
+    # This request's adapter holds (``for_request``); None: adapters are resolved unheld.
+    holds: AdapterHolds | None = None
 
     @classmethod
     def from_engine(cls, engine: Any, server_config: Any = None) -> "ServingContext":
@@ -75,9 +96,16 @@ class ServingContext:
                    max_prompts_per_request=getattr(server_config, "max_prompts_per_request",
                                                    1024))
 
-    def check_model(self, name: str | None) -> Any:
+    def for_request(self) -> "ServingContext":
+        """This context for one HTTP request, with its own adapter holds: the caller releases
+        them (``holds.release()``) once the handler has returned or raised."""
+        return dataclasses.replace(self, holds=AdapterHolds())
+
+    async def check_model(self, name: str | None) -> Any:
         """None for the base model, the ``LoRARequest`` an adapter name or path resolves to
-        (``--enable_lora``); 404 for anything else, 400 for an adapter that cannot be served."""
+        (``--enable_lora``); 404 for anything else, 400 for an adapter that cannot be served.
+        The adapter is resolved in a worker thread (its directory is read) and, with ``holds``,
+        held from then on."""
         if name is None or name == self.model_name:
             return None
         if not name:
@@ -89,7 +117,7 @@ class ServingContext:
             from bladellm.lora.registry import LoRANotFoundError, LoRARegistryFullError
 
             try:
-                lora = registry.resolve(name)
+                lora = await self._resolve(registry, name)
             except LoRANotFoundError as exc:
                 why = (f" It is not a LoRA adapter either: {exc} (adapters are named by "
                        f"--lora_modules or /v1/load_lora_adapter, or by a path under a "
@@ -104,8 +132,24 @@ class ServingContext:
         raise APIError(404, f"The model `{name}` does not exist.{why}", "invalid_request_error",
                        param="model", code="model_not_found")
 
+    async def _resolve(self, registry: Any, name: str) -> Any:
+        holds = self.holds
+        if holds is None or not hasattr(registry, "acquire"):
+            return await self.offload.run(registry.resolve, name)
+        # Resolved and held in one step in the thread. Shielded: a client gone meanwhile does
+        # not stop the thread, so its hold is then released when it is done, not left behind.
+        work = asyncio.ensure_future(self.offload.run(registry.resolve, name, hold=True))
+        try:
+            lora = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(lambda done: done.cancelled() or done.exception() is not None
+                                   or registry.release(done.result()))
+            raise
+        holds.add(registry, lora)
+        return lora
+
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 lora: Any = None, priority: int = 0) -> Any:
+                 lora: Any = None, priority: int = 0, images: list | None = None) -> Any:
         """The engine's stream for one prompt, with the request's LoRA adapter and scheduling
         priority if any (the engine refuses a priority other than 0 under fcfs: a 400); an
         adapter is marked in use (not evictable from the registry) while its stream lives."""
@@ -114,6 +158,8 @@ class ServingContext:
             kwargs["lora_request"] = lora
         if priority != 0:
             kwargs["priority"] = priority
+        if images:  # PIL images of the chat's image_url parts, in order
+            kwargs["images"] = images
         stream = self.engine.generate(prompt, params, request_id, **kwargs)
         registry = getattr(self.engine, "lora_registry", None)
         if lora is None or registry is None or not hasattr(registry, "acquire"):

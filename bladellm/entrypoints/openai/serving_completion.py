@@ -64,7 +64,7 @@ def _check(req: CompletionRequest) -> None:
 
 async def create_completion(req: CompletionRequest, raw: Request,
                             ctx: ServingContext) -> Response:
-    lora = ctx.check_model(req.model)
+    lora = await ctx.check_model(req.model)
     _check(req)
     prompts = _prompts(req, ctx.max_prompts_per_request)
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS

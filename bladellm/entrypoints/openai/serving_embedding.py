@@ -75,7 +75,7 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
 
 async def create_embedding(req: EmbeddingRequest, raw: Request,
                            ctx: ServingContext) -> Response:
-    if ctx.check_model(req.model) is not None:
+    if await ctx.check_model(req.model) is not None:
         # The embedding path has no adapter delta: the base model's vectors would be returned
         # under the adapter's name.
         raise bad_request("model: embeddings with a LoRA adapter are not supported; use the "

@@ -10,7 +10,7 @@ the same functions as chat streaming, for both modes (so a stream and a plain re
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,6 @@ from bladellm.entrypoints.openai.serving_common import (
 from bladellm.entrypoints.openai.structured_output import after_reasoning
 from bladellm.entrypoints.openai.tool_calls import (
     ToolChoice, forced_constraint, parse_tool_choice)
-from bladellm.errors import EngineDeadError
 from bladellm.http.errors import APIError, bad_request, unsupported
 from bladellm.http.handlers import from_exception
 from bladellm.outputs import RequestOutput
@@ -93,13 +92,16 @@ class ResponsesService:
     ctx: ServingContext
     store: ResponseStore
 
-    async def create(self, req: ResponsesRequest, raw: Request) -> Response:
-        ctx = self.ctx
-        lora = ctx.check_model(req.model)
+    async def create(self, req: ResponsesRequest, raw: Request,
+                     ctx: ServingContext | None = None) -> Response:
+        """``ctx``: the request's own (``ServingContext.for_request``), else the service's."""
+        ctx = ctx or self.ctx
+        lora = await ctx.check_model(req.model)
         check_request(req)
-        items = self._history(req) + with_ids(input_items(req))
-        chat = chat_request(req, items)
-        tools = parse_tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+        history = self._history(req)
+        # Off the loop: an input may hold hundreds of thousands of items.
+        items, chat, tools = await ctx.offload.run(
+            _conversation, req, list(history.items) if history else [])
         prompt, prompt_text = await ctx.offload.run(_prompt, chat, ctx, tools)
         parser = (ctx.reasoning_parser.for_prompt(prompt_text)
                   if ctx.reasoning_parser is not None else None)
@@ -125,28 +127,33 @@ class ResponsesService:
         if req.stream:
             first = await naming_context_errors(until_disconnect(anext(merged), raw), "input",
                                                 "max_output_tokens")
-            body = self._stream(run, first, merged, items)
+            body = self._stream(run, first, merged, items, history)
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
         await naming_context_errors(until_disconnect(self._collect(run, merged), raw),
                                     "input", "max_output_tokens")
-        self._keep(run, items)
+        await self._keep(run, items, history)
         return Response(response.model_dump_json(), media_type="application/json")
 
-    def _history(self, req: ResponsesRequest) -> list[dict[str, Any]]:
+    def _history(self, req: ResponsesRequest) -> StoredResponse | None:
         if req.previous_response_id is None:
-            return []
+            return None
         entry = self.store.get(req.previous_response_id)
         if entry is None:
             raise APIError(404, f"Previous response with id '{req.previous_response_id}' not "
                                 f"found.", param="previous_response_id",
                            code="previous_response_not_found")
-        return list(entry.items)
+        return entry
 
-    def _keep(self, run: _Run, items: list[dict[str, Any]]) -> None:
+    async def _keep(self, run: _Run, items: list[dict[str, Any]],
+                    history: StoredResponse | None) -> None:
         response = run.builder.response
         if response.store:
             output = [item.model_dump(mode="json") for item in response.output]
-            self.store.put(StoredResponse(response, items + output, len(items)))
+            earlier = len(history.items) if history else 0
+            # Sized off the loop: an input of many items is tens of MiB of JSON.
+            size = await self.ctx.offload.run(_json_size, response, items[earlier:] + output)
+            size += history.size if history else 0
+            self.store.put(StoredResponse(response, items + output, len(items), size))
 
     @staticmethod
     async def _collect(run: _Run, merged: AsyncIterator) -> None:
@@ -156,7 +163,8 @@ class ResponsesService:
         run.finish()
 
     async def _stream(self, run: _Run, first: Any, merged: AsyncIterator,
-                      items: list[dict[str, Any]]) -> AsyncIterator[str]:
+                      items: list[dict[str, Any]],
+                      history: StoredResponse | None) -> AsyncIterator[str]:
         builder = run.builder
         try:
             builder.start()
@@ -171,7 +179,7 @@ class ResponsesService:
                 except StopAsyncIteration:
                     break
             run.finish()
-            self._keep(run, items)
+            await self._keep(run, items, history)
         except Exception as exc:  # noqa: BLE001 - mid-stream failure: tell the client in-band
             # Events made before the failure still go out: sequence numbers have no gaps.
             builder.fail(from_exception(exc).message)
@@ -227,8 +235,21 @@ class ResponsesService:
                        param="response_id", code="response_not_cancellable")
 
 
+def _json_size(response: ResponseObject, items: list[dict[str, Any]]) -> int:
+    return len(response.model_dump_json()) + len(json.dumps(items))
+
+
 def _json(body: str) -> Response:
     return Response(body, media_type="application/json")
+
+
+def _conversation(req: ResponsesRequest, earlier: list[dict[str, Any]],
+                  ) -> tuple[list[dict[str, Any]], ChatCompletionRequest, ToolChoice | None]:
+    """The conversation's items (earlier turns, then this input), and the chat request and tool
+    choice they make."""
+    items = earlier + with_ids(input_items(req))
+    chat = chat_request(req, items)
+    return items, chat, parse_tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
 
 
 def _prompt(chat: ChatCompletionRequest, ctx: ServingContext,
@@ -259,26 +280,29 @@ def _sampling_params(chat: ChatCompletionRequest, ctx: ServingContext,
         raise
 
 
-def add_responses_routes(router: APIRouter, ctx: ServingContext, engine: Any,
-                         server_config: Any) -> None:
-    """The Responses routes, with their own store (one per app)."""
+def add_responses_routes(router: APIRouter, ctx: ServingContext, server_config: Any,
+                         serve: Callable[[Request, type, Any], Awaitable[Response]]) -> None:
+    """The Responses routes, with their own store (one per app). ``serve``: the app's POST
+    path (api_server.py), which parses the body off the event loop like every other POST."""
     service = ResponsesService(ctx, ResponseStore(server_config.responses_store_max_entries,
-                                                  server_config.responses_store_ttl))
+                                                  server_config.responses_store_ttl,
+                                                  server_config.responses_store_bytes))
     retry_after = server_config.retry_after
 
-    async def guarded(work: Any, needs_engine: bool = False) -> Response:
+    async def guarded(work: Any) -> Response:
         try:
-            if needs_engine and engine.is_dead:
-                raise EngineDeadError(engine.dead_reason or "the engine died")
             return await work()
         except (ClientDisconnected, ClientDisconnect):
             return Response(status_code=499)
         except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error body
             return from_exception(exc, retry_after).response()
 
-    @router.post("/v1/responses", response_model=None)
-    async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        return await guarded(lambda: service.create(body, request), needs_engine=True)
+    async def create(req: ResponsesRequest, raw: Request, request_ctx: ServingContext) -> Response:
+        return await service.create(req, raw, request_ctx)
+
+    @router.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await serve(request, ResponsesRequest, create)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:

@@ -59,7 +59,7 @@ def _json(model: BaseModel) -> Response:
 
 
 async def tokenize(req: TokenizeRequest, raw: Request, ctx: ServingContext) -> Response:
-    ctx.check_model(req.model)
+    await ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("exactly one of prompt and messages must be given", "prompt")
     if req.prompt is not None:
@@ -87,7 +87,7 @@ async def tokenize(req: TokenizeRequest, raw: Request, ctx: ServingContext) -> R
 
 
 async def detokenize(req: DetokenizeRequest, raw: Request, ctx: ServingContext) -> Response:
-    ctx.check_model(req.model)
+    await ctx.check_model(req.model)
     check_token_ids(req.tokens, ctx.vocab_size, "tokens")
     text = await ctx.offload.run(ctx.tokenizer.decode, req.tokens)
     return _json(DetokenizeResponse(prompt=text))

@@ -153,10 +153,13 @@ class LlamaModel(nn.Module):
             return self.is_last_stage
         return True
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor | None:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``inputs_embeds``: the input embeddings when the caller made them (a vision-language
+        model puts image features at the image tokens' rows); else from ``input_ids``."""
         if self.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
             if self.compiled_stack is not None:
                 out = self.compiled_stack(hidden, positions, ctx)
                 if out is not None:
@@ -227,10 +230,10 @@ class LlamaForCausalLM(nn.Module):
         tensor-parallel size does not divide the KV heads)."""
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor | None:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         """Final hidden states; None on a pipeline stage other than the last."""
-        return self.model(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

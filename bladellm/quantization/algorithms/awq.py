@@ -16,19 +16,17 @@ import torch
 from torch import nn
 
 from bladellm.quantization.algorithms.base import LayerResult
-from bladellm.quantization.algorithms.layer_io import (LINEAR_NAMES, LayerInputs,
-                                                        capture_inputs, linear)
+from bladellm.quantization.algorithms.layer_io import LayerInputs, capture_inputs, linear
+from bladellm.quantization.algorithms.layouts import layout_of_layer
 from bladellm.quantization.algorithms.quantizer import (GroupQuantSpec, fake_quantize_groups,
                                                          rtn_quantize)
-from bladellm.quantization.algorithms.smoothing import (ATTN_IN, ATTN_OUT, MLP_IN, MLP_OUT,
-                                                         applicable_groups, apply_scales,
+from bladellm.quantization.algorithms.smoothing import (applicable_groups, apply_scales,
                                                          group_inputs, input_absmean,
                                                          search_scales)
 
 N_GRID = 20
 MAX_SHRINK = 0.5
 CLIP_TOKENS = 512
-CLIP_SKIP = ("self_attn.q_proj", "self_attn.k_proj")
 
 
 def awq_candidates(x_mean: torch.Tensor) -> list[torch.Tensor]:
@@ -80,14 +78,16 @@ class AWQ:
 
     def quantize_layer(self, layer: nn.Module, inputs: LayerInputs | None) -> LayerResult:
         assert inputs is not None
-        for group in applicable_groups(layer, (ATTN_IN, ATTN_OUT, MLP_IN, MLP_OUT)):
+        layout = layout_of_layer(layer)
+        groups = (layout.attn_in, layout.attn_out, layout.mlp_in, layout.mlp_out)
+        for group in applicable_groups(layer, groups):
             xs = group_inputs(layer, group, inputs)
             candidates = awq_candidates(input_absmean(xs))
             best, _ = search_scales(layer, group, inputs, xs, candidates, self.spec)
             self.chosen_ratios.append(best / N_GRID)
             apply_scales(layer, group, candidates[best])
         if self.clip:
-            names = tuple(n for n in LINEAR_NAMES if n not in CLIP_SKIP)
+            names = tuple(n for n in layout.linear_names if n not in layout.clip_skip)
             seen = capture_inputs(layer, inputs, names)
             for n in names:
                 lin = linear(layer, n)
@@ -97,4 +97,5 @@ class AWQ:
                 bound = bound.repeat_interleave(gs, dim=1)
                 lin.weight.data = torch.clamp(lin.weight.data, -bound, bound)
             del seen
-        return {n: rtn_quantize(linear(layer, n).weight.data, self.spec) for n in LINEAR_NAMES}
+        return {n: rtn_quantize(linear(layer, n).weight.data, self.spec)
+                for n in layout.linear_names}

@@ -21,7 +21,7 @@ from torch import nn
 from bladellm.quantization.algorithms.base import LayerResult
 from bladellm.quantization.algorithms.layer_io import (LayerInputs, input_hooks, linear,
                                                         run_layer)
-from bladellm.quantization.algorithms.moe import linear_groups
+from bladellm.quantization.algorithms.layouts import layout_of_layer
 from bladellm.quantization.algorithms.quantizer import (GroupQuantSpec, QuantizedWeight,
                                                          find_params, quantize_to_int,
                                                          rtn_quantize)
@@ -133,9 +133,9 @@ class GPTQ:
         assert inputs is not None
         result: LayerResult = {}
         self.tokens_seen = {}
-        for group in linear_groups(layer):
+        for group in layout_of_layer(layer).sequential:
             hessians = {n: HessianAccumulator(linear(layer, n).in_features) for n in group}
-            with input_hooks(layer, group, lambda n, x: hessians[n].add_batch(x)):
+            with input_hooks(layer, group, lambda n, x, h=hessians: h[n].add_batch(x)):
                 run_layer(layer, inputs)
             for n in group:
                 lin = linear(layer, n)

@@ -5,8 +5,8 @@ keyword arguments the model passes every layer (rotary ``position_embeddings``, 
 mask, ``position_ids``), captured once in front of layer 0. Samples stay separate (batch 1)
 because calibration chunks may differ in length.
 
-Module names are relative to a decoder layer (``self_attn.q_proj``); the Llama family layout
-(llama, mistral, qwen2, qwen3) is assumed and checked by ``check_layer_layout``.
+Module names are relative to a decoder layer (``self_attn.q_proj``); each family's names are its
+``LayerLayout`` (layouts.py), checked by ``check_layer_layout``.
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-O_PROJ = ("self_attn.o_proj",)
-GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
-DOWN = ("mlp.down_proj",)
-# Quantized one group after the other, each seeing the already-quantized groups before it
-# (AutoGPTQ's ``true_sequential``).
-SEQUENTIAL_GROUPS = (QKV, O_PROJ, GATE_UP, DOWN)
-LINEAR_NAMES = QKV + O_PROJ + GATE_UP + DOWN
+from bladellm.quantization.algorithms.layouts import LLAMA, layout_of_layer
+
+# The Llama family's: quantized one group after the other, each seeing the already-quantized
+# groups before it (AutoGPTQ's ``true_sequential``).
+SEQUENTIAL_GROUPS = LLAMA.sequential
+LINEAR_NAMES = LLAMA.linear_names
 
 
 @dataclass
@@ -39,15 +37,20 @@ class LayerInputs:
 
 
 def check_layer_layout(layer: nn.Module) -> None:
-    # A mixture-of-experts layer's MLP is checked by algorithms/moe.py (unfuse_experts).
-    moe = getattr(getattr(layer, "mlp", None), "experts", None) is not None
-    names = (QKV + O_PROJ) if moe else LINEAR_NAMES
-    for name in names + ("input_layernorm", "post_attention_layernorm"):
+    layout = layout_of_layer(layer)
+    for name in layout.linear_names + layout.norms:
         try:
             layer.get_submodule(name)
         except AttributeError as e:
             raise ValueError(f"--model: decoder layer {type(layer).__name__} has no {name}; "
-                             f"blade_llm_quantize supports Llama-family layers only") from e
+                             f"blade_llm_quantize reads the Llama, OPT, Phi-3 and GLM layer "
+                             f"layouts only") from e
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """A causal LM's decoder layers (``model.layers``; OPT: ``model.decoder.layers``)."""
+    inner = model.model
+    return inner.decoder.layers if hasattr(inner, "decoder") else inner.layers
 
 
 def _layer_output(out: Any) -> torch.Tensor:
@@ -88,10 +91,11 @@ def call_submodule(layer: nn.Module, name: str, x: torch.Tensor,
     """The output of submodule ``name`` for input ``x``; attention gets the layer's rotary
     embeddings and mask."""
     module = layer.get_submodule(name)
-    if name == "self_attn":
-        return _layer_output(module(
-            hidden_states=x, position_embeddings=kwargs["position_embeddings"],
-            attention_mask=kwargs.get("attention_mask"), position_ids=kwargs.get("position_ids")))
+    if name == "self_attn":  # OPT's attention takes no position_embeddings (learned positions)
+        passed = {k: kwargs[k] for k in ("position_embeddings", "position_ids")
+                  if kwargs.get(k) is not None}
+        return _layer_output(module(hidden_states=x, attention_mask=kwargs.get("attention_mask"),
+                                    **passed))
     return module(x)
 
 

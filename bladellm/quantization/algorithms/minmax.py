@@ -6,7 +6,7 @@ from torch import nn
 
 from bladellm.quantization.algorithms.base import LayerResult
 from bladellm.quantization.algorithms.layer_io import LayerInputs, linear
-from bladellm.quantization.algorithms.moe import linear_groups
+from bladellm.quantization.algorithms.layouts import layout_of_layer
 from bladellm.quantization.algorithms.quantizer import GroupQuantSpec, rtn_quantize
 
 
@@ -19,4 +19,4 @@ class MinMax:
 
     def quantize_layer(self, layer: nn.Module, inputs: LayerInputs | None) -> LayerResult:
         return {n: rtn_quantize(linear(layer, n).weight.data, self.spec)
-                for group in linear_groups(layer) for n in group}
+                for n in layout_of_layer(layer).linear_names}

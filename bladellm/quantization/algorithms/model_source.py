@@ -17,7 +17,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-LAYER_PREFIX = "model.layers."
+from bladellm.quantization.algorithms.layouts import LAYER_PREFIXES
+
+LAYER_PREFIX = "model.layers."  # the Llama family's (OPT's: model.decoder.layers.)
 
 
 def weight_files(model_dir: str) -> dict[str, str]:
@@ -52,8 +54,13 @@ class ModelSource:
 
         self.model_dir, self.cpu_offload = model_dir, cpu_offload
         self.files = weight_files(model_dir)
+        self.layer_prefix = layer_prefix(self.files)
         self.config = transformers.AutoConfig.from_pretrained(model_dir)
         if cpu_offload:
+            if self.layer_prefix != LAYER_PREFIX:
+                raise ValueError(f"--cpu_offload: not supported for "
+                                 f"{type(self.config).__name__} checkpoints (layers under "
+                                 f"{self.layer_prefix!r}); quantize without it")
             with torch.device("meta"):
                 model = transformers.AutoModelForCausalLM.from_config(
                     self.config, dtype=torch.float32, attn_implementation="sdpa")
@@ -68,10 +75,13 @@ class ModelSource:
 
     @property
     def layers(self) -> nn.ModuleList:
-        return self.model.model.layers
+        from bladellm.quantization.algorithms.layer_io import decoder_layers
+
+        return decoder_layers(self.model)
 
     def source_dtype(self) -> torch.dtype:
-        name = next(n for n in self.files if n.startswith(LAYER_PREFIX) and n.endswith("weight"))
+        name = next(n for n in self.files
+                    if n.startswith(self.layer_prefix) and n.endswith("weight"))
         with safe_open(self.files[name], "pt") as f:
             return f.get_tensor(name).dtype
 
@@ -87,7 +97,7 @@ class ModelSource:
     def load_layer(self, i: int) -> nn.Module:
         layer = self.layers[i]
         if self.cpu_offload:
-            self._materialize(layer, f"{LAYER_PREFIX}{i}.")
+            self._materialize(layer, f"{self.layer_prefix}{i}.")
         return layer
 
     def release_layer(self, i: int) -> None:
@@ -95,4 +105,11 @@ class ModelSource:
             self.layers[i].to("meta")
 
     def non_layer_names(self) -> list[str]:
-        return sorted(n for n in self.files if not n.startswith(LAYER_PREFIX))
+        return sorted(n for n in self.files if not n.startswith(self.layer_prefix))
+
+
+def layer_prefix(files: dict[str, str]) -> str:
+    """The decoder layers' tensor name prefix (OPT checkpoints saved from ``OPTModel`` drop
+    the leading ``model.``)."""
+    return next((p for p in LAYER_PREFIXES if any(n.startswith(p) for n in files)),
+                LAYER_PREFIX)

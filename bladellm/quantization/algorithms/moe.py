@@ -4,7 +4,8 @@ transformers keeps a layer's experts stacked (``mlp.experts.gate_up_proj [E, 2I,
 ``down_proj [E, H, I]``), so no hook sees one expert's inputs. ``unfuse_experts`` replaces that
 module by ``PerExpertMLPs``: one ``nn.Linear`` per expert projection under the checkpoint's own
 names (``mlp.experts.{e}.gate_proj`` / Mixtral's ``w1``), computing what transformers' loop
-computes. Each expert's linears then see exactly the tokens routed to it, so GPTQ's Hessians
+computes. Its ``expert_names`` give the layer's layout (layouts.py ``moe_layout``, found by
+``layout_of_layer`` as every family's is). Each expert's linears then see exactly the tokens routed to it, so GPTQ's Hessians
 are per expert, and the checkpoint is written per expert as AutoGPTQ / GPTQModel write it.
 
 Calibration coverage: every calibration token that reaches an expert is counted (the tokens
@@ -27,7 +28,6 @@ import torch
 from torch import nn
 
 from bladellm.checkpoint.moe import is_sparse_layer, num_experts
-from bladellm.quantization.algorithms.layer_io import DOWN, GATE_UP, O_PROJ, QKV
 
 # Architecture -> (checkpoint name of the MoE block in a layer, an expert's gate, up, down).
 MOE_ARCHITECTURES: dict[str, tuple[str, tuple[str, str, str]]] = {
@@ -83,6 +83,11 @@ class PerExpertMLPs(nn.Module):
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
+    @property
+    def expert_names(self) -> tuple[tuple[str, str, str], ...]:
+        """Each expert's (gate, up, down) module names, for layouts.py ``moe_layout``."""
+        return tuple(getattr(self, str(e)).names for e in range(self.num_experts))
+
 
 def unfuse_experts(layer: nn.Module, names: tuple[str, str, str]) -> PerExpertMLPs | None:
     """Replace ``layer.mlp.experts`` (stacked) by ``PerExpertMLPs``; None for a dense layer
@@ -99,24 +104,6 @@ def unfuse_experts(layer: nn.Module, names: tuple[str, str, str]) -> PerExpertML
     experts = PerExpertMLPs(stacked, names)
     mlp.experts = experts
     return experts
-
-
-def linear_groups(layer: nn.Module) -> tuple[tuple[str, ...], ...]:
-    """The layer's linears in ``true_sequential`` order (names relative to the layer): q/k/v,
-    o, every gate/up (experts' and the shared expert's), every down. Routers excluded."""
-    experts = getattr(getattr(layer, "mlp", None), "experts", None)
-    if not isinstance(experts, PerExpertMLPs):
-        return (QKV, O_PROJ, GATE_UP, DOWN)
-    gate_up: list[str] = []
-    down: list[str] = []
-    for e in range(experts.num_experts):
-        g, u, d = getattr(experts, str(e)).names
-        gate_up += [f"mlp.experts.{e}.{g}", f"mlp.experts.{e}.{u}"]
-        down.append(f"mlp.experts.{e}.{d}")
-    if getattr(layer.mlp, "shared_expert", None) is not None:
-        gate_up += ["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"]
-        down.append("mlp.shared_expert.down_proj")
-    return (QKV, O_PROJ, tuple(gate_up), tuple(down))
 
 
 def expert_token_counts(layer: nn.Module, tokens_seen: dict[str, int]) -> list[int] | None:
@@ -149,5 +136,5 @@ def required_mlp_tensors(raw: dict[str, Any], arch: str, layer: int) -> list[str
 
 
 __all__ = ["MOE_ARCHITECTURES", "PerExpertMLPs", "UNCALIBRATED_RULE", "checkpoint_name",
-           "expert_token_counts", "linear_groups", "moe_architecture", "required_mlp_tensors",
+           "expert_token_counts", "moe_architecture", "required_mlp_tensors",
            "unfuse_experts"]

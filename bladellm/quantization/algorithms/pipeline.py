@@ -25,10 +25,9 @@ from torch import nn
 
 from bladellm.quantization.algorithms.base import LayerAlgorithm, LayerResult
 from bladellm.quantization.algorithms.config import QuantizeConfig
-from bladellm.quantization.algorithms.layer_io import (LayerInputs, check_layer_layout, linear,
-                                                       run_layer)
-from bladellm.quantization.algorithms.model_source import (LAYER_PREFIX, ModelSource,
-                                                           read_tensors)
+from bladellm.quantization.algorithms.layer_io import (LayerInputs, check_layer_layout,
+                                                       decoder_layers, linear, run_layer)
+from bladellm.quantization.algorithms.model_source import ModelSource, read_tensors
 from bladellm.quantization.algorithms.moe import (MOE_ARCHITECTURES, UNCALIBRATED_RULE,
                                                   checkpoint_name, expert_token_counts,
                                                   moe_architecture, unfuse_experts)
@@ -86,7 +85,7 @@ def capture_layer0_inputs(model: nn.Module, samples: list[torch.Tensor]) -> Laye
                        if k not in ("past_key_values", "use_cache", "hidden_states")})
         raise _StopForward
 
-    handle = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    handle = decoder_layers(model)[0].register_forward_pre_hook(hook, with_kwargs=True)
     try:
         for ids in samples:
             try:
@@ -190,7 +189,7 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
         counts = (expert_token_counts(layer, getattr(algo, "tokens_seen", {}))
                   if inputs is not None else None)
         if counts is not None:
-            where = f"{LAYER_PREFIX}{i}.{moe_block}.experts"
+            where = f"{source.layer_prefix}{i}.{moe_block}.experts"
             expert_tokens[where] = counts
             missed = [f"{where}.{e}" for e, n in enumerate(counts) if n == 0]
             uncalibrated += missed
@@ -203,7 +202,8 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
             inputs = LayerInputs(run_layer(layer, inputs), inputs.kwargs)
             for h in handles:
                 h.remove()
-        out.write_shard(_layer_tensors(layer, f"{LAYER_PREFIX}{i}.", result, dtype, moe_block))
+        out.write_shard(_layer_tensors(layer, f"{source.layer_prefix}{i}.", result, dtype,
+                                       moe_block))
         del result
         source.release_layer(i)
     rest = source.non_layer_names()

@@ -9,36 +9,31 @@ candidate's error (attention for q/k/v, the MLP for gate/up, the linear itself o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from bladellm.quantization.algorithms.layer_io import (LayerInputs, call_submodule,
                                                         capture_inputs, linear)
+from bladellm.quantization.algorithms.layouts import LLAMA, SmoothGroup
 from bladellm.quantization.algorithms.quantizer import GroupQuantSpec, fake_quantize_groups
 
+__all__ = ["SmoothGroup", "ATTN_IN", "ATTN_OUT", "MLP_IN", "MLP_OUT"]
 
-@dataclass(frozen=True)
-class SmoothGroup:
-    prev: str
-    linears: tuple[str, ...]
-    inspect: str
+# The Llama family's groups (each family's: its ``LayerLayout``).
+ATTN_IN, ATTN_OUT, MLP_IN, MLP_OUT = LLAMA.attn_in, LLAMA.attn_out, LLAMA.mlp_in, LLAMA.mlp_out
 
 
-ATTN_IN = SmoothGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj",
-                                          "self_attn.v_proj"), "self_attn")
-ATTN_OUT = SmoothGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj")
-MLP_IN = SmoothGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp")
-MLP_OUT = SmoothGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj")
-
-
-def applicable_groups(layer: nn.Module, groups: tuple[SmoothGroup, ...]) -> list[SmoothGroup]:
-    """Drop v_proj -> o_proj when their channels do not line up one to one (grouped-query
-    attention repeats v's heads), as AutoAWQ does."""
+def applicable_groups(layer: nn.Module,
+                      groups: tuple[SmoothGroup | None, ...]) -> list[SmoothGroup]:
+    """Drop the groups the layout has none of (None), and a linear -> linear group whose
+    channels do not line up one to one (grouped-query attention repeats v's heads), as AutoAWQ
+    does."""
     keep = []
     for g in groups:
-        if g is ATTN_OUT and linear(layer, g.prev).out_features != \
+        if g is None:
+            continue
+        prev = layer.get_submodule(g.prev)
+        if isinstance(prev, nn.Linear) and prev.out_features != \
                 linear(layer, g.linears[0]).in_features:
             continue
         keep.append(g)
@@ -52,8 +47,10 @@ def apply_scales(layer: nn.Module, group: SmoothGroup, scales: torch.Tensor) -> 
         prev.weight.data.div_(scales.unsqueeze(1))
         if prev.bias is not None:
             prev.bias.data.div_(scales)
-    else:  # RMSNorm: y = w * x / rms(x)
+    else:  # RMSNorm: y = w * x / rms(x); LayerNorm: y = w * norm(x) + b
         prev.weight.data.div_(scales)
+        if getattr(prev, "bias", None) is not None:
+            prev.bias.data.div_(scales)
     for n in group.linears:
         linear(layer, n).weight.data.mul_(scales.unsqueeze(0))
 

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from bladellm.quantization.algorithms.base import LayerResult
-from bladellm.quantization.algorithms.layer_io import LINEAR_NAMES, LayerInputs, linear
+from bladellm.quantization.algorithms.layer_io import LayerInputs, linear
+from bladellm.quantization.algorithms.layouts import layout_of_layer
 from bladellm.quantization.algorithms.quantizer import (GroupQuantSpec, int8_channel_quantize,
                                                          rtn_quantize)
-from bladellm.quantization.algorithms.smoothing import (ATTN_IN, MLP_IN, MLP_OUT, SmoothGroup,
+from bladellm.quantization.algorithms.smoothing import (SmoothGroup, applicable_groups,
                                                          apply_scales, group_inputs,
                                                          input_absmax, search_scales,
                                                          weight_absmax)
@@ -44,12 +45,14 @@ class SmoothQuant:
 
     def quantize_layer(self, layer: nn.Module, inputs: LayerInputs | None) -> LayerResult:
         assert inputs is not None
+        layout = layout_of_layer(layer)
         if self.smoothing:
-            for group in (ATTN_IN, MLP_IN):
+            for group in applicable_groups(layer, (layout.attn_in, layout.mlp_in)):
                 act_max = input_absmax(group_inputs(layer, group, inputs))
                 apply_scales(layer, group, smooth_scales(act_max, weight_absmax(layer, group),
                                                          self.alpha))
-        return {n: int8_channel_quantize(linear(layer, n).weight.data) for n in LINEAR_NAMES}
+        return {n: int8_channel_quantize(linear(layer, n).weight.data)
+                for n in layout.linear_names}
 
 
 class SmoothQuantPlus:
@@ -72,6 +75,8 @@ class SmoothQuantPlus:
 
     def quantize_layer(self, layer: nn.Module, inputs: LayerInputs | None) -> LayerResult:
         assert inputs is not None
-        for group in (ATTN_IN, MLP_IN, MLP_OUT):
+        layout = layout_of_layer(layer)
+        for group in applicable_groups(layer, (layout.attn_in, layout.mlp_in, layout.mlp_out)):
             self._smooth(layer, group, inputs)
-        return {n: rtn_quantize(linear(layer, n).weight.data, self.spec) for n in LINEAR_NAMES}
+        return {n: rtn_quantize(linear(layer, n).weight.data, self.spec)
+                for n in layout.linear_names}

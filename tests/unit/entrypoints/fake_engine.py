@@ -30,6 +30,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(i) for i in ids if i >= 2)
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(i) for i in ids]
+
     def __call__(self, text: str, add_special_tokens: bool = True) -> Any:
         return type("Enc", (), {"input_ids": self.encode(text, add_special_tokens)})()
 
@@ -93,6 +96,12 @@ class FakeAsyncLLM:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
+    async def remove_lora(self, name: str) -> None:  # as AsyncLLM's, with no engine copy
+        registry = getattr(self, "lora_registry", None)  # set by the LoRA tests
+        if registry is None:
+            raise ValueError("LoRA is not enabled (--enable_lora)")
+        registry.remove(name)
+
     @property
     def num_in_flight(self) -> int:
         return len(self.active)
@@ -120,7 +129,8 @@ class FakeAsyncLLM:
         return [EmbeddingOutput([float(len(one)), float(one[0])], one) for one in ids]
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       *, delta: bool = True, priority: int = 0):
+                       *, delta: bool = True, priority: int = 0, lora_request: Any = None):
+        self.lora_requests = [*getattr(self, "lora_requests", []), lora_request]
         self.calls.append((prompt, params, request_id))
         self.priorities.append(priority)
         await self.check_health()

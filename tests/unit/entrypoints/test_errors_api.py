@@ -153,7 +153,7 @@ async def test_bad_structured_output_is_400(client, engine, path, extra, param, 
     (CHAT, {"best_of": 2}, "best_of"),
     (CHAT, {"audio": {"voice": "x"}}, "audio"),
     (CHAT, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content"),
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content[0]"),
     (CMPL, {"suffix": "tail"}, "suffix"),
     (CMPL, {"best_of": 3, "n": 1}, "best_of"),
     (CHAT, {"prompt_logprobs": 1}, "prompt_logprobs"),

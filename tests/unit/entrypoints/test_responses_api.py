@@ -403,3 +403,29 @@ async def test_client_gone_mid_upload_is_not_a_server_error(fake, caplog):
         await asyncio.wait_for(app(scope, receive, send), timeout=10)
     assert sent[0]["status"] < 500 and not fake.calls
     assert "Traceback" not in caplog.text
+
+
+async def test_body_is_parsed_off_the_event_loop(fake, monkeypatch):
+    """POST /v1/responses goes through the app's ``serve`` like every other POST: its body is
+    parsed (and bounded) in a worker thread, not on the event loop."""
+    import threading
+
+    from bladellm.entrypoints.openai import body_bounds
+    from bladellm.entrypoints.openai.protocol_responses import ResponsesRequest
+
+    parsed: list[tuple[type, int]] = []
+    real = body_bounds._parse
+
+    def spy(model_cls, body, bounds):
+        parsed.append((model_cls, threading.get_ident()))
+        return real(model_cls, body, bounds)
+
+    monkeypatch.setattr(body_bounds, "_parse", spy)
+    _, http = _sdk(build_app(fake, ServerConfig()))
+    r = await http.post("/v1/responses", json={"model": "fake-model", "input": "hi"})
+    assert r.status_code == 200, r.text
+    assert [cls for cls, _ in parsed] == [ResponsesRequest]
+    assert parsed[0][1] != threading.get_ident()
+    r = await http.post("/v1/responses", content=b"{not json",
+                        headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text

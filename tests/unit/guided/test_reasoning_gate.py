@@ -148,3 +148,18 @@ def test_speculative_rows_across_the_end_of_the_thinking(manager, tokenizer):
     rows = _rows(manager, optional, [start] + _enc(tokenizer, "ok"))
     assert rows[0].view(np.uint32)[start // 32] & (1 << (start % 32))
     assert (rows[1:] == -1).all()
+
+
+def test_rejected_answer_draft_leaves_the_thinking_optional(manager, tokenizer):
+    """A speculative draft that starts answering, then is rejected whole, must not close the
+    optional thinking: the target's own next token may still be the start tag."""
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    end = [tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    state = _state(manager, reasoning_end=end, reasoning_start=start)
+    draft = _enc(tokenizer, "12")
+    assert state.accept_tokens(draft) == len(draft) and state.gate.state == OPEN
+    state.rollback(len(draft))
+    assert state.gate.state == OPTIONAL
+    hmm = _enc(tokenizer, "hmm")
+    assert state.accept_tokens([start] + hmm) == 1 + len(hmm)  # the thinking opens after all
+    assert state.gate.state == THINKING

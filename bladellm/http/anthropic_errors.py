@@ -4,6 +4,9 @@ The server's handlers, its auth check and its middlewares (body limit, shutdown)
 OpenAI's shape; ``AnthropicErrors`` rewrites every error response on the Messages paths, so that
 each of them, whoever raised it, reaches an Anthropic client as the SDK expects it. Status codes
 follow Anthropic's: a full queue is 529 ``overloaded_error``.
+
+Here in ``http/`` (shared by the server and ``blade_llm_router``): the router answers its own
+errors on the Messages paths (no instance, timeout, body too large, API key) in this shape too.
 """
 
 from __future__ import annotations

@@ -1,0 +1,108 @@
+"""The model's own transformers image processor, and the prompt's image placeholders.
+
+Runs in the API process (``InputProcessor``, inside its CPU offload thread): each image goes
+through the checkpoint's image processor (``AutoImageProcessor``), and each image placeholder
+token of the prompt is expanded to as many tokens as the vision encoder will produce rows for
+that image; the request then carries one ``MultiModalItem`` per image. One ``ImageSpec`` per
+architecture says what the placeholder is and how many tokens an image takes; Qwen2-VL's
+(dynamic resolution: the count depends on the image's size) fits the same shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bladellm.config import MultiModalConfig
+from bladellm.multimodal.image import ImageError, check_image
+from bladellm.multimodal.inputs import MultiModalItem, TensorData, content_hash
+
+
+@dataclass(frozen=True)
+class LlavaSpec:
+    """LLaVA: ``<image>`` (``image_token_index``) stands for one image; the projector emits one
+    row per patch, plus the CLS row when ``vision_feature_select_strategy`` is ``full``."""
+
+    image_token_id: int
+    patch_size: int
+    keeps_cls: bool
+
+    @classmethod
+    def of(cls, hf_config: Any) -> "LlavaSpec":
+        strategy = hf_config.vision_feature_select_strategy
+        if strategy not in ("default", "full"):
+            raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported "
+                             f"(default or full)")
+        return cls(int(hf_config.image_token_index), int(hf_config.vision_config.patch_size),
+                   strategy == "full")
+
+    def num_tokens(self, tensors: dict[str, np.ndarray]) -> int:
+        height, width = tensors["pixel_values"].shape[-2:]
+        return (height // self.patch_size) * (width // self.patch_size) + int(self.keeps_cls)
+
+
+_SPECS = {"LlavaForConditionalGeneration": LlavaSpec}
+
+
+def is_multimodal(hf_config: Any) -> bool:
+    return any(arch in _SPECS for arch in getattr(hf_config, "architectures", None) or ())
+
+
+class ImageInputProcessor:
+    """Images + prompt token ids -> expanded token ids + one ``MultiModalItem`` per image."""
+
+    def __init__(self, model_dir: str, hf_config: Any, tokenizer: Any,
+                 config: MultiModalConfig, trust_remote_code: bool = False) -> None:
+        arch = next(a for a in hf_config.architectures if a in _SPECS)
+        self.spec = _SPECS[arch].of(hf_config)
+        self.config = config
+        # What a chat message's image part becomes in the prompt text.
+        self.placeholder_text = tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
+        from transformers import AutoImageProcessor
+
+        try:
+            self.image_processor = AutoImageProcessor.from_pretrained(
+                model_dir, trust_remote_code=trust_remote_code)
+        except Exception as e:
+            raise ValueError(f"could not load the image processor of {model_dir!r} "
+                             f"(preprocessor_config.json): {e}") from e
+
+    def process(self, prompt_ids: list[int], images: list[Any], param: str = "prompt"
+                ) -> tuple[list[int], list[MultiModalItem]]:
+        """``images`` in prompt order: the i-th placeholder token is the i-th image. Raises
+        ``ValueError`` naming ``param`` when the counts differ or exceed the limit."""
+        limit = self.config.image_limit
+        if len(images) > limit:
+            raise ValueError(f"{param}: {len(images)} images, above the server's limit of "
+                             f"{limit} per request (--limit_mm_per_prompt image={limit})")
+        image_id = self.spec.image_token_id
+        slots = [i for i, t in enumerate(prompt_ids) if t == image_id]
+        if len(slots) != len(images):
+            raise ValueError(f"{param}: the prompt has {len(slots)} image placeholder(s) "
+                             f"({self.placeholder_text!r}) but {len(images)} image(s) were "
+                             f"given; put one placeholder where each image goes")
+        ids: list[int] = []
+        items: list[MultiModalItem] = []
+        last = 0
+        for slot, image in zip(slots, images):
+            tensors = self._preprocess(image)
+            n = self.spec.num_tokens(tensors)
+            ids.extend(prompt_ids[last:slot])
+            items.append(MultiModalItem(
+                modality="image", hash=content_hash(tensors), offset=len(ids), length=n,
+                tensors={k: TensorData.of(v) for k, v in tensors.items()}))
+            ids.extend([image_id] * n)
+            last = slot + 1
+        ids.extend(prompt_ids[last:])
+        return ids, items
+
+    def _preprocess(self, image: Any) -> dict[str, np.ndarray]:
+        image = check_image(image, self.config)
+        try:
+            out = self.image_processor(images=[image], return_tensors="np")
+        except Exception as e:
+            raise ImageError(f"the image processor failed: {type(e).__name__}: {e}") from None
+        return {k: np.asarray(v) for k, v in out.items()
+                if k in ("pixel_values", "image_grid_thw")}
