@@ -136,11 +136,11 @@ import bladellm.model.models.llama as L
 _forward = L.LlamaModel.forward
 
 
-def forward(self, input_ids, positions, ctx):
+def forward(self, input_ids, positions, ctx, *args, **kwargs):
     # Stage {stage} fails every forward that holds token 77 (spawned workers re-run this).
     if self.start_layer == {start} and bool((input_ids == 77).any()):
         raise RuntimeError("injected failure")
-    return _forward(self, input_ids, positions, ctx)
+    return _forward(self, input_ids, positions, ctx, *args, **kwargs)
 
 
 L.LlamaModel.forward = forward
