@@ -10,13 +10,14 @@ import logging
 import time
 import traceback
 from collections import deque
+from collections.abc import Collection
 
 from bladellm.config import EngineConfig
 from bladellm.core import spec_decode
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.core.scheduler import Scheduler
 from bladellm.executor import WorkerDiedError, get_executor_class
-from bladellm.executor.base import StepHandle
+from bladellm.executor.base import DoneStep, StepHandle
 from bladellm.engine.guided import GuidedRequests
 from bladellm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from bladellm.checkpoint.attention_layout import kv_free_window
@@ -226,7 +227,26 @@ class EngineCore:
         except WorkerDiedError:
             raise
         except Exception as exc:  # noqa: BLE001 - one bad batch must not kill the server
-            return self._fail_step(sched, exc, isolate=False)
+            # Re-runs need the pipeline to themselves: let the micro-batches published after
+            # this one finish first (their results wait in the queue, applied in order after
+            # this one's), then isolate the culprit synchronously.
+            self._finish_in_flight()
+            later = {r for s, _ in self.batch_queue for r in s.num_scheduled_tokens}
+            return self._fail_step(sched, exc, in_later_steps=later)
+
+    def _finish_in_flight(self) -> None:
+        """Wait for every published micro-batch; each keeps its place in the queue with its
+        output, or the error it raised (handled when its turn comes)."""
+        for i, (sched, handle) in enumerate(self.batch_queue):
+            if isinstance(handle, (Exception, DoneStep)):
+                continue
+            try:
+                done: DoneStep | Exception = DoneStep(handle.result())
+            except WorkerDiedError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - its own turn isolates its culprit
+                done = exc
+            self.batch_queue[i] = (sched, done)
 
     def _sync_loras(self) -> tuple[list[EngineCoreOutput], bool]:
         """Start disk loads of wanted adapters (off this loop), tell the scheduler which are in
@@ -258,26 +278,12 @@ class EngineCore:
             return self._fail_step(sched, exc)
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception,
-                   isolate: bool = True) -> ModelRunnerOutput:
-        """The step's culprit(s) finish with its error and the engine goes on. ``isolate``: the
-        step is re-run in groups to find them (``step_isolation.py``), so that the others get
-        their tokens; without it (a pipelined step: other micro-batches are in flight, so no
-        step can be re-run in between) every request of the step fails."""
-        if isolate:
-            logger.error("step failed; re-running its %d requests to find the culprit:\n%s",
-                         len(sched.num_scheduled_tokens),
-                         "".join(traceback.format_exception(exc)))
-            return StepIsolation(self.scheduler, self.executor.execute_model,
-                                 self.executor.drop_requests,
-                                 fatal=(WorkerDiedError,)).recover(sched, exc)
-        logger.error("step failed; failing its %d requests:\n%s",
+                   in_later_steps: Collection[str] = ()) -> ModelRunnerOutput:
+        """The step's culprit(s) finish with its error and the engine goes on: the step is
+        re-run in groups to find them (``step_isolation.py``), so that the others get their
+        tokens. ``in_later_steps``: requests of finished micro-batches published after it."""
+        logger.error("step failed; re-running its %d requests to find the culprit:\n%s",
                      len(sched.num_scheduled_tokens), "".join(traceback.format_exception(exc)))
-        req_ids = list(sched.num_scheduled_tokens)
-        # The workers must forget them too (their blocks are freed by the scheduler), and, if
-        # the step never reached them (it failed before it was published), the finished and
-        # preempted requests it was to tell them about (dropping is idempotent).
-        self.executor.drop_requests(sorted(set(req_ids) | sched.finished_req_ids
-                                           | sched.preempted_req_ids))
-        return ModelRunnerOutput(
-            req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
-            errored={r: f"{type(exc).__name__}: {exc}" for r in req_ids})
+        return StepIsolation(self.scheduler, self.executor.execute_model,
+                             self.executor.drop_requests,
+                             fatal=(WorkerDiedError,)).recover(sched, exc, in_later_steps)

@@ -8,6 +8,14 @@ half-updated, so before a re-run they forget the group's requests (``drop_reques
 each one back in full, as a resumed request (``NewRequestData``). Re-writing KV at positions
 >= ``num_computed_tokens`` is idempotent: those blocks are the request's own, never shared.
 
+Pipeline parallelism: a failed micro-batch is recovered only once the micro-batches published
+after it are finished (the engine core collects them first), so the re-runs have the pipeline to
+themselves. Those later micro-batches never hold a request of the failed one (a request in
+flight is not scheduled again), but between scheduling and recovery one of the failed step's
+requests may have been aborted or preempted (its blocks freed): it is not re-run. A request the
+failed step preempted may have been resumed by a later micro-batch: the workers keep it
+(``in_later_steps``).
+
 Search order: first the step without its suspects (requests newly admitted or resumed this
 step, or whose prefill is still running: what changed since the last good step); if that runs,
 only the suspects are bisected. With ``k`` culprits among ``n`` requests it takes about
@@ -18,10 +26,11 @@ nobody.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from bladellm.core.interface import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from bladellm.core.scheduler import Scheduler
+from bladellm.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -82,20 +91,30 @@ class StepIsolation:
                  fatal: tuple[type[BaseException], ...] = ()) -> None:
         self.scheduler, self.run, self.drop, self.fatal = scheduler, run, drop, fatal
 
-    def recover(self, sched: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
-        req_ids = list(sched.num_scheduled_tokens)
+    def recover(self, sched: SchedulerOutput, exc: Exception,
+                in_later_steps: Collection[str] = ()) -> ModelRunnerOutput:
+        """``in_later_steps``: requests of micro-batches published after ``sched`` (already
+        finished on the workers); the workers must not forget them."""
         # The workers forget the step's requests (they are sent again in full) and, if the step
         # never reached them, the finished and preempted ones it was to tell them about.
-        self.drop(sorted(set(req_ids) | sched.finished_req_ids | sched.preempted_req_ids))
+        self.drop(sorted((set(sched.num_scheduled_tokens) | sched.finished_req_ids
+                          | sched.preempted_req_ids) - set(in_later_steps)))
+        # Only requests still running are re-run: one aborted or preempted since the step was
+        # scheduled (pipeline parallelism) no longer owns its blocks, and its results would be
+        # ignored anyway.
+        req_ids = [r for r in sched.num_scheduled_tokens if self._is_running(r)]
         suspects = suspects_of(sched, self.scheduler)
         innocent = [r for r in req_ids if r not in suspects]
         outputs: list[ModelRunnerOutput] = []
         culprits: dict[str, str] = {}
-        if innocent and suspects:
+        if innocent and len(innocent) < len(req_ids):
             self._search(sched, innocent, None, outputs, culprits)
             self._search(sched, [r for r in req_ids if r in suspects], None, outputs, culprits)
-        else:
-            self._search(sched, req_ids, exc, outputs, culprits)
+        elif req_ids:
+            # The whole step failed together, unless some of it is gone: then what is left
+            # has not been seen failing on its own yet.
+            known_failing = len(req_ids) == len(sched.num_scheduled_tokens)
+            self._search(sched, req_ids, exc if known_failing else None, outputs, culprits)
         if culprits:
             logger.error("step failed; %d of its %d requests cause it and finish with the "
                          "error (%s); the others go on", len(culprits), len(req_ids),
@@ -108,6 +127,10 @@ class StepIsolation:
         merged.sampled_token_ids.extend([] for _ in culprits)
         merged.errored.update(culprits)
         return merged
+
+    def _is_running(self, req_id: str) -> bool:
+        req = self.scheduler.requests.get(req_id)
+        return req is not None and req.status == RequestStatus.RUNNING
 
     def _search(self, sched: SchedulerOutput, group: list[str], error: Exception | None,
                 outputs: list[ModelRunnerOutput], culprits: dict[str, str]) -> None:
