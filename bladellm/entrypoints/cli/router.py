@@ -46,8 +46,7 @@ async def _serve(config: RouterConfig, sock: socket.socket) -> None:
     from bladellm.router.proxy import build_router_app
 
     from bladellm.http.connections import (
-        ConnectionLimits, RateLimitedErrors, effective_max_connections, raise_open_file_limit,
-        uvicorn_limits)
+        RateLimitedErrors, effective_max_connections, raise_open_file_limit, uvicorn_limits)
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -59,8 +58,8 @@ async def _serve(config: RouterConfig, sock: socket.socket) -> None:
                             host, port, len(config.instances), config.policy)
 
     app = build_router_app(config)
-    # The server's connection hygiene (bladellm/http/connections.py) at its default limits.
-    limits = effective_max_connections(ConnectionLimits(), raise_open_file_limit())
+    # The server's connection hygiene (bladellm/http/connections.py), with the same flags.
+    limits = effective_max_connections(config.connection_limits, raise_open_file_limit())
     uv = uvicorn.Config(app, log_level=config.log_level, access_log=False,
                         timeout_graceful_shutdown=5, **uvicorn_limits(limits))
     await _Server(uv).serve(sockets=[sock])
