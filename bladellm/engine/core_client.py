@@ -25,7 +25,8 @@ import zmq
 import zmq.asyncio
 
 from bladellm.config import EngineConfig
-from bladellm.engine.core_proc import DEAD_POLL_MS, SHUTDOWN_WAIT_S, Msg, run_engine_core_proc
+from bladellm.engine.core_proc import (DEAD_POLL_MS, SHUTDOWN_WAIT_S, Msg, run_engine_core_proc,
+                                      stop_signals_held)
 from bladellm.errors import EngineDeadError
 from bladellm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from bladellm.platforms.threads import engine_process_env, process_env
@@ -63,7 +64,8 @@ class AsyncMPClient:
             target=run_engine_core_proc, name="bladellm-engine-core", daemon=True,
             args=(config, input_addr, output_addr, writer,
                   log_level or logging.getLogger().level or logging.INFO))
-        with process_env(engine_process_env()):  # OpenMP reads it when the child starts
+        # OpenMP reads the environment when the child starts; a signal must not cut the start.
+        with process_env(engine_process_env()), stop_signals_held():
             self.proc.start()
         writer.close()
         self._ready_reader = reader

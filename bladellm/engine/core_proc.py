@@ -10,14 +10,17 @@ within ``DEAD_POLL_MS``, whether idle or in the middle of requests, and frees wh
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import gc
 import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -41,6 +44,8 @@ DEAD_POLL_MS = 500
 # computing results no one will read. Killed or not, the kernel then needs time to tear the
 # process down, inside the same grace + 2 s budget (docs/cpu.md).
 SHUTDOWN_WAIT_S = 0.5
+# How often the engine core checks, while it starts, that the API process is still there (s).
+_START_WATCH_S = 0.1
 
 
 class Msg(bytes, enum.Enum):
@@ -67,6 +72,9 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
     # The parent handles Ctrl-C and tells us to shut down; we must not die half-way on SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
+    started = threading.Event()
+    threading.Thread(target=_end_if_orphaned_during_start, args=(parent, started),
+                     name="bladellm-core-start-watch", daemon=True).start()
     try:
         from bladellm.engine.engine_core import EngineCore
         from bladellm.model.loader import resolve_model
@@ -90,12 +98,13 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
         core.shutdown()
         return
     ready_conn.close()
-    core.set_eos_token_ids(setup["eos_token_ids"])
     # From here on the parent owns our life: a SIGTERM sent to the whole process group (systemd's
     # control-group stop, `kill -- -PGID`) must not kill us while the API process gives running
     # requests their grace period; the parent then sends SHUTDOWN, or SIGKILL when a step is
-    # still running (core_client.AsyncMPClient.close).
+    # still running (core_client.AsyncMPClient.close). An orphan is noticed by the loop now.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    started.set()
+    core.set_eos_token_ids(setup["eos_token_ids"])
 
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
@@ -131,6 +140,35 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
     # teardown, thread pools) would spend the server's shutdown budget (grace + 2 s) on
     # nothing: nothing is left to flush but the logs.
     exit_process_now(0)
+
+
+def _end_if_orphaned_during_start(parent_pid: int, started: threading.Event) -> None:
+    """Start-up (model load, KV sizing) can take minutes and reads nothing from the parent: if
+    the API process dies meanwhile (a signal before its handlers were installed, SIGKILL), stop
+    at once rather than finish loading for no one. SIGTERM's default action ends this process
+    (it is not ignored before start-up ends); worker processes die with it (PR_SET_PDEATHSIG)."""
+    while not started.wait(_START_WATCH_S):
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait (blocked, then delivered) until the block ends. Around starting
+    a child process: a signal that interrupts ``Process.start()`` half-way leaves the child
+    reading a truncated start-up message, and it dies with an ``EOFError`` traceback. (The
+    child does not inherit the block.) Only the main thread can block them meaningfully: from
+    another thread this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def exit_process_now(code: int) -> None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
+import sys
+from typing import Any
 
 from bladellm.entrypoints.cli.args import parse_args
 
@@ -12,7 +17,26 @@ def _is_local(model: str) -> bool:
     return model == "demo" or os.path.exists(os.path.expanduser(model))
 
 
-def main(argv: list[str] | None = None) -> int:
+class _Interrupt:
+    """The start-up SIGINT/SIGTERM handler: raises ``KeyboardInterrupt`` and remembers the
+    signal (an import can wrap the exception in another: ``RuntimeError`` from a dataclass's
+    ``__set_name__``, say)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        self.received = signum
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None, interrupt: _Interrupt | None = None) -> int:
+    # SIGINT/SIGTERM from the first moment: during start-up (imports, model load) they stop the
+    # server cleanly (the engine core started below is closed, no traceback); once serving,
+    # run_server's handlers drain requests first.
+    interrupt = interrupt or _Interrupt()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
     engine_config, server_config = parse_args(argv)
     # Start the engine-core process before importing the HTTP stack and the tokenizer: its own
     # imports and model load run beside ours (a few seconds of a cold start on 2 cores). A hub
@@ -24,11 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         client = AsyncMPClient(engine_config, wait=False, log_level=server_config.py_log_level)
     try:
         from bladellm.entrypoints.api_server import run_server
-    except BaseException:
+
+        return run_server(engine_config, server_config, client=client)
+    except BaseException:  # (closing an already closed client does nothing)
         if client is not None:
             client.close()
         raise
-    return run_server(engine_config, server_config, client=client)
 
 
 def cli() -> None:
@@ -36,7 +61,19 @@ def cli() -> None:
     sockets closed, logs written), the process ends without interpreter finalization: tearing
     down torch, the tokenizer and the HTTP stack would spend the shutdown budget (grace + 2 s)
     that orchestrators wait for on nothing."""
-    code = main()
+    interrupt = _Interrupt()
+    try:
+        code = main(interrupt=interrupt)
+    except BaseException as exc:
+        if not isinstance(exc, KeyboardInterrupt) and interrupt.received is None:
+            raise
+        # SIGINT/SIGTERM during start-up: nothing was serving yet. Import nothing more: the
+        # signal may have cut an import half-way (numpy's, say), and importing it again fails.
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(0)
     from bladellm.engine.core_proc import exit_process_now
 
     exit_process_now(code)
