@@ -7,6 +7,7 @@ need not exist (nothing here is proxied)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import resource
 import signal
@@ -131,3 +132,37 @@ def test_open_file_soft_limit_is_raised(router):
     assert soft != "256", limits
     assert soft == hard or int(soft) == 1 << 20, limits
     assert any("open-file limit raised from 256" in line for line in lines), "".join(lines)
+
+
+def test_accept_errors_are_logged_once_per_interval(router):
+    """Out of file descriptors (the soft limit lowered under the router's feet, as a process
+    full of sockets would be): accept() fails on every try; the router logs it once per 10 s,
+    not once per try, and serves again once descriptors are free."""
+    pid, port, lines = router
+    before = len(lines)
+    limits = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    num_open = len(os.listdir(f"/proc/{pid}/fd"))
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (num_open + 2, limits[1]))
+    held = []
+    try:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # each connection is accepted, or fails accept()
+            held.append(_connect(port))
+            time.sleep(0.05)
+        log = "".join(lines[before:])
+        reports = [x for x in lines[before:] if "out of system resource" in x]
+        # asyncio retries accept() every second: 3 reports in 3 s without the rate limit.
+        assert len(reports) == 1, log[-3000:]
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, limits)
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while True:
+        with _connect(port) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            _, data = _read_until_closed(sock, 5)
+        if b"too_many_connections" not in data or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert data.startswith(b"HTTP/1.1 ") and b"too_many_connections" not in data, data
