@@ -1,4 +1,5 @@
-"""Reliability under load, end to end against real ``blade_llm_server`` processes.
+"""Reliability under load, end to end against real ``blade_llm_server`` processes (the findings
+of issue 37, one by one: ``benchmarks/reliability_attacks.py``).
 
     python benchmarks/reliability.py --model demo --out bench_results/reliability
 

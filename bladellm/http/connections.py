@@ -8,6 +8,8 @@
   OpenAI-style 503 and is closed, before the process runs out of file descriptors.
 - ``raise_open_file_limit`` lifts the soft open-file limit to the hard one at start-up (the
   usual soft default of 1,024 is far below what a busy server holds).
+- ``CountedNotes``: the closes above are logged once per interval with a count, not once per
+  connection.
 - ``RateLimitedErrors``: the event loop's error reports (accept() failing with "Too many open
   files" repeats for as long as the condition lasts) logged once per interval per kind, with a
   count of the ones held back.
@@ -60,6 +62,9 @@ def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     busy = _busy_response(limits.retry_after)
+    # One line per interval, not per connection: a client holding thousands of sockets must
+    # not turn into as many log lines.
+    closes = CountedNotes()
 
     class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         _request_started: float | None
@@ -102,14 +107,14 @@ def guarded_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
             cycle = self.cycle
             if self._request_started is not None:
                 if now - self._request_started > limits.header_timeout:
-                    logger.info("closing a connection whose request headers did not arrive "
-                                "within %g s (--http_header_timeout)", limits.header_timeout)
+                    closes.note("connections closed: request headers did not arrive within "
+                                f"{limits.header_timeout:g} s (--http_header_timeout)")
                     self.transport.close()
                     return
             elif (cycle is not None and cycle.more_body and not cycle.response_complete
                   and now - self._last_data > limits.body_timeout):
-                logger.info("closing a connection whose request body paused for more than "
-                            "%g s (--http_body_timeout)", limits.body_timeout)
+                closes.note("connections closed: request body paused for more than "
+                            f"{limits.body_timeout:g} s (--http_body_timeout)")
                 self.transport.close()
                 return
             self._timer = self.loop.call_later(_TICK_S, self._check_deadlines)
@@ -173,3 +178,24 @@ class RateLimitedErrors:
         exc = context.get("exception")
         logger.error("%s%s: %s", key, more, exc if exc is not None else context,
                      exc_info=exc if last is None else None)
+
+
+class CountedNotes:
+    """INFO lines that would repeat once per connection, logged at most once per ``interval``
+    seconds per kind with how many happened since the last line."""
+
+    def __init__(self, interval: float = 10.0, clock: Any = time.monotonic) -> None:
+        self.interval = interval
+        self.clock = clock
+        self._last: dict[str, float] = {}
+        self._count: dict[str, int] = {}
+
+    def note(self, what: str) -> None:
+        now = self.clock()
+        self._count[what] = self._count.get(what, 0) + 1
+        last = self._last.get(what)
+        if last is not None and now - last < self.interval:
+            return
+        since = "" if last is None else f" in the last {now - last:.0f} s"
+        logger.info("%s: %d%s", what, self._count.pop(what), since)
+        self._last[what] = now
