@@ -237,7 +237,7 @@ class EngineCore:
     def _finish_in_flight(self) -> None:
         """Wait for every published micro-batch; each keeps its place in the queue with its
         output, or the error it raised (handled when its turn comes)."""
-        for i, (sched, handle) in enumerate(self.batch_queue):
+        for i, (sched, handle) in enumerate(list(self.batch_queue)):
             if isinstance(handle, (Exception, DoneStep)):
                 continue
             try:
