@@ -28,6 +28,14 @@ VARIANTS = {
 }
 
 
+# Hybrid KV cache groups (core/kv_groups.py): Gemma 2's local and global layers get a group
+# each, Gemma 3's two local layers a group each (groups of one layer: one global layer), so
+# a block id holds one layer's KV there; pools small enough that requests get preempted.
+GROUP_WINDOWS = {"gemma2": [None, 8], "gemma3": [None, 8, 8], "bloom": [None],
+                 "gemma2-all-local": [8]}
+STRESS_BLOCKS = {"gemma2": 48, "gemma3": 60, "bloom": 40, "gemma2-all-local": 16}
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     cache: dict = {}
@@ -85,9 +93,8 @@ def _generate(model_dir: str, prompts, params=None, **kwargs):
 def test_greedy_identical_to_transformers_under_stress(model_dir, variant):
     path = model_dir(variant)
     prompts = _prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)
-    kwargs = dict(num_kv_blocks=16) if variant == "gemma2-all-local" else {}
-    outs, kv = _generate(path, prompts, **kwargs)
-    assert kv.sliding_window == (8 if variant == "gemma2-all-local" else None)
+    outs, kv = _generate(path, prompts, num_kv_blocks=STRESS_BLOCKS[variant])
+    assert kv.group_windows == GROUP_WINDOWS[variant]
     for i, (out, exp) in enumerate(zip(outs, _hf_greedy(path, prompts))):
         assert out.token_ids == exp, f"prompt {i} (len {len(prompts[i])})"
 
