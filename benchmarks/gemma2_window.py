@@ -4,16 +4,19 @@ A Gemma-2-2B-shaped model (hidden 2304, 8 query / 4 KV heads of 256, intermediat
 caps, query_pre_attn_scalar 256) with random weights (``--load_format dummy``), cut to
 ``--layers`` layers and a 32k vocabulary so that it runs on a small CPU machine; the window is
 ``--window`` tokens (the real model's is 4096). One request (or ``--batch``) decodes at a
-context of 4x the window; three layouts of the same weights step in turns, so that a busy
-neighbour slows all alike:
+context of 4x the window; four engines step in turns, so that a busy neighbour slows all
+alike:
 
 - ``gemma2``: Gemma 2's alternating local / global layers, windows honoured by the kernels
-  (local layers read ``window`` keys per query; every layer keeps its blocks, since the KV
-  manager frees blocks only when every layer slides);
+  (local layers read ``window`` keys per query), hybrid KV cache groups (core/kv_groups.py):
+  the local layers' group frees the blocks that left the window, the global group keeps all;
+- ``gemma2_all_kept``: the same model with ``--disable_hybrid_kv_cache``: one block table,
+  every block kept for every layer (the KV manager before the groups);
 - ``no_window``: every layer global (what an engine without sliding-window attention runs);
 - ``all_local``: every layer local: the KV manager frees the blocks that left the window.
 
-Reports the median step time and the KV blocks (and bytes) the requests hold.
+Reports the median step time and the KV the requests hold (block ids x the bytes of one:
+with groups a block id holds the KV of one layer of each group's run, half the layers here).
 
     python benchmarks/gemma2_window.py --window 512 --layers 4 --steps 24
 """
@@ -27,13 +30,14 @@ import statistics
 import tempfile
 import time
 
-LAYOUTS = ("gemma2", "no_window", "all_local")
+LAYOUTS = ("gemma2", "gemma2_all_kept", "no_window", "all_local")
 
 
 def _model_dir(path: str, layout: str, args) -> str:
     from transformers import Gemma2Config
 
     types = {"gemma2": ["sliding_attention", "full_attention"] * (args.layers // 2),
+             "gemma2_all_kept": ["sliding_attention", "full_attention"] * (args.layers // 2),
              "no_window": ["full_attention"] * args.layers,
              "all_local": ["sliding_attention"] * args.layers}[layout]
     Gemma2Config(hidden_size=2304, intermediate_size=9216, num_hidden_layers=args.layers,
@@ -45,7 +49,7 @@ def _model_dir(path: str, layout: str, args) -> str:
     return path
 
 
-def _core(model_dir: str, args):
+def _core(model_dir: str, layout: str, args):
     from bladellm.config import EngineConfig
     from bladellm.engine.engine_core import EngineCore
     from bladellm.model.loader import resolve_model
@@ -53,7 +57,8 @@ def _core(model_dir: str, args):
     config = EngineConfig.from_kwargs(
         model=model_dir, load_format="dummy", dtype="float32", kv_cache_memory=args.kv_memory,
         max_num_seqs=args.batch, max_num_batched_tokens=1024, num_threads=args.num_threads,
-        max_model_len=4 * args.window + args.steps + 32)
+        max_model_len=4 * args.window + args.steps + 32,
+        disable_hybrid_kv_cache=layout == "gemma2_all_kept")
     return EngineCore(config, resolve_model(config.model))
 
 
@@ -66,9 +71,10 @@ def _add(core, req_id: str, prompt: list[int], max_tokens: int) -> None:
                                        sampling_params=params, arrival_time=time.time()))
 
 
-def _held_blocks(core) -> int:
-    kv = core.scheduler.kv_cache_manager
-    return sum(1 for table in kv.req_to_blocks.values() for b in table if b != 0)
+def _held_bytes(core) -> tuple[int, int]:
+    """(block ids the requests hold in every group's table, their bytes)."""
+    blocks = core.scheduler.kv_cache_manager.num_held_blocks()
+    return blocks, blocks * core.executor.worker.model_runner.bytes_per_block
 
 
 def main() -> None:
@@ -81,15 +87,14 @@ def main() -> None:
     p.add_argument("--kv_memory", default="2GiB")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    from bladellm.attention.kv_cache import kv_bytes_per_block
-
     ctx = 4 * args.window
     result: dict = {"window": args.window, "context": ctx, "layers": args.layers,
                     "batch": args.batch, "machine": platform.processor() or platform.machine()}
     cores = {}
     with tempfile.TemporaryDirectory() as tmp:
         for layout in LAYOUTS:
-            core = cores[layout] = _core(_model_dir(f"{tmp}/{layout}", layout, args), args)
+            core = cores[layout] = _core(_model_dir(f"{tmp}/{layout}", layout, args), layout,
+                                         args)
             for i in range(args.batch):  # distinct prompts: no prompt-cache sharing
                 _add(core, str(i), [(7 * j + 13 * i) % 30000 + 10 for j in range(ctx)],
                      args.steps + 16)
@@ -106,19 +111,21 @@ def main() -> None:
                 core.step()
                 times[layout].append(time.perf_counter() - start)
         for layout, core in cores.items():
-            blocks = _held_blocks(core)
-            block_bytes = kv_bytes_per_block(args.layers, core.config.cache.block_size, 4, 256,
-                                             __import__("torch").float32)
+            blocks, held = _held_bytes(core)
             result[layout] = {"step_ms": statistics.median(times[layout]) * 1e3,
                               "kv_blocks_held": blocks,
-                              "kv_mib_held": blocks * block_bytes / 2 ** 20,
-                              "kv_free_window": core.scheduler.kv_cache_manager.sliding_window}
+                              "kv_mib_held": held / 2 ** 20,
+                              "kv_group_windows": core.scheduler.kv_cache_manager.group_windows}
             print(f"{layout}: {result[layout]}", flush=True)
             core.shutdown()
     base = result["no_window"]
-    for layout in ("gemma2", "all_local"):
+    for layout in ("gemma2", "gemma2_all_kept", "all_local"):
         result[f"{layout}/step_speedup"] = base["step_ms"] / result[layout]["step_ms"]
         result[f"{layout}/kv_fraction"] = result[layout]["kv_mib_held"] / base["kv_mib_held"]
+    kept = result["gemma2_all_kept"]
+    result["gemma2/groups_vs_all_kept"] = {
+        "kv_fraction": result["gemma2"]["kv_mib_held"] / kept["kv_mib_held"],
+        "step_speedup": kept["step_ms"] / result["gemma2"]["step_ms"]}
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

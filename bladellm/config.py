@@ -229,6 +229,13 @@ class CacheConfig:
                           "half the bytes of bf16, a quarter of fp32, so the same "
                           "--kv_cache_memory holds ~2x / ~3.8x the tokens). See "
                           "docs/kv_cache_quant.md."})
+    disable_hybrid_kv_cache: bool = field(
+        default=False,
+        metadata={"help": "Models that mix sliding-window and global layers (Gemma 2/3, Qwen2 "
+                          "with max_window_layers): keep every KV block for every layer (one "
+                          "block table) instead of one KV cache group per kind of layer, "
+                          "whose window groups free the blocks that left the window. See "
+                          "docs/models.md."})
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",

@@ -112,7 +112,12 @@ def rank_memory(config: EngineConfig, target: ResolvedModel,
               for m in packable_modules(model))
     packed, made = prepack_bound(probes, weights, kernels)
     spec = model.get_kv_cache_spec()
-    per_block = kv_bytes_per_block(spec.num_layers, cache.block_size, spec.num_kv_heads,
+    # Hybrid KV cache groups (core/kv_groups.py): a block id holds one layer of each group's
+    # run, as ModelRunner.bytes_per_block counts it.
+    groups = _kv_cache_groups(config, target)
+    num_slots = spec.num_layers if groups.num_groups == 1 else min(groups.num_slots,
+                                                                   spec.num_layers)
+    per_block = kv_bytes_per_block(num_slots, cache.block_size, spec.num_kv_heads,
                                    spec.head_dim, target.dtype, cache.kv_cache_quant)
     draft_bytes = 0
     if draft is not None:  # DraftModelProposer: no prepacked copies, KV stored as the target's
@@ -122,6 +127,14 @@ def rank_memory(config: EngineConfig, target: ResolvedModel,
         per_block += kv_bytes_per_block(ds.num_layers, cache.block_size, ds.num_kv_heads,
                                         ds.head_dim, draft.dtype, cache.kv_cache_quant)
     return RankMemory(weights, packed if made else 0, draft_bytes, per_block)
+
+
+def _kv_cache_groups(config: EngineConfig, target: ResolvedModel):
+    from bladellm.checkpoint.attention_layout import layer_windows
+    from bladellm.core.kv_groups import hybrid_kv_cache_enabled, kv_cache_groups
+
+    return kv_cache_groups(layer_windows(target.hf_config), hybrid_kv_cache_enabled(
+        config.cache.disable_hybrid_kv_cache, config.speculative.decode_algo))
 
 
 def _resolve_draft(config: EngineConfig, target: ResolvedModel) -> ResolvedModel | None:
@@ -175,7 +188,10 @@ def model_memory(config: EngineConfig) -> tuple[int, int, str]:
     par = config.parallel
     local = ranks[par.node_rank * par.ranks_per_node:(par.node_rank + 1) * par.ranks_per_node]
     # EngineCore: every rank allocates the same number of blocks, the least any rank can hold.
-    blocks = min(rank_num_blocks(config, r.bytes_per_block, r.loaded, target.max_model_len,
+    # A request holds a block id per KV cache group (ModelRunner.max_blocks_per_request).
+    bs = config.cache.block_size
+    max_len = _kv_cache_groups(config, target).num_groups * -(-target.max_model_len // bs) * bs
+    blocks = min(rank_num_blocks(config, r.bytes_per_block, r.loaded, max_len,
                                  par.ranks_per_node) for r in ranks)
     loaded = sum(r.loaded for r in local)
     kv = sum(blocks * r.bytes_per_block for r in local)

@@ -51,6 +51,12 @@ def layer_sliding_window(hf_config: Any, layer: int) -> int | None:
     return window
 
 
+def layer_windows(hf_config: Any) -> list[int | None]:
+    """Each decoder layer's window (None: global), of a VLM's language model too."""
+    hf_config = getattr(hf_config, "text_config", None) or hf_config
+    return [layer_sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)]
+
+
 def kv_free_window(hf_config: Any) -> int | None:
     """The window past which the KV manager may free a request's blocks: the widest window
     when every layer slides; None when any layer is global (its blocks stay for it)."""

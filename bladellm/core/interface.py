@@ -7,6 +7,7 @@ Python scalars and lists: picklable for a multi-process executor, no torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,15 +29,20 @@ class NewRequestData:
     lora_id: int = 0  # LoRA adapter (0: the base model)
     # Images (bladellm.multimodal.inputs.MultiModalItem), in prompt order.
     mm_items: list[Any] = field(default_factory=list)
+    # Hybrid KV cache groups (core/kv_groups.py): the tables of groups 1, 2, ...; ``block_ids``
+    # is group 0's. Empty with one group.
+    group_block_ids: tuple[list[int], ...] = ()
 
     @classmethod
-    def of(cls, req: Any, block_ids: list[int], num_computed_tokens: int) -> "NewRequestData":
+    def of(cls, req: Any, block_ids: Sequence[Sequence[int]],
+           num_computed_tokens: int) -> "NewRequestData":
         """The whole of scheduler request ``req`` (``core.scheduler.Request``) for a runner that
-        does not hold it: one place, so a re-sent request (preemption, step isolation) never
-        loses a part such as its images."""
+        does not hold it, with ``block_ids`` per KV cache group: one place, so a re-sent
+        request (preemption, step isolation) never loses a part such as its images."""
         return cls(req.request_id, list(req.all_token_ids), req.num_prompt_tokens,
-                   req.sampling_params, list(block_ids), num_computed_tokens,
-                   lora_id=req.lora_id, mm_items=req.mm_items)
+                   req.sampling_params, list(block_ids[0]), num_computed_tokens,
+                   lora_id=req.lora_id, mm_items=req.mm_items,
+                   group_block_ids=tuple(list(b) for b in block_ids[1:]))
 
 
 @dataclass
@@ -45,8 +51,10 @@ class CachedRequestData:
 
     req_id: str
     new_token_ids: list[int]  # tokens appended since last scheduled (the ones sampled last step)
-    new_block_ids: list[int]  # blocks appended to its block table
+    new_block_ids: list[int]  # blocks appended to its block table (KV cache group 0's)
     num_computed_tokens: int
+    # Blocks appended to the tables of KV cache groups 1, 2, ... (empty with one group).
+    new_group_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass

@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from bladellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from bladellm.core import spec_decode
@@ -56,7 +56,11 @@ class Scheduler:
                  spec_costs: spec_decode.SpecCosts | None = None,
                  max_loras: int | None = None,
                  eos_token_ids: Iterable[int] = (),
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 kv_group_windows: Sequence[int | None] | None = None) -> None:
+        """``kv_group_windows``: the window (None: global) of each KV cache group
+        (core/kv_groups.py); by default one group with ``sliding_window`` (the model's, when
+        every layer has one; blocks before it are freed)."""
         self.config = scheduler_config
         # The model's end-of-sequence ids (``EngineCore.set_eos_token_ids``, once at start-up).
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -71,22 +75,21 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.clock = clock
-        capacity = max(num_blocks - 1, 0) * self.block_size
-        need = max_model_len
-        if sliding_window is not None:  # a request holds only its window and a step's tokens
-            need = min(need, (cdiv(sliding_window - 1 + scheduler_config.max_num_batched_tokens,
-                                   self.block_size) + 1) * self.block_size)
-        if capacity < need:
+        windows = (list(kv_group_windows) if kv_group_windows is not None
+                   else [sliding_window])
+        need = sum(self._blocks_per_request(window, max_model_len,
+                                            scheduler_config.max_num_batched_tokens)
+                   for window in windows)
+        if num_blocks - 1 < need:
             raise ValueError(
                 f"--num_kv_blocks / --kv_cache_memory: the KV cache holds {num_blocks} blocks "
-                f"(one reserved) of {self.block_size} tokens = {capacity} tokens, fewer than one "
-                f"request of --max_model_len {max_model_len} needs ({need}); give the cache "
-                f"more memory or "
-                f"lower --max_model_len")
-        # sliding_window: the model's, when every layer has one; blocks before it are freed.
+                f"(one reserved) of {self.block_size} tokens, fewer than one request of "
+                f"--max_model_len {max_model_len} needs ({need} blocks"
+                f"{f' over {len(windows)} KV cache groups' if len(windows) > 1 else ''}); "
+                f"give the cache more memory or lower --max_model_len")
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size,
                                                cache_config.enable_prompt_cache,
-                                               sliding_window=sliding_window)
+                                               group_windows=windows)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = make_queue(scheduler_config.scheduling_policy)
         self.priority = scheduler_config.priority_scheduling
@@ -145,6 +148,15 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_outputs)
 
+    def _blocks_per_request(self, window: int | None, max_model_len: int,
+                            max_num_batched_tokens: int) -> int:
+        """The most blocks one request holds in a KV cache group with ``window``: the whole
+        context, or only its window and a step's tokens."""
+        need = cdiv(max_model_len, self.block_size)
+        if window is not None:
+            need = min(need, cdiv(window - 1 + max_num_batched_tokens, self.block_size) + 1)
+        return need
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -198,7 +210,7 @@ class Scheduler:
                     out.scheduled_spec_tree[req.request_id] = spec.tree
             out.scheduled_cached_reqs.append(CachedRequestData(
                 req.request_id, req.all_token_ids[self._runner_num_tokens[req.request_id]:],
-                new_blocks, req.num_computed_tokens))
+                new_blocks[0], req.num_computed_tokens, tuple(new_blocks[1:])))
             self._runner_num_tokens[req.request_id] = req.num_tokens
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
@@ -217,7 +229,7 @@ class Scheduler:
         return out
 
     def _allocate_or_preempt(self, req: Request, num_new: int,
-                             preempted: set[str]) -> list[int] | None:
+                             preempted: set[str]) -> list[list[int]] | None:
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(req, num_new)
             if new_blocks is not None:
@@ -248,7 +260,7 @@ class Scheduler:
         self._runner_num_tokens.pop(req.request_id, None)
         self.waiting.prepend([req])
 
-    def _make_room(self, req: Request, num_tokens: int, hit_blocks: list[int], room: int,
+    def _make_room(self, req: Request, num_tokens: int, hit_blocks: list[list[int]], room: int,
                    out: SchedulerOutput) -> tuple[int, int] | None:
         """Priority scheduling: preempt the fewest running requests from the end of ``running``
         (the largest keys, all after ``req``) that free what ``req`` lacks to start with
@@ -262,7 +274,6 @@ class Scheduler:
         needs_slot = len(self.running) >= self.config.max_num_seqs
         needs_room = room <= 0
         victims: list[Request] = []
-        hits = set(hit_blocks)
         for victim in reversed(self.running):
             if num_short <= 0 and not needs_slot and not needs_room:
                 break
@@ -271,8 +282,7 @@ class Scheduler:
             victims.append(victim)
             needs_slot = False
             needs_room = needs_room and victim.request_id not in out.num_scheduled_tokens
-            num_short -= sum(1 for b in kv.get_block_ids(victim.request_id)
-                             if kv.pool.ref_cnt[b] == 1 and b not in hits)
+            num_short -= kv.num_freed_by_preempting(victim.request_id, hit_blocks)
         if num_short > 0 or needs_slot or needs_room:
             return None
         num_granted = num_reqs = 0
@@ -314,7 +324,7 @@ class Scheduler:
                 held_back.append(self.waiting.pop())  # others go first
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(req)
-            if kv.pending_owner(req, len(hit_blocks)) is not None:
+            if kv.pending_owner(req, num_hit // self.block_size) is not None:
                 held_back.append(self.waiting.pop())
                 continue
             num_new = min(req.num_tokens - num_hit, budget)
@@ -340,7 +350,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             self._start_running(req)
             out.scheduled_new_reqs.append(
-                NewRequestData.of(req, kv.get_block_ids(req.request_id), num_hit))
+                NewRequestData.of(req, kv.get_group_block_ids(req.request_id), num_hit))
             if req.lora_id:
                 running_loras.add(req.lora_id)
             self._runner_num_tokens[req.request_id] = req.num_tokens

@@ -15,12 +15,13 @@ from collections.abc import Collection
 from bladellm.config import EngineConfig
 from bladellm.core import spec_decode
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
+from bladellm.core.kv_groups import hybrid_kv_cache_enabled, kv_cache_groups
 from bladellm.core.scheduler import Scheduler
 from bladellm.executor import WorkerDiedError, get_executor_class
 from bladellm.executor.base import DoneStep, StepHandle
 from bladellm.engine.guided import GuidedRequests
 from bladellm.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from bladellm.checkpoint.attention_layout import kv_free_window
+from bladellm.checkpoint.attention_layout import layer_windows
 from bladellm.checkpoint.locate import ResolvedModel
 from bladellm.engine.prompt_logprobs import PromptLogprobs
 from bladellm.engine.step_isolation import StepIsolation
@@ -63,12 +64,11 @@ def _log_draft_outlook(break_even: float | None) -> None:
 
 class EngineCore:
     @staticmethod
-    def _kv_free_window(config: EngineConfig, resolved: ResolvedModel) -> int | None:
-        """The window past which the KV manager frees blocks (every layer slides). Not with an
-        sps draft: it shares the block table and attends over the whole context."""
-        if config.speculative.decode_algo == "sps":
-            return None
-        return kv_free_window(resolved.hf_config)
+    def _kv_group_windows(config: EngineConfig, resolved: ResolvedModel) -> list[int | None]:
+        """The window (None: global) of each KV cache group (core/kv_groups.py); the runner
+        lays its KV tensors out from the same groups."""
+        return kv_cache_groups(layer_windows(resolved.hf_config), hybrid_kv_cache_enabled(
+            config.cache.disable_hybrid_kv_cache, config.speculative.decode_algo)).windows
 
     def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
         self.config = config
@@ -91,7 +91,7 @@ class EngineCore:
                     else None)
                     if config.speculative.enabled else None),
                 max_loras=config.lora.max_loras if self.lora_enabled else None,
-                sliding_window=self._kv_free_window(config, resolved))
+                kv_group_windows=self._kv_group_windows(config, resolved))
             self.num_blocks = num_blocks
             if self.scheduler.spec_policy.costs is not None:
                 c = self.scheduler.spec_policy.costs

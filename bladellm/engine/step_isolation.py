@@ -58,7 +58,7 @@ def sub_step(sched: SchedulerOutput, req_ids: list[str], scheduler: Scheduler) -
         # The draft's state went with the request: like a preemption, it starts over.
         req.spec_stats.draft_known = 0
         out.scheduled_new_reqs.append(
-            NewRequestData.of(req, kv.get_block_ids(req_id), req.num_computed_tokens))
+            NewRequestData.of(req, kv.get_group_block_ids(req_id), req.num_computed_tokens))
         out.num_scheduled_tokens[req_id] = sched.num_scheduled_tokens[req_id]
         if req_id in sched.scheduled_spec_tokens:
             out.scheduled_spec_tokens[req_id] = sched.scheduled_spec_tokens[req_id]

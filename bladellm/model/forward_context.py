@@ -22,6 +22,9 @@ class ForwardContext:
     # None: a plain causal forward over all tokens without KV cache (profiling / dummy runs).
     attn_metadata: AttentionMetadata | None
     kv_caches: list[torch.Tensor]  # one per layer (index = layer index)
+    # Hybrid KV cache groups (core/kv_groups.py): each layer's metadata (its group's block
+    # tables and slot mapping; index = layer index). None: every layer uses attn_metadata.
+    layer_attn_metadata: list[AttentionMetadata] | None = None
     # Per-token adapter slot and the adapters' stacked weights (the LoRA work sets this).
     lora: Any = None
 

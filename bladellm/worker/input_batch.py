@@ -9,6 +9,10 @@ them with vectorised numpy into preallocated step buffers that the tensors hande
 share memory with. Nothing is rebuilt for rows that did not change, and there is no per-request
 Python loop beyond mapping request ids to rows.
 
+Hybrid KV cache groups (core/kv_groups.py): each group after the first has its own block table
+per row (``group_block_tables``, the same length as ``block_table``, group 0's) and gets its own
+slot mapping and block tables each step (``StepInputs.group_tables``).
+
 Every request contributes ``q >= 1`` query tokens to the flat batch (prefill chunk, one decode
 token, or 1 + k to verify); it samples when the step reaches the end of its known tokens.
 """
@@ -38,11 +42,13 @@ class StepInputs:
     logits_indices: torch.Tensor  # [S] int64
     sampling: SamplingMetadata | None  # None when nothing samples
     token_lora_ids: np.ndarray | None = None  # [T] each token's LoRA adapter (0: base model)
+    # KV cache groups 1, 2, ...: (block_tables, slot_mapping) of each, as attn_metadata's.
+    group_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 block_size: int) -> None:
+                 block_size: int, num_kv_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_num_tokens = max_num_batched_tokens
@@ -56,6 +62,7 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(R, np.int64)
         self.block_table = np.zeros((R, B), np.int32)
         self.num_blocks = np.zeros(R, np.int64)
+        self.group_block_tables = [np.zeros((R, B), np.int32) for _ in range(num_kv_groups - 1)]
         self.sampling = SamplingRows(R)
         self.lora_ids = np.zeros(R, np.int64)  # the row's LoRA adapter (0: the base model)
         self.row_of: dict[str, int] = {}
@@ -67,6 +74,8 @@ class InputBatch:
         self._query_start_loc = np.zeros(R + 1, np.int32)
         self._seq_lens = np.zeros(R, np.int32)
         self._block_tables = np.zeros(R * B, np.int32)  # flat: a [n, b] prefix is contiguous
+        self._group_buffers = [(np.zeros(R * B, np.int32), np.zeros(T, np.int64))
+                               for _ in range(num_kv_groups - 1)]
         self._arange = np.arange(max(T, max_model_len) + 1, dtype=np.int64)
 
     # ---- applying the scheduler's diffs ---------------------------------------------------------
@@ -84,6 +93,8 @@ class InputBatch:
             if diff.new_block_ids:
                 b = int(self.num_blocks[row])
                 self.block_table[row, b:b + len(diff.new_block_ids)] = diff.new_block_ids
+                for table, ids in zip(self.group_block_tables, diff.new_group_block_ids):
+                    table[row, b:b + len(ids)] = ids
                 self.num_blocks[row] = b + len(diff.new_block_ids)
             self.num_computed_tokens[row] = diff.num_computed_tokens
 
@@ -98,6 +109,8 @@ class InputBatch:
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.block_table[row, :b] = new.block_ids
+        for table, ids in zip(self.group_block_tables, new.group_block_ids):
+            table[row, :b] = ids
         self.num_blocks[row] = b
         self.sampling.set_row(row, new.sampling_params)
         self.lora_ids[row] = new.lora_id
@@ -151,6 +164,19 @@ class InputBatch:
         width = -(-max_seq_len // self.block_size)
         tables = self._block_tables[:n * width].reshape(n, width)
         np.take(self.block_table[:, :width], rows, axis=0, out=tables)
+        group_tables = None
+        if self.group_block_tables:
+            group_tables = []
+            offsets = positions % self.block_size
+            for table, (tables_buf, slots_buf) in zip(self.group_block_tables,
+                                                      self._group_buffers):
+                g_slots = slots_buf[:T]
+                g_slots[:] = table.reshape(-1)[block_idx]
+                g_slots *= self.block_size
+                g_slots += offsets
+                g_tables = tables_buf[:n * width].reshape(n, width)
+                np.take(table[:, :width], rows, axis=0, out=g_tables)
+                group_tables.append((torch.from_numpy(g_tables), torch.from_numpy(g_slots)))
 
         # A request samples when this step reaches the end of its known tokens.
         sample_indices = np.flatnonzero(seq_lens >= self.num_tokens[rows])
@@ -169,4 +195,4 @@ class InputBatch:
             positions=torch.from_numpy(positions), attn_metadata=metadata,
             sample_indices=sample_indices,
             logits_indices=torch.from_numpy(qsl[1:][sample_indices].astype(np.int64) - 1),
-            sampling=sampling, token_lora_ids=self.lora_ids[tok_rows])
+            sampling=sampling, token_lora_ids=self.lora_ids[tok_rows], group_tables=group_tables)

@@ -1,7 +1,8 @@
 """ModelRunner: apply the scheduler's diffs to the persistent batch, run the model on the flat
 batch, sample.
 
-One per rank, owned by a ``Worker``. Holds the model, the paged KV cache (one tensor per layer)
+One per rank, owned by a ``Worker``. Holds the model, the paged KV cache (one tensor per layer;
+with hybrid KV cache groups one per slot, shared by a layer of each group, core/kv_groups.py)
 and the ``InputBatch``.
 """
 
@@ -10,13 +11,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
 from bladellm.attention import get_attn_backend
 from bladellm.attention.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from bladellm.config import EngineConfig
+from bladellm.checkpoint.attention_layout import layer_windows
 from bladellm.checkpoint.locate import ResolvedModel
+from bladellm.core.kv_groups import KVCacheGroups, hybrid_kv_cache_enabled, kv_cache_groups
+from bladellm.distributed.parallel_state import get_pp_group
+from bladellm.distributed.partition import pipeline_stages
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.core.outputs import Logprobs
 from bladellm.kernels.interface import Kernels
@@ -93,12 +99,20 @@ class ModelRunner:
                     self.dtype, time.perf_counter() - start, self.attn_backend.name)
         self.sampler = Sampler(kernels)
         sched = config.scheduler
+        self.kv_cache_groups = kv_cache_groups(
+            layer_windows(resolved.hf_config),
+            hybrid_kv_cache_enabled(config.cache.disable_hybrid_kv_cache,
+                                    config.speculative.decode_algo))
         self.input_batch = InputBatch(sched.max_num_seqs, self.max_model_len,
-                                      sched.max_num_batched_tokens, self.block_size)
+                                      sched.max_num_batched_tokens, self.block_size,
+                                      self.kv_cache_groups.num_groups)
         self.kv_caches: list[torch.Tensor] = []
         spec = self.model.get_kv_cache_spec()  # per rank: stays right under TP
         self.num_layers, self.num_kv_heads, self.head_dim = (
             spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        # Each of this stage's layers: (KV cache group, slot).
+        self.layer_placement = self._layer_placement(self.kv_cache_groups)
+        self.num_kv_slots = len({slot for _, slot in self.layer_placement})
         _check_vision_language_flags(self.model, config)
         self.spec = self._make_spec_decoder(resolved)
         # A vision-language model: image features by content hash (worker/encoder_cache.py).
@@ -173,15 +187,38 @@ class ModelRunner:
         return added
 
     # ---- KV cache -------------------------------------------------------------------------------
+    def _layer_placement(self, groups: KVCacheGroups) -> list[tuple[int, int]]:
+        """(group, slot) of each layer of this pipeline stage. One group: slot = layer."""
+        if groups.num_groups == 1:
+            return [(0, layer) for layer in range(self.num_layers)]
+        pp = get_pp_group()
+        num_total = sum(len(g.layers) for g in groups.groups)
+        start, end = pipeline_stages(num_total, pp.world_size)[pp.rank_in_group]
+        if end - start != self.num_layers:
+            raise ValueError(f"KV cache groups: stage {pp.rank_in_group} runs "
+                             f"{self.num_layers} layers, expected {end - start}; run with "
+                             f"--disable_hybrid_kv_cache")
+        placement = groups.placement()
+        return [placement[layer] for layer in range(start, end)]
+
     @property
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
+        """One block id: a block of every slot this stage uses (one per layer without
+        hybrid groups)."""
+        return kv_bytes_per_block(self.num_kv_slots, self.block_size, self.num_kv_heads,
                                   self.head_dim, self.dtype, self.config.cache.kv_cache_quant)
 
+    @property
+    def max_blocks_per_request(self) -> int:
+        """Block ids a full-length request can hold (every group's table)."""
+        return self.kv_cache_groups.num_groups * -(-self.max_model_len // self.block_size)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.num_layers, num_blocks, self.block_size,
-                                            self.num_kv_heads, self.head_dim, self.dtype,
-                                            self.device, self.config.cache.kv_cache_quant)
+        slots = sorted({slot for _, slot in self.layer_placement})
+        tensors = dict(zip(slots, allocate_kv_caches(
+            len(slots), num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+            self.dtype, self.device, self.config.cache.kv_cache_quant)))
+        self.kv_caches = [tensors[slot] for _, slot in self.layer_placement]
         if self.spec_bytes_per_block:
             self.spec.proposer.initialize_kv_cache(num_blocks)
 
@@ -216,7 +253,8 @@ class ModelRunner:
         inputs = self.input_batch.prepare(sched)
         if self.spec is not None:
             self.spec.lay_out(sched, inputs)
-        ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=self.kv_caches)
+        ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=self.kv_caches,
+                             layer_attn_metadata=self._layer_attn_metadata(inputs))
         if self.lora is not None:
             ctx.lora = self.lora.prepare_step(inputs.token_lora_ids,
                                               self.input_batch.active_lora_ids())
@@ -248,6 +286,16 @@ class ModelRunner:
                 logprobs = self._logprobs(inputs, out)
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs, prompt_logprobs=prompt_lps)
+
+    def _layer_attn_metadata(self, inputs: StepInputs) -> list | None:
+        """Hybrid KV cache groups: each layer's metadata, its group's block tables and slot
+        mapping on the step's metadata (after spec lay-out, which may add a tree)."""
+        if inputs.group_tables is None:
+            return None
+        md = inputs.attn_metadata
+        by_group = [md] + [replace(md, block_tables=tables, slot_mapping=slots)
+                           for tables, slots in inputs.group_tables]
+        return [by_group[group] for group, _ in self.layer_placement]
 
     def _image_embeds(self, inputs: StepInputs) -> torch.Tensor | None:
         """Input embeddings with image features where this step's chunks cover image tokens

@@ -82,7 +82,10 @@ class Worker:
             logger.info("KV budget shared by target and draft: %d + %d bytes per block",
                         runner.bytes_per_block, runner.spec_bytes_per_block)
             weights += model_weight_bytes(runner.spec.proposer.model)
-        return rank_num_blocks(self.config, per_block, weights, runner.max_model_len,
+        # Hybrid KV cache groups: a request holds a block id per group for each block of
+        # tokens, so the cap on what requests can use counts every group's table.
+        return rank_num_blocks(self.config, per_block, weights,
+                               runner.max_blocks_per_request * self.config.cache.block_size,
                                self.local_world_size)
 
     def spec_forward_times(self) -> tuple[float, float]:

@@ -83,7 +83,10 @@ def _run(model_dir: str, prompts, params, **kwargs):
 
 # Every layer windowed: the KV manager frees blocks past the window, so a smaller pool is what
 # forces preemption (sps drafts read the whole context, nothing freed: the default pool).
-WINDOW_POOL = {"mistral-w8": dict(num_kv_blocks=14)}
+# Local and global layers mixed: a KV cache group per kind, a block id holds one layer's KV
+# (core/kv_groups.py), so the pool has more, smaller blocks.
+WINDOW_POOL = {"mistral-w8": dict(num_kv_blocks=14), "gemma2": dict(num_kv_blocks=48),
+               "gemma3": dict(num_kv_blocks=60), "qwen2-w8": dict(num_kv_blocks=48)}
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,14 @@ VARIANTS = {
 }
 
 
+# Hybrid KV cache groups (core/kv_groups.py): Gemma 2's local and global layers get a group
+# each, Gemma 3's two local layers a group each (groups of one layer: one global layer), so
+# a block id holds one layer's KV there; pools small enough that requests get preempted.
+GROUP_WINDOWS = {"gemma2": [None, 8], "gemma3": [None, 8, 8], "bloom": [None],
+                 "gemma2-all-local": [8]}
+STRESS_BLOCKS = {"gemma2": 48, "gemma3": 60, "bloom": 40, "gemma2-all-local": 16}
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     cache: dict = {}
@@ -85,9 +93,8 @@ def _generate(model_dir: str, prompts, params=None, **kwargs):
 def test_greedy_identical_to_transformers_under_stress(model_dir, variant):
     path = model_dir(variant)
     prompts = _prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)
-    kwargs = dict(num_kv_blocks=16) if variant == "gemma2-all-local" else {}
-    outs, kv = _generate(path, prompts, **kwargs)
-    assert kv.sliding_window == (8 if variant == "gemma2-all-local" else None)
+    outs, kv = _generate(path, prompts, num_kv_blocks=STRESS_BLOCKS[variant])
+    assert kv.group_windows == GROUP_WINDOWS[variant]
     for i, (out, exp) in enumerate(zip(outs, _hf_greedy(path, prompts))):
         assert out.token_ids == exp, f"prompt {i} (len {len(prompts[i])})"
 
@@ -98,8 +105,9 @@ def test_tensor_parallel_identical_to_one_rank(model_dir, variant, tp):
     """Bloom: 4 heads over 3 ranks (2 + 1 + 1), each rank with its heads' ALiBi slopes."""
     path = model_dir(variant)
     prompts = _prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)[:8]
-    want, _ = _generate(path, prompts)
-    got, _ = _generate(path, prompts, tensor_parallel_size=tp)
+    pool = STRESS_BLOCKS[variant]
+    want, _ = _generate(path, prompts, num_kv_blocks=pool)
+    got, _ = _generate(path, prompts, num_kv_blocks=pool, tensor_parallel_size=tp)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.token_ids == w.token_ids, f"prompt {i}: tp={tp}"
 
@@ -112,8 +120,9 @@ def test_int8_kv_close_to_fp32(model_dir, variant):
     path = model_dir(variant)
     prompts = _prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2)
-    base, _ = _generate(path, prompts, params)
-    quant, _ = _generate(path, prompts, params, kv_cache_quant="int8")
+    pool = STRESS_BLOCKS[variant]
+    base, _ = _generate(path, prompts, params, num_kv_blocks=pool)
+    quant, _ = _generate(path, prompts, params, num_kv_blocks=pool, kv_cache_quant="int8")
     agree = total = 0
     for i, (a, b) in enumerate(zip(base, quant)):
         n = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
@@ -135,7 +144,7 @@ def test_speculative_decoding_greedy_identical(model_dir, variant):
     as its own draft (every proposal accepted) emit the plain greedy tokens."""
     path = model_dir(variant)
     prompts = _prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)[:8]
-    kwargs = dict(num_kv_blocks=13) if variant == "gemma2-all-local" else {}
+    kwargs = dict(num_kv_blocks=13 if variant == "gemma2-all-local" else STRESS_BLOCKS[variant])
     want, _ = _generate(path, prompts, **kwargs)
     got, kv = _generate(path, prompts, decode_algo="look_ahead", look_ahead_window_size=3,
                         look_ahead_gram_size=3, guess_set_size=3, spec_policy="always",

@@ -47,6 +47,8 @@ ALIASES: tuple[Alias, ...] = (
           const=True),
     Alias("--kv-cache-dtype", "cache__kv_cache_quant", "--kv_cache_quant (only auto = no_quant)",
           convert=_kv_cache_dtype),
+    Alias("--disable-hybrid-kv-cache-manager", "cache__disable_hybrid_kv_cache",
+          "--disable_hybrid_kv_cache", const=True),
     Alias("--uvicorn-log-level", "server__log_level", "--log_level", convert=str),
     Alias("--disable-uvicorn-access-log", "server__disable_access_log", "--disable_access_log",
           const=True),

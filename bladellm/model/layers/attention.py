@@ -45,8 +45,10 @@ class Attention(nn.Module):
         if ctx.attn_metadata is None:
             out = self._causal_no_cache(q, k, v)
         else:
-            out = self.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx],
-                                       ctx.attn_metadata, self.scale, self.features)
+            md = (ctx.attn_metadata if ctx.layer_attn_metadata is None
+                  else ctx.layer_attn_metadata[self.layer_idx])
+            out = self.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], md,
+                                       self.scale, self.features)
         return out.reshape(T, self.num_heads * self.head_dim)
 
     def _causal_no_cache(self, q: torch.Tensor, k: torch.Tensor,

@@ -12,9 +12,9 @@ def compute(kv: KVCacheManager, req, num_tokens: int, hits=()):
     """Allocate, 'run' ``num_tokens`` more tokens, and register what became full."""
     new = kv.allocate_slots(req, num_tokens, hits)
     assert new is not None
-    req.num_computed_tokens += num_tokens + len(hits) * BS
+    req.num_computed_tokens += num_tokens + (len(hits[0]) * BS if hits else 0)
     kv.cache_blocks(req, req.num_computed_tokens)
-    return new
+    return new[0] if kv.num_groups == 1 else new
 
 
 def test_hashes_chain_parent_tokens_and_salt():
@@ -35,7 +35,7 @@ def test_shared_prefix_hits_only_full_blocks():
     assert len(blocks_a) == 3
     b = make_request("b", list(range(100, 108)) + [1, 2, 3, 4, 5])
     hits, num_hit = kv.get_computed_blocks(b)
-    assert hits == blocks_a[:2] and num_hit == 8
+    assert hits == [blocks_a[:2]] and num_hit == 8
     compute(kv, b, b.num_tokens - num_hit, hits)
     assert kv.pool.ref_cnt[blocks_a[0]] == 2 and kv.pool.ref_cnt[blocks_a[2]] == 1
     kv.check_invariants()
@@ -47,7 +47,7 @@ def test_fully_cached_prompt_still_recomputes_its_last_token():
     compute(kv, a, 8)
     b = make_request("b", list(range(8)))
     hits, num_hit = kv.get_computed_blocks(b)
-    assert num_hit == 4 and len(hits) == 1  # the last full block is recomputed, not shared
+    assert num_hit == 4 and len(hits[0]) == 1  # the last full block is recomputed, not shared
     c = make_request("c", list(range(9)))
     assert kv.get_computed_blocks(c)[1] == 8
 
@@ -66,7 +66,7 @@ def test_disabled_cache_never_hits():
     kv = KVCacheManager(16, BS, enable_caching=False)
     a = make_request("a", list(range(9)))
     compute(kv, a, 9)
-    assert kv.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    assert kv.get_computed_blocks(make_request("b", list(range(9)))) == ([[]], 0)
     kv.free(a)
     assert kv.pool.get_num_cached_free_blocks() == 0
 
@@ -80,7 +80,7 @@ def test_free_releases_tail_first_so_tails_are_evicted_first():
     b = make_request("b", list(range(50, 58)))  # needs 2 blocks: the free one + 1 eviction
     compute(kv, b, 8)
     # The evicted block is a's tail (block 3); a's first two blocks are still a prefix hit.
-    assert kv.get_computed_blocks(make_request("c", list(range(13))))[0] == blocks[:2]
+    assert kv.get_computed_blocks(make_request("c", list(range(13))))[0] == [blocks[:2]]
     kv.check_invariants()
 
 
@@ -91,7 +91,7 @@ def test_allocate_fails_cleanly_counting_evictable_hits():
     kv.free(a)
     b = make_request("b", list(range(8)) + [99] * 8)  # hit 2 blocks, needs 2 more: 4 > 3
     hits, _ = kv.get_computed_blocks(b)
-    assert len(hits) == 2
+    assert len(hits[0]) == 2
     assert kv.allocate_slots(b, 8, hits) is None
     assert kv.pool.get_num_free_blocks() == 3 and "b" not in kv.req_to_blocks
     kv.check_invariants()
@@ -108,7 +108,7 @@ def test_pending_blocks_are_tracked_until_computed_or_freed():
     owner.num_computed_tokens = 8
     kv.cache_blocks(owner, 8)
     hits, _ = kv.get_computed_blocks(sibling)
-    assert len(hits) == 2 and kv.pending_owner(sibling, 2) == "owner"
+    assert len(hits[0]) == 2 and kv.pending_owner(sibling, 2) == "owner"
     kv.free(owner)
     assert kv.pending_owner(sibling, 2) is None
     kv.check_invariants()
@@ -181,10 +181,11 @@ def test_window_prompt_cache_hit_needs_only_the_window_blocks():
         blocks, num = kv.get_computed_blocks(second)
         assert num == want_tokens
         if sliding_window is not None:
+            [blocks] = blocks
             needed = (num - window + 1) // BS
             assert blocks[:needed] == [NULL_BLOCK_ID] * needed
             assert blocks[needed:] == first_blocks[needed:6]
-            assert kv.allocate_slots(second, len(tokens) - num, blocks) is not None
+            assert kv.allocate_slots(second, len(tokens) - num, [blocks]) is not None
             second.num_computed_tokens = num
             kv.check_invariants()
             kv.free(second)

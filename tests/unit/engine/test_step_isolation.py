@@ -16,7 +16,8 @@ def test_sub_step_resends_images_and_adapter():
     sched = SchedulerOutput()
     sched.num_scheduled_tokens["r"] = 4
     scheduler = SimpleNamespace(requests={"r": req},
-                                kv_cache_manager=SimpleNamespace(get_block_ids=lambda _: [7]))
+                                kv_cache_manager=SimpleNamespace(
+                                    get_group_block_ids=lambda _: [[7]]))
     new = sub_step(sched, ["r"], scheduler).scheduled_new_reqs[0]
     assert new.mm_items == [image]  # else the placeholders would run as plain text
     assert (new.token_ids, new.block_ids, new.lora_id) == ([5, 9, 9, 6], [7], 3)

@@ -154,3 +154,33 @@ def test_persistent_batch_matches_from_scratch(data):
             elif choice == "preempt" and t.known:
                 t.known, t.computed, t.blocks, t.sent_tokens, t.sent_blocks = False, 0, [], 0, 0
                 preempted.add(req_id)
+
+
+def test_kv_cache_groups_get_their_own_tables_and_slots():
+    """Hybrid KV cache groups: group 1's table (null entries where its window freed blocks)
+    gives its own block tables and slot mapping, group 0's are unchanged."""
+    batch = InputBatch(MAX_REQS, MAX_LEN, 32, BLOCK, num_kv_groups=2)
+    params = SamplingParams(max_tokens=4)
+    sched = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("a", list(range(10)), 10, params, [3, 4, 5], 0,
+                                           group_block_ids=([7, 8, 9],))],
+        num_scheduled_tokens={"a": 10}, total_num_scheduled_tokens=10)
+    batch.apply(sched)
+    inputs = batch.prepare(sched)
+    md = inputs.attn_metadata
+    [(tables, slots)] = inputs.group_tables
+    assert md.block_tables.tolist() == [[3, 4, 5]] and tables.tolist() == [[7, 8, 9]]
+    pos = np.arange(10)
+    assert md.slot_mapping.tolist() == (np.array([3, 4, 5])[pos // 4] * 4 + pos % 4).tolist()
+    assert slots.tolist() == (np.array([7, 8, 9])[pos // 4] * 4 + pos % 4).tolist()
+    # A decode step that takes a new block in each group, group 1 having freed its first.
+    batch.group_block_tables[0][batch.row_of["a"], 0] = 0
+    step = SchedulerOutput(
+        scheduled_cached_reqs=[CachedRequestData("a", [42, 43], [6], 10, ([11],))],
+        num_scheduled_tokens={"a": 2}, total_num_scheduled_tokens=2)
+    batch.apply(step)
+    inputs = batch.prepare(step)
+    [(tables, slots)] = inputs.group_tables
+    assert inputs.attn_metadata.block_tables.tolist() == [[3, 4, 5]]
+    assert tables.tolist() == [[0, 8, 9]] and slots.tolist() == [9 * 4 + 2, 9 * 4 + 3]
+    assert inputs.attn_metadata.slot_mapping.tolist() == [5 * 4 + 2, 5 * 4 + 3]
