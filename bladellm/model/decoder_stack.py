@@ -178,6 +178,8 @@ class CompiledDecoderStack:
         if len(shapes) != 1:
             return "layers of different shapes"
         rope = layers[0].self_attn.rotary_emb
+        if type(rope).__name__ == "MRotaryEmbedding":
+            return "M-RoPE (positions [3, T]; the stack reads [T])"
         if rope.interleaved:
             return "interleaved rotary (the stack runs the neox layout)"
         if rope.cos_cache.dtype != model.dtype or rope.cos_cache.shape[-1] * 2 != \
