@@ -187,3 +187,34 @@ def test_tensor_parallel_2_language_model(vl_dir):
 def test_unsupported_combinations_are_refused(vl_dir, flags, name):
     with pytest.raises(ValueError, match=name):
         LLM(model=vl_dir, dtype="float32", num_kv_blocks=65, max_model_len=256, **flags)
+
+
+def test_hub_config_and_weight_layouts(vl_dir, tmp_path):
+    """The form the hub's checkpoints have (text fields at the top of config.json,
+    ``rope_scaling: {type: mrope}``) with weights in transformers 5's names
+    (``model.visual.*``, ``model.language_model.*``) gives the same tokens."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(vl_dir, tmp_path, dirs_exist_ok=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    for key, value in text.items():
+        if key not in ("model_type", "architectures"):
+            cfg.setdefault(key, value)
+    cfg["rope_theta"] = rope["rope_theta"]
+    cfg["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    cfg["vision_config"].pop("rope_parameters", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(tmp_path / "model.safetensors")
+    renamed = {("model." + k if k.startswith("visual.") else
+                "model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in weights.items()}
+    assert any(k.startswith("model.language_model.") for k in renamed)
+    save_file(renamed, tmp_path / "model.safetensors")
+    llm = LLM(model=str(tmp_path), dtype="float32", block_size=4, num_kv_blocks=256,
+              max_model_len=256)
+    check_same(run(llm, CASES[:1]), hf_greedy(vl_dir, CASES[:1]))
