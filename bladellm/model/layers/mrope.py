@@ -60,7 +60,9 @@ class MRotaryEmbedding(RotaryEmbedding):
                 inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 1:
             return super().forward(positions, q, k, inplace=inplace)
-        per_freq = positions[self.section_rows].t()  # [T, half]: each frequency's position
+        # [T, half]: each frequency's position; contiguous, so the gathered tables are too
+        # (the compiled and Triton kernels take only contiguous rows).
+        per_freq = positions[self.section_rows].t().contiguous()
         cos = self.cos_cache[per_freq, self.freq_index]
         sin = self.sin_cache[per_freq, self.freq_index]
         rows = torch.arange(positions.shape[1], device=positions.device)

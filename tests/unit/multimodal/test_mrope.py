@@ -79,11 +79,17 @@ def test_grid_that_does_not_match_the_span_is_refused():
         mrope_positions(8, [bad], MERGE)
 
 
-@pytest.mark.parametrize("kernel_set", ["ref", "auto"])
+@pytest.mark.parametrize("kernel_set", ["ref", "auto", "triton"])
 def test_rotary_matches_transformers_multimodal_rotary(kernel_set):
-    """Both the reference kernels and this machine's CPU set (compiled where it builds): the
-    gathered per-token table goes through the ordinary rotary kernel."""
-    kernels = Kernels() if kernel_set == "ref" else resolve_kernels("auto", "cpu")
+    """The reference kernels, this machine's CPU set (compiled where it builds) and Triton (its
+    interpreter without a GPU): the gathered per-token table goes through the ordinary rotary
+    kernel of each."""
+    if kernel_set == "triton":
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("the layer's tensors here are on the CPU")
+    kernels = {"ref": Kernels, "auto": lambda: resolve_kernels("auto", "cpu"),
+               "triton": lambda: resolve_kernels("triton", "cpu")}[kernel_set]()
     head_dim, section = 16, [2, 3, 3]
     text = transformers.Qwen2VLTextConfig(
         hidden_size=64, num_attention_heads=4, max_position_embeddings=128,
