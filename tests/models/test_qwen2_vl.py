@@ -87,8 +87,15 @@ def check_same(outs, expected):
 def test_greedy_identical_to_transformers(vl_dir):
     llm = LLM(model=vl_dir, dtype="float32", block_size=4, num_kv_blocks=256,
               max_model_len=256, debug_block_accounting=True)
-    check_same(run(llm, CASES), hf_greedy(vl_dir, CASES))
     runner = llm.engine.core.executor.worker.model_runner
+    inner = runner.model.language_model.model
+    stack_steps = []  # steps the compiled decoder stack ran (where this machine builds it)
+    if inner.compiled_stack is not None:
+        stack = inner.compiled_stack
+        inner.compiled_stack = lambda h, p, ctx: stack_steps.append(p.dim()) or stack(h, p, ctx)
+    check_same(run(llm, CASES), hf_greedy(vl_dir, CASES))
+    if stack_steps:  # decode steps (text only) reach it with [T] positions, image steps not
+        assert 1 in stack_steps and 2 in stack_steps
     assert len(runner.encoder_cache) == 0  # every entry freed with its requests
 
 

@@ -46,6 +46,15 @@ class Qwen2VLTextForCausalLM(Qwen2ForCausalLM):
         for layer in self.model.layers[self.model.start_layer:self.model.end_layer]:
             layer.self_attn.rotary_emb = self.rotary_emb
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A step without image tokens has three equal rows: its row 0 is the plain rotary
+        position of every token (the same rotation), which lets such steps (every decode step)
+        skip the per-section gather and run in the compiled decoder stack, which reads [T]."""
+        if positions.dim() == 2 and bool(torch.equal(positions[1:], positions[:1].expand(2, -1))):
+            positions = positions[0]
+        return self.model(input_ids, positions, ctx, inputs_embeds)
+
 
 class Qwen2VLForConditionalGeneration(nn.Module):
     packed_modules_mapping: dict[str, list[str]] = {
