@@ -14,7 +14,8 @@ output is bit-identical to theirs; where it does not apply it returns None and t
   quantized linears, tensor or pipeline parallelism), or kernels that are not the compiled CPU
   set (``--attn_cls torch``, the GPU);
 - per step: more tokens than ``STACK_MAX_ROWS`` or than a linear's row limit (the kernels'
-  choice: above it ``linear`` goes to oneDNN or F.linear), a dummy run without KV cache,
+  choice: above it ``linear`` goes to oneDNN or F.linear), M-RoPE positions [3, T] (a step
+  with image tokens; text-only steps come as [T]), a dummy run without KV cache,
   padding tokens, tree attention (look_ahead), or a LoRA step.
 """
 
@@ -195,6 +196,7 @@ class CompiledDecoderStack:
         if (md is None or md.tree is not None or ctx.lora is not None or T == 0
                 or T > self.max_rows or md.num_actual_tokens != T
                 or hidden.dtype != self.dtype or not hidden.is_contiguous()
+                or positions.dim() != 1  # M-RoPE's [3, T] (models/qwen2_vl.py)
                 or positions.dtype not in _INDEX_DTYPES
                 or md.slot_mapping.dtype not in _INDEX_DTYPES
                 or not all(t.dtype == torch.int32 for t in (md.block_tables, md.seq_lens,

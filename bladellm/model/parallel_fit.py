@@ -54,7 +54,9 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, model_dir: str | None = 
 
 # Architectures whose model file has no pipeline stages (models/opt.py; a vision-language
 # model's image features enter at the first stage, models/llava.py).
-SINGLE_STAGE_ARCHITECTURES = ("OPTForCausalLM", "LlavaForConditionalGeneration")
+SINGLE_STAGE_ARCHITECTURES = ("OPTForCausalLM", "LlavaForConditionalGeneration",
+                              "Qwen2VLForConditionalGeneration",
+                              "Qwen2_5_VLForConditionalGeneration")
 
 
 def check_pipeline_parallel(hf_config: Any, pp_size: int) -> None:

@@ -26,6 +26,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("bladellm.model.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "LlavaForConditionalGeneration": ("bladellm.model.models.llava",
                                       "LlavaForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("bladellm.model.models.qwen2_vl",
+                                        "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("bladellm.model.models.qwen2_vl",
+                                           "Qwen2_5_VLForConditionalGeneration"),
 }
 
 

@@ -3,9 +3,9 @@
 Runs in the API process (``InputProcessor``, inside its CPU offload thread): each image goes
 through the checkpoint's image processor (``AutoImageProcessor``), and each image placeholder
 token of the prompt is expanded to as many tokens as the vision encoder will produce rows for
-that image; the request then carries one ``MultiModalItem`` per image. One ``ImageSpec`` per
-architecture says what the placeholder is and how many tokens an image takes; Qwen2-VL's
-(dynamic resolution: the count depends on the image's size) fits the same shape.
+that image; the request then carries one ``MultiModalItem`` per image. One spec per
+architecture says what the placeholder is and how many tokens an image takes (``LlavaSpec``;
+``Qwen2VLSpec``, whose count depends on the image's size).
 """
 
 from __future__ import annotations
@@ -43,7 +43,57 @@ class LlavaSpec:
         return (height // self.patch_size) * (width // self.patch_size) + int(self.keeps_cls)
 
 
-_SPECS = {"LlavaForConditionalGeneration": LlavaSpec}
+    def placeholder_text(self, tokenizer: Any) -> str:
+        return tokenizer.convert_ids_to_tokens(self.image_token_id)
+
+    def check_processor(self, image_processor: Any) -> None:
+        """Nothing to check: the token count follows from the processed pixels."""
+
+
+@dataclass(frozen=True)
+class Qwen2VLSpec:
+    """Qwen2-VL / Qwen2.5-VL: ``<|image_pad|>`` (``image_token_id``) stands for one image and
+    is expanded to one token per merged cell of its patch grid (dynamic resolution: the
+    processor resizes each image to a multiple of ``patch_size * spatial_merge_size`` within
+    its min/max pixels, so the count depends on the image). A chat image part becomes
+    ``<|vision_start|><|image_pad|><|vision_end|>``, as the models' chat template writes it."""
+
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+
+    @classmethod
+    def of(cls, hf_config: Any) -> "Qwen2VLSpec":
+        vision = hf_config.vision_config
+        return cls(int(hf_config.image_token_id), int(hf_config.vision_start_token_id),
+                   int(hf_config.vision_end_token_id), int(vision.patch_size),
+                   int(vision.temporal_patch_size), int(vision.spatial_merge_size))
+
+    def num_tokens(self, tensors: dict[str, np.ndarray]) -> int:
+        return int(np.prod(tensors["image_grid_thw"][0])) // self.merge_size ** 2
+
+    def placeholder_text(self, tokenizer: Any) -> str:
+        return "".join(tokenizer.convert_ids_to_tokens(
+            [self.vision_start_token_id, self.image_token_id, self.vision_end_token_id]))
+
+    def check_processor(self, image_processor: Any) -> None:
+        """The processor's patching must be the vision tower's, or the token count (and the
+        pixel rows the tower reads) would not match."""
+        for name, ours in (("patch_size", self.patch_size),
+                           ("temporal_patch_size", self.temporal_patch_size),
+                           ("merge_size", self.merge_size)):
+            theirs = getattr(image_processor, name, None)
+            if theirs is not None and int(theirs) != ours:
+                raise ValueError(f"preprocessor_config.json: {name} {theirs} differs from the "
+                                 f"vision tower's {ours} (config.json vision_config)")
+
+
+_SPECS = {"LlavaForConditionalGeneration": LlavaSpec,
+          "Qwen2VLForConditionalGeneration": Qwen2VLSpec,
+          "Qwen2_5_VLForConditionalGeneration": Qwen2VLSpec}
 
 
 def is_multimodal(hf_config: Any) -> bool:
@@ -59,7 +109,7 @@ class ImageInputProcessor:
         self.spec = _SPECS[arch].of(hf_config)
         self.config = config
         # What a chat message's image part becomes in the prompt text.
-        self.placeholder_text = tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
+        self.placeholder_text = self.spec.placeholder_text(tokenizer)
         from transformers import AutoImageProcessor
 
         try:
@@ -68,6 +118,7 @@ class ImageInputProcessor:
         except Exception as e:
             raise ValueError(f"could not load the image processor of {model_dir!r} "
                              f"(preprocessor_config.json): {e}") from e
+        self.spec.check_processor(self.image_processor)
 
     def process(self, prompt_ids: list[int], images: list[Any], param: str = "prompt"
                 ) -> tuple[list[int], list[MultiModalItem]]:

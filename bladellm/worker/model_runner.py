@@ -38,6 +38,7 @@ from bladellm.sample.logprobs import prompt_logprobs
 from bladellm.sample.sampler import Sampler, SamplerOutput
 from bladellm.worker.encoder_cache import EncoderCache
 from bladellm.worker.input_batch import InputBatch, StepInputs
+from bladellm.worker.mrope_positions import MRopePositions
 from bladellm.worker.sampling_rows import attach_grammar_bitmask
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,9 @@ class ModelRunner:
         # A vision-language model: image features by content hash (worker/encoder_cache.py).
         self.encoder_cache = (EncoderCache(device) if hasattr(self.model, "encode_image")
                               else None)
+        # M-RoPE (Qwen2-VL): positions [3, T] per step (worker/mrope_positions.py); else [T].
+        self.mrope = (MRopePositions(self.model.mrope_positions)
+                      if hasattr(self.model, "mrope_positions") else None)
         self.lora = None  # LoRAManager: adapter tiers and the layers' device slots
         if config.lora.enable_lora:
             from bladellm.lora.manager import LoRAManager
@@ -233,6 +237,8 @@ class ModelRunner:
             self.input_batch.remove(req_id)
         if self.encoder_cache is not None:
             self.encoder_cache.remove_requests(req_ids)
+        if self.mrope is not None:
+            self.mrope.remove_requests(req_ids)
         if self.spec is not None:
             self.spec.drop(req_ids)
 
@@ -243,6 +249,10 @@ class ModelRunner:
             self.encoder_cache.remove_requests(sched.finished_req_ids | sched.preempted_req_ids)
             for new in sched.scheduled_new_reqs:
                 self.encoder_cache.add_request(new.req_id, new.mm_items)
+        if self.mrope is not None:
+            self.mrope.remove_requests(sched.finished_req_ids | sched.preempted_req_ids)
+            for new in sched.scheduled_new_reqs:
+                self.mrope.add_request(new)
         self.input_batch.apply(sched)
         if self.spec is not None:
             self.spec.drop(sched.finished_req_ids | sched.preempted_req_ids)
@@ -251,6 +261,8 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.write_proposals(sched)
         inputs = self.input_batch.prepare(sched)
+        if self.mrope is not None:
+            inputs.positions = self.mrope.positions(inputs)
         if self.spec is not None:
             self.spec.lay_out(sched, inputs)
         ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=self.kv_caches,
