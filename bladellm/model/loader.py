@@ -33,6 +33,7 @@ from bladellm.model.layers.norm import UnitOffsetRMSNorm
 from bladellm.model.layers.rotary import RotaryEmbedding
 from bladellm.platforms.cpu import CpuInfo, detect_cpu
 from bladellm.platforms.cpu_defaults import choose_cpu_dtype
+from bladellm.platforms.select import DEVICES, platform_of, resolve_platform
 from bladellm.quantization import QuantConfig, get_quant_config, process_quantized_layers
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,14 @@ def resolve_dtype(hf_config: Any, dtype: str, device: str | torch.device = "cpu"
     if isinstance(cfg, str):
         cfg = getattr(torch, cfg, None)
     checkpoint = str(cfg).removeprefix("torch.") if isinstance(cfg, torch.dtype) else None
-    if torch.device(device).type != "cpu":
-        return _DTYPES[dtype] if dtype != "auto" else _DTYPES.get(checkpoint or "", torch.float32)
+    platform = (resolve_platform(device) if isinstance(device, str) and device in DEVICES
+                else platform_of(device))
+    if platform.name != "cpu":
+        if dtype != "auto":
+            return _DTYPES[dtype]
+        chosen, reason = platform.auto_dtype(checkpoint)
+        logger.info("dtype auto: %s (%s)", chosen, reason)
+        return _DTYPES[chosen]
     choice = choose_cpu_dtype(dtype, checkpoint, cpu or detect_cpu())
     if choice.warning:
         logger.warning(choice.warning)
@@ -66,13 +73,14 @@ def resolve_dtype(hf_config: Any, dtype: str, device: str | torch.device = "cpu"
     return _DTYPES[choice.dtype]
 
 
-def resolve_model(model_config: ModelConfig, snapshot_config: bool = False) -> ResolvedModel:
-    """``locate_model``, then the quantization config checked and ``--dtype`` resolved: what
-    building the model needs."""
+def resolve_model(model_config: ModelConfig, snapshot_config: bool = False,
+                  device: str = "cpu") -> ResolvedModel:
+    """``locate_model``, then the quantization config checked and ``--dtype`` resolved for
+    ``--device device`` (auto, cpu, cuda): what building the model needs."""
     located = locate_model(model_config, snapshot_config)
     # Validates quantization_config / --quantization before any weight is read.
     get_quant_config(located.hf_config, model_config.quantization)
-    dtype = resolve_dtype(located.hf_config, model_config.dtype)
+    dtype = resolve_dtype(located.hf_config, model_config.dtype, device)
     return dataclasses.replace(located, dtype=dtype)
 
 

@@ -28,8 +28,10 @@ from bladellm.model.layers.fused_moe import moe_layers
 from bladellm.model.layers.linear import UnquantizedLinearMethod
 from bladellm.model.loader import load_resolved_model
 from bladellm.platforms.cpu_defaults import model_weight_bytes, total_memory_bytes
+from bladellm.platforms.select import platform_of
 from bladellm.sample.logprobs import prompt_logprobs
 from bladellm.sample.sampler import Sampler, SamplerOutput
+from bladellm.worker.device_inputs import DeviceStager
 from bladellm.worker.encoder_cache import EncoderCache
 from bladellm.worker.input_batch import InputBatch, StepInputs
 from bladellm.worker.sampling_rows import attach_grammar_bitmask
@@ -92,6 +94,8 @@ class ModelRunner:
         logger.info("loaded %s (%s) in %.1f s; attention: %s", resolved.architecture,
                     self.dtype, time.perf_counter() - start, self.attn_backend.name)
         self.sampler = Sampler(kernels)
+        # Each step's host-built inputs go to the device in one pass (pinned where possible).
+        self.stager = DeviceStager(device, platform_of(device).supports_pinned_memory)
         sched = config.scheduler
         self.input_batch = InputBatch(sched.max_num_seqs, self.max_model_len,
                                       sched.max_num_batched_tokens, self.block_size)
@@ -216,6 +220,7 @@ class ModelRunner:
         inputs = self.input_batch.prepare(sched)
         if self.spec is not None:
             self.spec.lay_out(sched, inputs)
+        inputs = self.stager.stage(inputs)
         ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=self.kv_caches)
         if self.lora is not None:
             ctx.lora = self.lora.prepare_step(inputs.token_lora_ids,
