@@ -133,11 +133,11 @@ def main() -> int:
                 row.update(model=name, dtype=dtype, device=args.device,
                            seconds=round(time.perf_counter() - start, 1))
                 results.append(row)
+                if args.out:  # after every case: a run cut off still reports the ones done
+                    Path(args.out).write_text(json.dumps(results, indent=1))
                 print(f"parity {name:22s} {dtype:9s} {'OK  ' if row['ok'] else 'FAIL'} "
                       f"max|dlogprob| {row.get('max_logprob_diff', float('nan')):.4f} "
                       f"{'; '.join(row['failures'])}", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
     return 0 if all(r["ok"] for r in results) else 1
 
 

@@ -363,15 +363,20 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights for benchmarks: normal(0, 0.02); norms the identity scale (weights 1, or
     0 where the weight is an offset from 1), biases 0."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    # One generator per device the parameters live on: drawn where they live (a GPU draws an
+    # 8B model's weights in a second; the host would take a minute and copy them over).
+    gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("bias"):  # LayerNorm's too
             param.zero_()
         elif "norm" in name.split(".")[-2]:
             param.fill_(1.0)
         else:
-            sample = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02,
-                                                                          generator=gen)
+            gen = gens.get(param.device)
+            if gen is None:
+                gen = gens[param.device] = torch.Generator(param.device).manual_seed(seed)
+            sample = torch.empty(param.shape, dtype=torch.float32,
+                                 device=param.device).normal_(0.0, 0.02, generator=gen)
             param.copy_(sample)
     for module in model.modules():  # its weight is the offset from 1: identity is 0
         if isinstance(module, UnitOffsetRMSNorm):
