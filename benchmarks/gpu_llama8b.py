@@ -25,7 +25,6 @@ import json
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
