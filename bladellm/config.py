@@ -201,6 +201,7 @@ class ModelConfig:
 
 
 KV_CACHE_QUANTS = ("no_quant", "int8")
+DEVICES = ("auto", "cpu", "cuda")  # bladellm.platforms.select keeps the same tuple
 
 
 @dataclass
@@ -215,8 +216,13 @@ class CacheConfig:
                           "--max_num_seqs requests of --max_model_len tokens can use. The same "
                           "machine and model always get the same size."})
     max_gpu_memory_utilization: float = field(
-        default=0.85,
-        metadata={"help": "GPU: fraction of GPU memory for weights, activations and KV cache."})
+        default=0.90,
+        metadata={"help": "GPU (--device cuda): fraction of the GPU's memory this engine may "
+                          "use for weights, activations and the KV cache. After loading the "
+                          "weights a profiling forward at the largest step the scheduler can "
+                          "build measures the activations' peak; the KV cache gets "
+                          "utilization x total - weights - that peak (docs/gpu.md). With "
+                          "--num_kv_blocks or --kv_cache_memory, those set the size instead."})
     num_kv_blocks: int | None = field(
         default=None,
         metadata={"help": "Override the number of KV blocks (testing / capacity planning)."})
@@ -773,18 +779,23 @@ class EngineConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
-    device: str = field(default="cpu", metadata={"help": "Device to run on (only cpu so far)."})
+    device: str = field(
+        default="auto",
+        metadata={"help": "Device to run on: auto (cuda when torch sees a GPU, else cpu), cpu "
+                          "or cuda (one GPU per rank: rank i of a machine on cuda:i; "
+                          "docs/gpu.md). Chosen once at start-up and logged.",
+                  "choices": DEVICES})
     debug_block_accounting: bool = field(
         default=False,
         metadata={"help": "Check after every step that no KV block is lost or double-freed "
                           "(slow; for debugging)."})
 
     def __post_init__(self) -> None:
-        _check(self.device == "cpu", "device",
-               f"only cpu is supported so far, got {self.device!r}")
-        # A GPU-only knob must not be silently ignored on CPU.
-        default_util = CacheConfig.__dataclass_fields__["max_gpu_memory_utilization"].default
-        _check(self.cache.max_gpu_memory_utilization == default_util,
+        _check(self.device in DEVICES, "device",
+               f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        # A GPU-only knob must not be silently ignored on CPU (--device auto on a machine
+        # without a GPU: the worker refuses it, platforms/select.py resolves auto).
+        _check(self.device != "cpu" or not self.sets_gpu_memory_utilization,
                "max_gpu_memory_utilization",
                "applies to GPU devices; on CPU size the KV cache with --kv_cache_memory")
         _check_attn_kernels("draft.attn_cls", self.draft.attn_cls, self.model.kernels)
@@ -813,6 +824,11 @@ class EngineConfig:
                or self.model.served_model_name not in self.lora.named_modules, "lora_modules",
                f"{self.model.served_model_name!r} is the base model's served name "
                "(--served_model_name); an adapter under it could never be selected")
+
+    @property
+    def sets_gpu_memory_utilization(self) -> bool:
+        default = CacheConfig.__dataclass_fields__["max_gpu_memory_utilization"].default
+        return self.cache.max_gpu_memory_utilization != default
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

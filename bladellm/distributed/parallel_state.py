@@ -28,6 +28,9 @@ class GroupCoordinator:
     world_size: int
     ranks: tuple[int, ...]
     group: dist.ProcessGroup | None = None
+    # Where this group's messages live: "cpu" under gloo, this rank's GPU under NCCL (which
+    # moves device tensors only). Headers and scratch buffers are made here.
+    device: str = "cpu"
 
     @property
     def is_first(self) -> bool:
@@ -122,11 +125,13 @@ _GROUPS = ParallelGroups(tp=WORLD_1, pp=WORLD_1)
 
 def init_model_parallel(rank: int, tp_size: int, pp_size: int, init_method: str,
                         backend: str = "gloo", timeout_s: float = 600.0,
-                        expert_parallel: bool = False) -> ParallelGroups:
+                        expert_parallel: bool = False, device: str = "cpu") -> ParallelGroups:
     """Join the default group of ``tp_size * pp_size`` ranks and build the TP and PP groups.
 
     Every rank must call this with the same sizes (``new_group`` is collective). ``init_method``
-    is a torch.distributed URL (``tcp://host:port``, ``env://`` under torchrun).
+    is a torch.distributed URL (``tcp://host:port``, ``env://`` under torchrun). ``backend``
+    and ``device`` come from the platform (``Platform.dist_backend``: gloo on CPU, NCCL with
+    this rank's GPU).
     """
     global _GROUPS
     world = tp_size * pp_size
@@ -144,12 +149,12 @@ def init_model_parallel(rank: int, tp_size: int, pp_size: int, init_method: str,
         ranks = tuple(range(stage * tp_size, (stage + 1) * tp_size))
         group = dist.new_group(list(ranks)) if tp_size > 1 else None
         if stage == pp_rank:
-            tp = GroupCoordinator(tp_rank, tp_size, ranks, group)
+            tp = GroupCoordinator(tp_rank, tp_size, ranks, group, device)
     for column in range(tp_size):
         ranks = tuple(range(column, world, tp_size))
         group = dist.new_group(list(ranks)) if pp_size > 1 else None
         if column == tp_rank:
-            pp = GroupCoordinator(pp_rank, pp_size, ranks, group)
+            pp = GroupCoordinator(pp_rank, pp_size, ranks, group, device)
     assert tp is not None and pp is not None
     _GROUPS = ParallelGroups(tp=tp, pp=pp, expert_parallel=expert_parallel)
     return _GROUPS

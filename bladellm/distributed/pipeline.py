@@ -58,7 +58,8 @@ class StageChannel:
                     self._recv_header()
                 except StageFailedError:
                     continue
-                payload = torch.empty(2, self._last_tokens, self.hidden_size, dtype=self.dtype)
+                payload = torch.empty(2, self._last_tokens, self.hidden_size, dtype=self.dtype,
+                                      device=self.group.device)
                 self._recv_payload(payload)
         if not self.group.is_last:
             while self._sent < num_forwards:
@@ -66,7 +67,8 @@ class StageChannel:
 
     def _send_header(self, ok: bool, num_tokens: int) -> None:
         self.wait()
-        header = torch.tensor([1 if ok else 0, num_tokens], dtype=torch.int64)
+        header = torch.tensor([1 if ok else 0, num_tokens], dtype=torch.int64,
+                              device=self.group.device)
         dst = self.group.ranks[self.group.rank_in_group + 1]
         self._in_flight.append((dist.isend(header, dst=dst, group=self.group.group), header))
         self._sent += 1
@@ -80,7 +82,7 @@ class StageChannel:
         self._in_flight.append((dist.isend(buf, dst=dst, group=self.group.group), buf))
 
     def _recv_header(self) -> int:
-        header = torch.empty(2, dtype=torch.int64)
+        header = torch.empty(2, dtype=torch.int64, device=self.group.device)
         dist.recv(header, src=self.group.ranks[self.group.rank_in_group - 1],
                   group=self.group.group)
         self._received += 1

@@ -79,7 +79,8 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
         from bladellm.engine.engine_core import EngineCore
         from bladellm.model.loader import resolve_model
 
-        core = EngineCore(config, resolve_model(config.model, snapshot_config=True))
+        core = EngineCore(config, resolve_model(config.model, snapshot_config=True,
+                                                   device=config.device))
     except BaseException as exc:  # noqa: BLE001 - report any start-up failure to the parent
         error = f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, ValueError):  # ValueError: a flag or the checkpoint's config,

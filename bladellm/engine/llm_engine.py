@@ -38,7 +38,7 @@ class LLMEngine:
         from bladellm.model.loader import resolve_model  # loads torch: after the policy
 
         self.config = config
-        resolved = resolve_model(config.model, snapshot_config=True)
+        resolved = resolve_model(config.model, snapshot_config=True, device=config.device)
         self.model_info = model_info_for(resolved)
         self.input_processor = InputProcessor(
             self.model_info, config.guided.guided_max_grammar_size,

@@ -275,12 +275,18 @@ def _serve(config: EngineConfig, resolved: ResolvedModel, link: _Link) -> int:
     rank = spec.rank
     try:
         from bladellm.distributed.parallel_state import init_model_parallel
+        from bladellm.platforms.select import resolve_platform
         from bladellm.worker.worker import Worker
 
         par = config.parallel
+        # The same torch.distributed code on every platform; its backend (gloo, NCCL) and the
+        # device its messages live on come from the platform.
+        platform = resolve_platform(config.device)
+        device = platform.device(rank % spec.local_world_size)
+        platform.set_device(device)
         init_model_parallel(rank, par.tensor_parallel_size, par.pipeline_parallel_size,
-                            spec.init_method, backend="gloo",
-                            expert_parallel=par.enable_expert_parallel)
+                            spec.init_method, backend=platform.dist_backend,
+                            expert_parallel=par.enable_expert_parallel, device=str(device))
         worker = Worker(config, resolved, rank=rank,
                         num_threads=_rank_threads(config, spec.local_world_size),
                         local_world_size=spec.local_world_size)

@@ -46,6 +46,8 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: np.nd
     """
     import torch
 
-    kernels.apply_token_bitmask(logits, rows,
-                                torch.from_numpy(np.ascontiguousarray(bitmask, np.int32)))
+    # Built on the host (the grammar's matcher); on a GPU both go over in small async copies.
+    words = torch.from_numpy(np.ascontiguousarray(bitmask, np.int32))
+    kernels.apply_token_bitmask(logits, rows.to(logits.device, non_blocking=True),
+                                words.to(logits.device, non_blocking=True))
     return logits

@@ -31,6 +31,7 @@ from bladellm import envs
 from bladellm.kernels.build import BuildError, build_library
 from bladellm.kernels.interface import Kernels
 from bladellm.platforms.cpu import detect_cpu
+from bladellm.platforms.select import platform_of
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,13 @@ def resolve_kernels(mode: str, device: str | torch.device,
         return triton_kernels(device, "--kernels triton")
     if mode == "auto" and "triton" in {(name or "auto").lower() for name in attn_cls}:
         return triton_kernels(device, "--attn_cls triton (with --kernels auto)")
-    if device.type == "cuda":
+    platform = platform_of(device)  # the device's kernel set for auto (platforms/)
+    if platform.auto_kernel_set == "triton":
         if mode == "auto":
-            return triton_kernels(device, "--kernels auto (on cuda)")
+            return triton_kernels(device, f"--kernels auto (on {platform.name})")
         if mode == "compiled":
-            raise ValueError("--kernels compiled: the compiled kernels run on CPUs, this worker "
-                             "runs on cuda; use --kernels auto or triton")
+            raise ValueError(f"--kernels compiled: the compiled kernels run on CPUs, this "
+                             f"worker runs on {platform.name}; use --kernels auto or triton")
     return shared_cpu_kernels(mode, detect_cpu().isa, str(envs.cache_dir()))
 
 

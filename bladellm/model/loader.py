@@ -33,6 +33,7 @@ from bladellm.model.layers.norm import UnitOffsetRMSNorm
 from bladellm.model.layers.rotary import RotaryEmbedding
 from bladellm.platforms.cpu import CpuInfo, detect_cpu
 from bladellm.platforms.cpu_defaults import choose_cpu_dtype
+from bladellm.platforms.select import DEVICES, platform_of, resolve_platform
 from bladellm.quantization import QuantConfig, get_quant_config, process_quantized_layers
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,14 @@ def resolve_dtype(hf_config: Any, dtype: str, device: str | torch.device = "cpu"
     if isinstance(cfg, str):
         cfg = getattr(torch, cfg, None)
     checkpoint = str(cfg).removeprefix("torch.") if isinstance(cfg, torch.dtype) else None
-    if torch.device(device).type != "cpu":
-        return _DTYPES[dtype] if dtype != "auto" else _DTYPES.get(checkpoint or "", torch.float32)
+    platform = (resolve_platform(device) if isinstance(device, str) and device in DEVICES
+                else platform_of(device))
+    if platform.name != "cpu":
+        if dtype != "auto":
+            return _DTYPES[dtype]
+        chosen, reason = platform.auto_dtype(checkpoint)
+        logger.info("dtype auto: %s (%s)", chosen, reason)
+        return _DTYPES[chosen]
     choice = choose_cpu_dtype(dtype, checkpoint, cpu or detect_cpu())
     if choice.warning:
         logger.warning(choice.warning)
@@ -66,13 +73,14 @@ def resolve_dtype(hf_config: Any, dtype: str, device: str | torch.device = "cpu"
     return _DTYPES[choice.dtype]
 
 
-def resolve_model(model_config: ModelConfig, snapshot_config: bool = False) -> ResolvedModel:
-    """``locate_model``, then the quantization config checked and ``--dtype`` resolved: what
-    building the model needs."""
+def resolve_model(model_config: ModelConfig, snapshot_config: bool = False,
+                  device: str = "cpu") -> ResolvedModel:
+    """``locate_model``, then the quantization config checked and ``--dtype`` resolved for
+    ``--device device`` (auto, cpu, cuda): what building the model needs."""
     located = locate_model(model_config, snapshot_config)
     # Validates quantization_config / --quantization before any weight is read.
     get_quant_config(located.hf_config, model_config.quantization)
-    dtype = resolve_dtype(located.hf_config, model_config.dtype)
+    dtype = resolve_dtype(located.hf_config, model_config.dtype, device)
     return dataclasses.replace(located, dtype=dtype)
 
 
@@ -355,15 +363,20 @@ def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights for benchmarks: normal(0, 0.02); norms the identity scale (weights 1, or
     0 where the weight is an offset from 1), biases 0."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    # One generator per device the parameters live on: drawn where they live (a GPU draws an
+    # 8B model's weights in a second; the host would take a minute and copy them over).
+    gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("bias"):  # LayerNorm's too
             param.zero_()
         elif "norm" in name.split(".")[-2]:
             param.fill_(1.0)
         else:
-            sample = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02,
-                                                                          generator=gen)
+            gen = gens.get(param.device)
+            if gen is None:
+                gen = gens[param.device] = torch.Generator(param.device).manual_seed(seed)
+            sample = torch.empty(param.shape, dtype=torch.float32,
+                                 device=param.device).normal_(0.0, 0.02, generator=gen)
             param.copy_(sample)
     for module in model.modules():  # its weight is the offset from 1: identity is 0
         if isinstance(module, UnitOffsetRMSNorm):

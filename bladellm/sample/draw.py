@@ -87,12 +87,21 @@ def sample_random(logits: torch.Tensor, filters: RowFilters,
 def uniforms(num_rows: int, generators: dict[int, torch.Generator],
              device: torch.device) -> torch.Tensor:
     """One float64 U[0, 1) per row: a seeded row's from its own generator, the others' from the
-    default generator in one call."""
+    default generator (of ``device``) in one call.
+
+    Per-request generators are host generators (``generators.step_generator``) on every
+    platform: a seeded request then draws the same uniforms on a CPU and a GPU, and they reach
+    the device in one small asynchronous copy (no host sync)."""
     u = torch.empty(num_rows, dtype=torch.float64, device=device)
     if len(generators) < num_rows:
         u.uniform_()
-    for row, generator in generators.items():
-        u[row:row + 1].uniform_(generator=generator)
+    if not generators:
+        return u
+    rows = list(generators)
+    seeded = torch.empty(len(rows), dtype=torch.float64)
+    for j, row in enumerate(rows):
+        seeded[j:j + 1].uniform_(generator=generators[row])
+    u[torch.tensor(rows, device=device)] = seeded.to(device, non_blocking=True)
     return u
 
 

@@ -73,6 +73,9 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft: Sequence[int],
     the last one came from.
     """
     k = len(draft)
+    # A scalar test per proposal, read on the host, with a host generator (seeded requests draw
+    # the same on every platform): one copy of the rows from a GPU (none on a CPU).
+    p, q = p.cpu(), q.cpu()
     u = torch.rand(k + 1, generator=generator, dtype=torch.float64)
     for j, d in enumerate(draft):
         pd, qd = float(p[j, d]), float(q[j, d])

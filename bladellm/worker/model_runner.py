@@ -34,8 +34,10 @@ from bladellm.model.layers.fused_moe import moe_layers
 from bladellm.model.layers.linear import UnquantizedLinearMethod
 from bladellm.model.loader import load_resolved_model
 from bladellm.platforms.cpu_defaults import model_weight_bytes, total_memory_bytes
+from bladellm.platforms.select import platform_of
 from bladellm.sample.logprobs import prompt_logprobs
 from bladellm.sample.sampler import Sampler, SamplerOutput
+from bladellm.worker.device_inputs import DeviceStager
 from bladellm.worker.encoder_cache import EncoderCache
 from bladellm.worker.input_batch import InputBatch, StepInputs
 from bladellm.worker.mrope_positions import MRopePositions
@@ -99,6 +101,8 @@ class ModelRunner:
         logger.info("loaded %s (%s) in %.1f s; attention: %s", resolved.architecture,
                     self.dtype, time.perf_counter() - start, self.attn_backend.name)
         self.sampler = Sampler(kernels)
+        # Each step's host-built inputs go to the device in one pass (pinned where possible).
+        self.stager = DeviceStager(device, platform_of(device).supports_pinned_memory)
         sched = config.scheduler
         self.kv_cache_groups = kv_cache_groups(
             layer_windows(resolved.hf_config),
@@ -265,6 +269,7 @@ class ModelRunner:
             inputs.positions = self.mrope.positions(inputs)
         if self.spec is not None:
             self.spec.lay_out(sched, inputs)
+        inputs = self.stager.stage(inputs)
         ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=self.kv_caches,
                              layer_attn_metadata=self._layer_attn_metadata(inputs))
         if self.lora is not None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from bladellm.model.forward_context import ForwardContext
+from bladellm.platforms.select import platform_of
 from bladellm.checkpoint.pooling_config import POOLING_TYPES
 
 
@@ -41,6 +42,7 @@ def embed_prompts(model: nn.Module, prompts: list[list[int]], pooling: str,
 def time_token_forward(model: nn.Module, device: torch.device, reps: int = 5) -> float:
     """Median seconds of a one-token forward with its LM-head row (a plain causal forward, no
     cache): what a decode step of this model costs at batch 1, weights streamed once."""
+    platform = platform_of(device)
     input_ids = torch.ones(1, dtype=torch.long, device=device)
     positions = torch.zeros(1, dtype=torch.long, device=device)
     times = []
@@ -49,8 +51,7 @@ def time_token_forward(model: nn.Module, device: torch.device, reps: int = 5) ->
         hidden = model(input_ids, positions, ForwardContext.no_cache())
         if hidden is not None:
             model.compute_logits(hidden)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        platform.synchronize(device)
         if i >= 2:
             times.append(time.perf_counter() - start)
     return statistics.median(times)

@@ -14,10 +14,12 @@ from bladellm.config import EngineConfig, parse_size
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.checkpoint.locate import ResolvedModel
 from bladellm.kernels import resolve_kernels
-from bladellm.platforms.cpu import detect_cpu
+from bladellm.platforms.interface import Platform
+from bladellm.platforms.select import resolve_platform
 from bladellm.platforms.cpu_defaults import (kv_cache_num_blocks, model_weight_bytes,
                                              total_memory_bytes)
 from bladellm.platforms.threads import configure_engine_threads
+from bladellm.worker.memory_profile import plan_kv_cache, profile_activations
 from bladellm.worker.model_runner import ModelRunner
 from bladellm.worker.standalone_forwards import embed_prompts, time_token_forward
 
@@ -37,16 +39,37 @@ def seed_process_rngs(seed: int | None) -> None:
 
 
 def rank_num_blocks(config: EngineConfig, bytes_per_block: int, weight_bytes: int,
-                    max_model_len: int, local_world_size: int) -> int:
+                    max_model_len: int, local_world_size: int,
+                    device_memory: int | None = None) -> int:
     """KV blocks of ``bytes_per_block`` a rank holding ``weight_bytes`` (everything it loaded:
     weights, their prepacked copies, an sps draft) can hold (``kv_cache_num_blocks``). Ranks on
-    one machine share its memory: each sizes its pool from its share. ``blade_llm_check`` sizes
-    the pool with this too."""
+    one machine share its memory: each sizes its pool from its share; a GPU rank
+    (``device_memory``: its GPU's total) has its own. ``blade_llm_check`` sizes the pool with
+    this too."""
     cache = config.cache
     kv_bytes = None if cache.kv_cache_memory == "auto" else parse_size(cache.kv_cache_memory)
+    total = (total_memory_bytes() // local_world_size if device_memory is None
+             else device_memory)
     return kv_cache_num_blocks(cache.num_kv_blocks, kv_bytes, bytes_per_block,
                                config.scheduler.max_num_seqs, max_model_len, cache.block_size,
-                               weight_bytes, total_memory_bytes() // local_world_size)
+                               weight_bytes, total)
+
+
+def check_platform_flags(platform: Platform, config: EngineConfig) -> None:
+    """Flags that the resolved platform cannot honour: refused at start-up, never ignored."""
+    if not platform.sizes_kv_cache_by_profiling and config.sets_gpu_memory_utilization:
+        raise ValueError(f"--max_gpu_memory_utilization: applies to GPU devices, and "
+                         f"--device {config.device} runs on {platform.name}; size the KV cache "
+                         f"with --kv_cache_memory")
+    if platform.name == "cpu":
+        return
+    # Not built on a GPU yet (docs/gpu.md): their draft steps and adapter slots stay on the host.
+    if config.speculative.enabled:
+        raise ValueError(f"--decode_algo {config.speculative.decode_algo}: speculative "
+                         f"decoding runs only on --device cpu so far (docs/gpu.md)")
+    if config.lora.enable_lora:
+        raise ValueError("--enable_lora: LoRA adapters run only on --device cpu so far "
+                         "(docs/gpu.md)")
 
 
 class Worker:
@@ -57,14 +80,26 @@ class Worker:
         self.config = config
         self.rank = rank
         self.local_world_size = local_world_size
-        self.device = torch.device(config.device)
+        # --device, resolved once: every device difference below is asked of the platform.
+        self.platform = resolve_platform(config.device)
+        check_platform_flags(self.platform, config)
+        self.device = self.platform.device(rank % local_world_size)
+        self.platform.set_device(self.device)
         seed_process_rngs(config.model.seed)  # before anything draws from them
         configure_engine_threads(num_threads or config.parallel.num_threads)  # logs the choice
         # --kernels, resolved once with the device; everything below is handed this set.
         self.kernels = resolve_kernels(config.model.kernels, self.device,
                                        (config.model.attn_cls, config.draft.attn_cls))
-        logger.info("worker %d on %s (%s); kernels: %s", rank, self.device,
-                    detect_cpu().describe(), self.kernels.describe())
+        logger.info("worker %d on %s (--device %s); kernels: %s", rank,
+                    self.platform.describe(self.device), config.device,
+                    self.kernels.describe())
+        self.memory = self.platform.memory_reader(self.device)
+        # The GPU's free memory before this engine took any: what other processes hold is not
+        # ours to size the KV cache from (worker/memory_profile.py).
+        self.free_bytes_at_start = (self.memory.snapshot().free
+                                    if self.platform.sizes_kv_cache_by_profiling else None)
+        text_config = getattr(resolved.hf_config, "get_text_config", lambda: resolved.hf_config)
+        self.vocab_size = int(text_config().vocab_size)
         # The driver samples and answers; the other ranks run their part of the forward.
         self.model_runner = ModelRunner(config, resolved, self.device, self.kernels,
                                         is_driver=rank == config.parallel.driver_rank)
@@ -84,9 +119,23 @@ class Worker:
             weights += model_weight_bytes(runner.spec.proposer.model)
         # Hybrid KV cache groups: a request holds a block id per group for each block of
         # tokens, so the cap on what requests can use counts every group's table.
-        return rank_num_blocks(self.config, per_block, weights,
-                               runner.max_blocks_per_request * self.config.cache.block_size,
-                               self.local_world_size)
+        max_request_tokens = runner.max_blocks_per_request * self.config.cache.block_size
+        cache, sched = self.config.cache, self.config.scheduler
+        if not self.platform.sizes_kv_cache_by_profiling:
+            return rank_num_blocks(self.config, per_block, weights, max_request_tokens,
+                                   self.local_world_size)
+        if cache.num_kv_blocks is not None or cache.kv_cache_memory != "auto":
+            # An explicit size wins over the profile; it must fit the GPU with the weights.
+            return rank_num_blocks(self.config, per_block, weights, max_request_tokens,
+                                   self.local_world_size, self.memory.snapshot().total)
+        activations = profile_activations(
+            runner, self.memory, lambda: self.platform.synchronize(self.device),
+            sched.max_num_batched_tokens, sched.max_num_seqs, self.vocab_size)
+        plan = plan_kv_cache(self.memory.snapshot().total, self.free_bytes_at_start,
+                             cache.max_gpu_memory_utilization, weights, activations, per_block,
+                             runner.block_size, max_request_tokens)
+        logger.info("worker %d: %s", self.rank, plan.describe())
+        return plan.num_blocks
 
     def spec_forward_times(self) -> tuple[float, float]:
         """sps: seconds of a one-token forward of the (target, draft) on this rank, measured.

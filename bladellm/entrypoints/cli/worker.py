@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from bladellm.model.loader import resolve_model
 
     par = config.parallel
-    resolved = resolve_model(config.model, snapshot_config=True)  # the model must be at the same path on every node
+    resolved = resolve_model(config.model, snapshot_config=True, device=config.device)  # the model must be at the same path on every node
     check_tensor_parallel(resolved.hf_config, par.tensor_parallel_size,
                           None if resolved.gguf is not None else resolved.path,
                           par.pipeline_parallel_size,

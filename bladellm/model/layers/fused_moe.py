@@ -201,7 +201,9 @@ class FusedMoE(nn.Module):
         owner = torch.bucketize(ids_mine, bounds, right=True)
         order = torch.argsort(owner, stable=True)
         send_sizes = torch.bincount(owner, minlength=n).tolist()
-        recv_sizes = ep.all_to_all(torch.tensor(send_sizes, dtype=torch.int64),
+        # On the group's device: NCCL moves device tensors only.
+        recv_sizes = ep.all_to_all(torch.tensor(send_sizes, dtype=torch.int64,
+                                                device=x.device),
                                    [1] * n, [1] * n).tolist()
         tokens = order // k
         recv_x = ep.all_to_all(x_mine.index_select(0, tokens), send_sizes, recv_sizes)

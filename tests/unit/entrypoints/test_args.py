@@ -113,7 +113,7 @@ def test_vllm_spellings_map_onto_our_config():
 
 def test_vllm_gpu_flag_maps_and_is_validated(capsys):
     with pytest.raises(SystemExit):
-        parse_args(["--gpu-memory-utilization", "0.5"])
+        parse_args(["--device", "cpu", "--gpu-memory-utilization", "0.5"])
     assert "--max_gpu_memory_utilization: applies to GPU" in capsys.readouterr().err
 
 
