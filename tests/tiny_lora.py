@@ -31,11 +31,13 @@ def make_adapter(base_dir: str, out_dir: str | os.PathLike, *, r: int, targets: 
 
 @torch.no_grad()
 def peft_greedy(base_dir: str, adapter_dir: str | None, prompt: list[int],
-                max_tokens: int) -> list[int]:
-    """Greedy tokens of transformers (+ PeftModel when ``adapter_dir``), fp32, full forwards."""
+                max_tokens: int, attn_implementation: str | None = None) -> list[int]:
+    """Greedy tokens of transformers (+ PeftModel when ``adapter_dir``), fp32, full forwards.
+    ``attn_implementation="eager"`` for Gemma 2 (transformers' SDPA path skips its soft-cap)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        base_dir, dtype=torch.float32, attn_implementation=attn_implementation)
     if adapter_dir is not None:
         from peft import PeftModel
 

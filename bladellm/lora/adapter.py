@@ -5,8 +5,10 @@ What is served: plain LoRA (``peft_type: LORA``) on the attention and MLP projec
 decoder layers, with ``r``, ``lora_alpha``, ``use_rslora``, under each family's own module names
 (``LoRALayout``: Llama's q/k/v/o/gate/up/down, OPT's out_proj/fc1/fc2, Phi-3's fused qkv_proj /
 gate_up_proj, GLM's gate_up_proj, ChatGLM's query_key_value / dense / dense_h_to_4h /
-dense_4h_to_h). A PEFT module that fuses several projections is one A and one B whose rows are
-the parts': each part gets the shared A and its rows of B, which is the same product. Everything
+dense_4h_to_h, Bloom's query_key_value / dense / dense_h_to_4h / dense_4h_to_h). A PEFT module
+that fuses several projections is one A and one B whose rows are the parts': each part gets the
+shared A and its rows of B, which is the same product (Bloom's ``query_key_value`` orders its
+rows per head, [head][q | k | v][head_dim]: each part takes its rows of every head). Everything
 else is refused with a ``LoRAError`` naming the reason (DoRA, ``modules_to_save``, embedding /
 LM-head adapters, LoRA biases, per-module rank or alpha patterns, rank above
 ``--max_lora_rank``), as are weights whose shapes do not fit the base model. ``fan_in_fan_out``
@@ -54,6 +56,8 @@ class LoRALayout:
     layers_prefix: str
     modules: dict[str, tuple[str, ...]]
     ours: dict[str, tuple[str, ...]]
+    # PEFT modules whose output rows are grouped per head ([head][roles][head_dim]).
+    per_head: tuple[str, ...] = ()
     key: re.Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -88,10 +92,17 @@ OPT = LoRALayout("model.decoder.layers", {
     "fc1": ("up_proj",), "fc2": ("down_proj",)},
     {"self_attn.qkv_proj": _QKV, "self_attn.out_proj": ("o_proj",), "fc1": ("up_proj",),
      "fc2": ("down_proj",)})
+BLOOM = LoRALayout("transformer.h", {
+    "self_attention.query_key_value": _QKV, "self_attention.dense": ("o_proj",),
+    "mlp.dense_h_to_4h": ("up_proj",), "mlp.dense_4h_to_h": ("down_proj",)},
+    {"self_attention.qkv_proj": _QKV, "self_attention.dense": ("o_proj",),
+     "dense_h_to_4h": ("up_proj",), "dense_4h_to_h": ("down_proj",)},
+    per_head=("self_attention.query_key_value",))
 # config.json architecture -> layout; any other architecture is read as Llama-named.
 LAYOUTS: dict[str, LoRALayout] = {
     "OPTForCausalLM": OPT, "Phi3ForCausalLM": PHI3, "GlmForCausalLM": GLM,
-    "Glm4ForCausalLM": GLM, "ChatGLMModel": CHATGLM, "ChatGLMForConditionalGeneration": CHATGLM}
+    "Glm4ForCausalLM": GLM, "ChatGLMModel": CHATGLM, "ChatGLMForConditionalGeneration": CHATGLM,
+    "BloomForCausalLM": BLOOM}
 
 
 class LoRAError(ValueError):
@@ -108,6 +119,7 @@ class BaseShapes:
     layout: LoRALayout = LLAMA
     # Mixture-of-experts layers: their MLP is experts, which adapters may not target.
     sparse_layers: frozenset[int] = frozenset()
+    num_heads: int = 0  # query heads (to split a per-head fused module, ``LoRALayout.per_head``)
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "BaseShapes":
@@ -115,18 +127,20 @@ class BaseShapes:
             return next((v for n in names if (v := getattr(cfg, n, None)) is not None), None)
 
         archs = list(getattr(cfg, "architectures", None) or [])
+        layout = LAYOUTS.get(archs[0], LLAMA) if archs else LLAMA
         inter = get("intermediate_size", "ffn_dim", "ffn_hidden_size")
-        if inter is None:  # no layout of ours (e.g. Bloom's fused qkv, h_to_4h)
+        if inter is None and layout is BLOOM:
+            inter = 4 * cfg.hidden_size  # Bloom's MLP width is fixed
+        if inter is None:  # no layout of ours
             raise LoRAError(f"--enable_lora: LoRA is not supported for "
                             f"{'/'.join(archs or ['this model'])}")
         hidden, heads = cfg.hidden_size, cfg.num_attention_heads
         head_dim = get("head_dim", "kv_channels") or hidden // heads
         q, kv = heads * head_dim, (get("num_key_value_heads") or heads) * head_dim
-        layout = LAYOUTS.get(archs[0], LLAMA) if archs else LLAMA
         return cls(cfg.num_hidden_layers, {
             "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
             "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden)}, layout, sparse_layers(cfg))
+            "down_proj": (inter, hidden)}, layout, sparse_layers(cfg), heads)
 
     def module_shape(self, path: str) -> tuple[int, int]:
         """(in, out) of a PEFT module: a fused one's out is the sum of its parts'."""
@@ -329,7 +343,11 @@ def load_adapter(path: str, max_rank: int, base: BaseShapes, dtype: torch.dtype)
             a = tensor.to(dtype).contiguous()
             b = tensors[key.replace("lora_A", "lora_B")].float() * config.scaling
             roles = base.layout.modules[path]
-            parts = b.split([base.sizes[r][1] for r in roles])
+            if path in base.layout.per_head:
+                per_head = b.reshape(base.num_heads, len(roles), -1, b.shape[-1])
+                parts = [per_head[:, i].reshape(-1, b.shape[-1]) for i in range(len(roles))]
+            else:
+                parts = b.split([base.sizes[r][1] for r in roles])
             for role, part in zip(roles, parts):
                 modules[(layer, role)] = (a, part.to(dtype).contiguous())
     return LoRAWeights(config.rank, modules)

@@ -86,6 +86,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     layers = getattr(inner, "layers", None)
     if layers is None:  # OPT: model.decoder.layers
         layers = getattr(getattr(inner, "decoder", None), "layers", None)
+    if layers is None:  # Bloom: transformer.h
+        layers = getattr(getattr(model, "transformer", None), "h", None)
     return layers
 
 

@@ -52,9 +52,9 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, model_dir: str | None = 
                              f"--tensor_parallel_size {tp_size} ranks")
 
 
-# Architectures whose model file has no pipeline stages (models/opt.py; a vision-language
-# model's image features enter at the first stage, models/llava.py).
-SINGLE_STAGE_ARCHITECTURES = ("OPTForCausalLM", "LlavaForConditionalGeneration",
+# Architectures whose model file has no pipeline stages (a vision-language model's image
+# features enter at the first stage, models/llava.py, models/qwen2_vl.py).
+SINGLE_STAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",
                               "Qwen2VLForConditionalGeneration",
                               "Qwen2_5_VLForConditionalGeneration")
 

@@ -372,7 +372,9 @@ def _fake_quant_greedy(src: str, qdir: str, w8a8: bool, max_tokens: int) -> list
     from unit.quantization_tool.reference import (dequantize_gptq, dequantize_int8,
                                                   read_checkpoint)
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    # eager: transformers' SDPA path skips Gemma 2's attention soft-cap
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
+                                                              attn_implementation="eager")
     t = read_checkpoint(qdir)
     marker = ".weight_scale" if w8a8 else ".qweight"
     prefixes = [k[: -len(marker)] for k in t if k.endswith(marker)]
@@ -405,7 +407,8 @@ def _fake_quant_greedy(src: str, qdir: str, w8a8: bool, max_tokens: int) -> list
 
 
 @pytest.mark.parametrize("case", list(QUANT_CASES))
-@pytest.mark.parametrize("variant", ["opt", "opt-post-ln-proj", "phi3-longrope", "glm", "glm4"])
+@pytest.mark.parametrize("variant", ["opt", "opt-post-ln-proj", "phi3-longrope", "glm", "glm4",
+                                     "gemma2", "gemma3"])
 def test_quantized_by_our_tool_serves_the_fake_quantized_tokens(family_dir, variant, case,
                                                                tmp_path):
     """As tests/e2e/test_quantize_roundtrip.py judges Llama: the engine serving our tool's
@@ -431,14 +434,14 @@ def test_quantized_by_our_tool_serves_the_fake_quantized_tokens(family_dir, vari
 
 
 @pytest.mark.parametrize("variant, flag, message", [
-    ("gemma2", [], r"--model: architecture Gemma2ForCausalLM is not supported"),
     ("bloom", [], r"--model: architecture BloomForCausalLM is not supported"),
     ("chatglm", [], r"--model: architecture ChatGLMModel is not supported"),
     ("opt", ["--cpu_offload"], r"--cpu_offload: not supported for OPTConfig"),
+    ("gemma3", ["--cpu_offload"], r"--cpu_offload: not supported for Gemma3ForCausalLM"),
 ])
 def test_quantize_refusals_name_the_flag(family_dir, variant, flag, message, tmp_path):
-    """Layouts the tool cannot scale through ((1 + w) norms, Bloom's and ChatGLM's fused
-    per-head query_key_value) are refused from config.json; OPT's offloaded walk too."""
+    """Layouts the tool does not read (Bloom's and ChatGLM's fused per-head query_key_value)
+    are refused from config.json; OPT's and Gemma 3's offloaded walk too."""
     from bladellm.entrypoints.cli.quantize import run
 
     with pytest.raises(ValueError, match=message):

@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism for the new families: greedy tokens identical to one rank
 (fp32) under the stress configuration, with degrees that divide neither the heads nor the
 intermediate size, as tests/e2e/test_tensor_parallel.py and test_pipeline_parallel.py do for
-Llama; OPT refuses pipeline stages naming the flag."""
+Llama (the families with a layout of their own: test_family_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,3 @@ def test_greedy_identical_to_one_rank(family_dir, variant):
     assert got == want
     assert stats.num_preemptions > 0 and stats.num_used_blocks == 0
 
-
-def test_opt_refuses_pipeline_stages(family_dir):
-    with pytest.raises(ValueError, match="--pipeline_parallel_size"):
-        LLM(model=family_dir("opt"), pipeline_parallel_size=2, dtype="float32")

@@ -1,8 +1,9 @@
 """Bloom (``BloomForCausalLM``): ALiBi instead of positions (slopes per head; a tensor-parallel
 rank takes its own heads' slopes), LayerNorm with bias (also right after the embedding),
 ``query_key_value`` fused per head in the checkpoint (rows [head][q | k | v][head_dim]), a
-plain GELU MLP (tanh form), biases everywhere, the LM head tied to the embedding. One pipeline
-stage (tensor parallelism of any degree, uneven head splits included)."""
+plain GELU MLP (tanh form), biases everywhere, the LM head tied to the embedding. Tensor
+parallelism of any degree (uneven head splits included) and pipeline stages (``models/stage.py``:
+the embedding and its LayerNorm on the first stage, ``ln_f`` and the LM head on the last)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from bladellm.model.layers import (Attention, ColumnParallelLinear, LayerNorm, P
                                    QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    get_act_fn)
 from bladellm.model.layers.attention import alibi_slopes
-from bladellm.model.models.opt import check_single_stage
+from bladellm.model.models.stage import DecoderStage, stage_weights
 from bladellm.model.utils import KVCacheSpec, load_weights_with_mapping
 
 
@@ -95,18 +96,30 @@ class BloomModel(nn.Module):
                  quant_config: Any, prefix: str) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.layer_norm_epsilon
-        self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, h, params_dtype=dtype)
-        self.word_embeddings_layernorm = LayerNorm(h, eps, params_dtype=dtype)
-        self.h = nn.ModuleList(BloomBlock(cfg, i, attn_backend, dtype, quant_config,
-                                          f"{prefix}.h.{i}")
-                               for i in range(cfg.num_hidden_layers))
-        self.ln_f = LayerNorm(h, eps, params_dtype=dtype)
+        self.stage = stage = DecoderStage(cfg.num_hidden_layers, h, dtype)
+        self.channel = stage.channel
+        self.post_ln_residual = bool(cfg.apply_residual_connection_post_layernorm)
+        self.word_embeddings = stage.first(
+            lambda: VocabParallelEmbedding(cfg.vocab_size, h, params_dtype=dtype))
+        self.word_embeddings_layernorm = stage.first(lambda: LayerNorm(h, eps,
+                                                                       params_dtype=dtype))
+        self.h = stage.layers(lambda i, kv_index: BloomBlock(
+            cfg, kv_index, attn_backend, dtype, quant_config, f"{prefix}.h.{i}"))
+        self.ln_f = stage.last(lambda: LayerNorm(h, eps, params_dtype=dtype))
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        hidden = self.word_embeddings_layernorm(self.word_embeddings(input_ids))
-        residual = None
-        for block in self.h:
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        stage = self.stage
+        if stage.is_first:
+            hidden = self.word_embeddings_layernorm(self.word_embeddings(input_ids))
+            residual = None
+        else:
+            hidden, residual = stage.receive(input_ids.shape[0], input_ids.device,
+                                             with_residual=not self.post_ln_residual)
+        for block in self.h[stage.start:stage.end]:
             hidden, residual = block(hidden, residual, ctx)
+        if not stage.is_last:
+            stage.send(hidden, residual)
+            return None
         return self.ln_f(hidden, residual)[0] if residual is not None else self.ln_f(hidden)
 
 
@@ -116,26 +129,34 @@ class BloomForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  quant_config: Any = None, prefix: str = "") -> None:
         super().__init__()
-        check_single_stage("BloomForCausalLM")
         if hf_config.hidden_size % hf_config.num_attention_heads:
             raise ValueError(f"config.json: hidden_size {hf_config.hidden_size} is not a "
                              f"multiple of n_head {hf_config.num_attention_heads}")
         self.hf_config, self.dtype = hf_config, dtype
         self.transformer = BloomModel(hf_config, attn_backend, dtype, quant_config,
                                       f"{prefix}.transformer" if prefix else "transformer")
-        attn = self.transformer.h[0].self_attention
+        stage = self.transformer.stage
+        attn = self.transformer.h[stage.start].self_attention
         self.head_dim, self.num_kv_heads = attn.head_dim, attn.num_kv_heads
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
-                                      params_dtype=dtype)
-        if self.tie_word_embeddings:
+        self.lm_head = stage.last(lambda: ParallelLMHead(hf_config.vocab_size,
+                                                         hf_config.hidden_size,
+                                                         params_dtype=dtype))
+        if self.tie_word_embeddings and stage.is_first and stage.is_last:
             self.lm_head.tie_to(self.transformer.word_embeddings)
 
+    @property
+    def model(self) -> BloomModel:
+        """The decoder stack under the name the engine looks for (its stage channel)."""
+        return self.transformer
+
     def get_kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(len(self.transformer.h), self.num_kv_heads, self.head_dim)
+        stage = self.transformer.stage
+        return KVCacheSpec(stage.end - stage.start, self.num_kv_heads, self.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
+                ctx: ForwardContext) -> torch.Tensor | None:
+        """Final hidden states; None on a pipeline stage other than the last."""
         return self.transformer(input_ids, ctx)  # ALiBi: positions come from the cache layout
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -166,7 +187,9 @@ class BloomForCausalLM(nn.Module):
                        per_head[:, i].reshape(hidden, *tensor.shape[1:]))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights_with_mapping(self, self._unfused(weights), self.packed_modules_mapping)
+        return load_weights_with_mapping(
+            self, stage_weights(self, self._unfused(weights), "transformer.word_embeddings.weight"),
+            self.packed_modules_mapping)
 
 
 __all__ = ["BloomForCausalLM"]

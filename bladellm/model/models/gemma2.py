@@ -2,7 +2,9 @@
 and after both the attention and the MLP, a GeGLU MLP (``hidden_activation``), alternating local
 (sliding-window) and global layers (``layer_types``), attention logits soft-capped
 (``attn_logit_softcapping``) and scaled by ``query_pre_attn_scalar ** -0.5``, final logits
-soft-capped (``final_logit_softcapping``). One pipeline stage (tensor parallelism of any degree).
+soft-capped (``final_logit_softcapping``). Tensor parallelism of any degree; pipeline stages
+(``models/stage.py``): the embedding and its scale on the first, the final norm, the LM head and
+its soft-cap on the last.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from bladellm.model.layers import (Attention, MergedColumnParallelLinear, Parall
                                    UnitOffsetRMSNorm, VocabParallelEmbedding, get_act_fn,
                                    get_rope)
 from bladellm.model.layers.attention import layer_sliding_window
-from bladellm.model.models.opt import check_single_stage
+from bladellm.model.models.stage import DecoderStage, stage_weights
 from bladellm.model.utils import KVCacheSpec, load_weights_with_mapping
 
 
@@ -46,7 +48,10 @@ class GemmaMLP(nn.Module):
 
 
 class Gemma2Attention(nn.Module):
-    def __init__(self, cfg: Any, layer: int, rotary_emb: RotaryEmbedding,
+    """``layer``: the index in the model (its window); ``kv_index``: in this pipeline stage (its
+    KV cache)."""
+
+    def __init__(self, cfg: Any, layer: int, kv_index: int, rotary_emb: RotaryEmbedding,
                  attn_backend: AttentionBackend, dtype: torch.dtype, quant_config: Any,
                  prefix: str) -> None:
         super().__init__()
@@ -67,7 +72,7 @@ class Gemma2Attention(nn.Module):
             sliding_window=layer_sliding_window(cfg, layer),
             soft_cap=getattr(cfg, "attn_logit_softcapping", None))
         self.attn = Attention(self.num_heads, self.head_dim, cfg.query_pre_attn_scalar ** -0.5,
-                              self.num_kv_heads, layer, attn_backend, features)
+                              self.num_kv_heads, kv_index, attn_backend, features)
 
     def qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q/k before rotary (Gemma 3 norms them here)."""
@@ -111,21 +116,30 @@ class Gemma2Model(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, quant_config: Any, prefix: str,
                  make_attn: Any) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
-                                                   params_dtype=dtype)
+        self.stage = stage = DecoderStage(cfg.num_hidden_layers, cfg.hidden_size, dtype)
+        self.channel = stage.channel
+        self.embed_tokens = stage.first(lambda: VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, params_dtype=dtype))
         # transformers multiplies by sqrt(hidden) rounded to the activation dtype.
         self.normalizer = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype).item()
-        self.layers = nn.ModuleList(
-            Gemma2DecoderLayer(cfg, make_attn(i, f"{prefix}.layers.{i}.self_attn"), dtype,
-                               quant_config, f"{prefix}.layers.{i}")
-            for i in range(cfg.num_hidden_layers))
-        self.norm = UnitOffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, params_dtype=dtype)
+        self.layers = stage.layers(lambda i, kv_index: Gemma2DecoderLayer(
+            cfg, make_attn(i, kv_index, f"{prefix}.layers.{i}.self_attn"), dtype, quant_config,
+            f"{prefix}.layers.{i}"))
+        self.norm = stage.last(lambda: UnitOffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                         params_dtype=dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids) * self.normalizer, None
-        for layer in self.layers:
+                ctx: ForwardContext) -> torch.Tensor | None:
+        stage = self.stage
+        if stage.is_first:
+            hidden, residual = self.embed_tokens(input_ids) * self.normalizer, None
+        else:
+            hidden, residual = stage.receive(input_ids.shape[0], input_ids.device)
+        for layer in self.layers[stage.start:stage.end]:
             hidden, residual = layer(positions, hidden, residual, ctx)
+        if not stage.is_last:
+            stage.send(hidden, residual)
+            return None
         return self.norm(hidden, residual)[0]
 
 
@@ -138,7 +152,6 @@ class Gemma2ForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  quant_config: Any = None, prefix: str = "") -> None:
         super().__init__()
-        check_single_stage(type(self).__name__)
         self.hf_config, self.dtype, self.quant_config = hf_config, dtype, quant_config
         self.attn_backend = attn_backend
         self.head_dim = hf_config.head_dim
@@ -146,12 +159,14 @@ class Gemma2ForCausalLM(nn.Module):
         model_prefix = f"{prefix}.model" if prefix else "model"
         self.model = Gemma2Model(hf_config, dtype, quant_config, model_prefix,
                                  self.make_attention)
-        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        stage = self.model.stage
+        self.num_kv_heads = self.model.layers[stage.start].self_attn.num_kv_heads
         self.final_soft_cap = getattr(hf_config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
-                                      params_dtype=dtype)
-        if self.tie_word_embeddings:
+        self.lm_head = stage.last(lambda: ParallelLMHead(hf_config.vocab_size,
+                                                         hf_config.hidden_size,
+                                                         params_dtype=dtype))
+        if self.tie_word_embeddings and stage.is_first and stage.is_last:
             self.lm_head.tie_to(self.model.embed_tokens)
 
     def make_rotary(self, cfg: Any, dtype: torch.dtype) -> dict[str, RotaryEmbedding]:
@@ -159,17 +174,19 @@ class Gemma2ForCausalLM(nn.Module):
         rope = get_rope(cfg, self.head_dim, dtype)
         return {"full_attention": rope, "sliding_attention": rope}
 
-    def make_attention(self, layer: int, prefix: str) -> nn.Module:
+    def make_attention(self, layer: int, kv_index: int, prefix: str) -> nn.Module:
         kind = "sliding_attention" if layer_sliding_window(self.hf_config, layer) else \
             "full_attention"
-        return Gemma2Attention(self.hf_config, layer, self.rotary[kind], self.attn_backend,
-                               self.dtype, self.quant_config, prefix)
+        return Gemma2Attention(self.hf_config, layer, kv_index, self.rotary[kind],
+                               self.attn_backend, self.dtype, self.quant_config, prefix)
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(len(self.model.layers), self.num_kv_heads, self.head_dim)
+        stage = self.model.stage
+        return KVCacheSpec(stage.end - stage.start, self.num_kv_heads, self.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
+                ctx: ForwardContext) -> torch.Tensor | None:
+        """Final hidden states; None on a pipeline stage other than the last."""
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -185,7 +202,9 @@ class Gemma2ForCausalLM(nn.Module):
                     continue  # it is the embedding
                 yield name, tensor
 
-        return load_weights_with_mapping(self, renamed(weights), self.packed_modules_mapping)
+        return load_weights_with_mapping(
+            self, stage_weights(self, renamed(weights), "model.embed_tokens.weight"),
+            self.packed_modules_mapping)
 
 
 __all__ = ["Gemma2ForCausalLM"]

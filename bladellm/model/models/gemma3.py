@@ -58,11 +58,11 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         return {kind: get_rope(view, self.head_dim, dtype)
                 for kind, view in rope_configs(cfg).items()}
 
-    def make_attention(self, layer: int, prefix: str) -> Gemma3Attention:
+    def make_attention(self, layer: int, kv_index: int, prefix: str) -> Gemma3Attention:
         kind = "sliding_attention" if layer_sliding_window(self.hf_config, layer) else \
             "full_attention"
-        return Gemma3Attention(self.hf_config, layer, self.rotary[kind], self.attn_backend,
-                               self.dtype, self.quant_config, prefix)
+        return Gemma3Attention(self.hf_config, layer, kv_index, self.rotary[kind],
+                               self.attn_backend, self.dtype, self.quant_config, prefix)
 
 
 __all__ = ["Gemma3ForCausalLM"]

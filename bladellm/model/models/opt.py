@@ -1,7 +1,8 @@
 """OPT (``OPTForCausalLM``): learned positions (offset by 2), LayerNorm before (most sizes) or
 after (350m: ``do_layer_norm_before`` false) each block, a plain ReLU MLP, biases
 (``enable_bias``), and ``project_in`` / ``project_out`` where ``word_embed_proj_dim`` differs
-from ``hidden_size``."""
+from ``hidden_size``. Pipeline stages (``models/stage.py``): the embeddings and ``project_in`` on
+the first, the final norm, ``project_out`` and the LM head on the last."""
 
 from __future__ import annotations
 
@@ -11,21 +12,15 @@ import torch
 from torch import nn
 
 from bladellm.attention.backend import AttentionBackend
-from bladellm.distributed.parallel_state import get_pp_group
 from bladellm.model.forward_context import ForwardContext
 from bladellm.model.layers import (Attention, ColumnParallelLinear, LayerNorm, ParallelLMHead,
                                    QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
                                    VocabParallelEmbedding, get_act_fn)
+from bladellm.model.models.stage import DecoderStage, stage_weights
 from bladellm.model.utils import KVCacheSpec, load_weights_with_mapping
 
 # OPT's learned position table starts at row 2 (fairseq kept rows for padding).
 POSITION_OFFSET = 2
-
-
-def check_single_stage(arch: str) -> None:
-    if get_pp_group().world_size > 1:
-        raise ValueError(f"--pipeline_parallel_size: {arch} runs on one pipeline stage only "
-                         f"(use --tensor_parallel_size to spread it)")
 
 
 class OPTAttention(nn.Module):
@@ -98,32 +93,45 @@ class OPTDecoder(nn.Module):
             raise ValueError("layer_norm_elementwise_affine=false (config.json) is not "
                              "supported for OPTForCausalLM")
         proj_dim = cfg.word_embed_proj_dim
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, proj_dim, params_dtype=dtype)
-        self.embed_positions = VocabParallelEmbedding(
-            cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size, params_dtype=dtype)
+        self.stage = stage = DecoderStage(cfg.num_hidden_layers, cfg.hidden_size, dtype)
+        self.channel = stage.channel
+        self.pre_norm = cfg.do_layer_norm_before
+        self.embed_tokens = stage.first(
+            lambda: VocabParallelEmbedding(cfg.vocab_size, proj_dim, params_dtype=dtype))
+        self.embed_positions = stage.first(lambda: VocabParallelEmbedding(
+            cfg.max_position_embeddings + POSITION_OFFSET, cfg.hidden_size, params_dtype=dtype))
         self.project_in = self.project_out = None
         if proj_dim != cfg.hidden_size:
-            self.project_in = ReplicatedLinear(proj_dim, cfg.hidden_size, bias=False,
-                                               params_dtype=dtype, prefix=f"{prefix}.project_in")
-            self.project_out = ReplicatedLinear(cfg.hidden_size, proj_dim, bias=False,
-                                                params_dtype=dtype,
-                                                prefix=f"{prefix}.project_out")
-        self.layers = nn.ModuleList(
-            OPTDecoderLayer(cfg, i, attn_backend, dtype, quant_config, f"{prefix}.layers.{i}")
-            for i in range(cfg.num_hidden_layers))
+            self.project_in = stage.first(lambda: ReplicatedLinear(
+                proj_dim, cfg.hidden_size, bias=False, params_dtype=dtype,
+                prefix=f"{prefix}.project_in"))
+            self.project_out = stage.last(lambda: ReplicatedLinear(
+                cfg.hidden_size, proj_dim, bias=False, params_dtype=dtype,
+                prefix=f"{prefix}.project_out"))
+        self.layers = stage.layers(lambda i, kv_index: OPTDecoderLayer(
+            cfg, kv_index, attn_backend, dtype, quant_config, f"{prefix}.layers.{i}"))
         self.final_layer_norm = None
         if cfg.do_layer_norm_before and not getattr(cfg, "_remove_final_layer_norm", False):
-            self.final_layer_norm = LayerNorm(cfg.hidden_size, params_dtype=dtype)
+            self.final_layer_norm = stage.last(lambda: LayerNorm(cfg.hidden_size,
+                                                                 params_dtype=dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        if self.project_in is not None:
-            hidden = self.project_in(hidden, ctx)
-        hidden = hidden + self.embed_positions(positions + POSITION_OFFSET)
-        residual = None
-        for layer in self.layers:
+                ctx: ForwardContext) -> torch.Tensor | None:
+        stage = self.stage
+        if stage.is_first:
+            hidden = self.embed_tokens(input_ids)
+            if self.project_in is not None:
+                hidden = self.project_in(hidden, ctx)
+            hidden = hidden + self.embed_positions(positions + POSITION_OFFSET)
+            residual = None
+        else:
+            hidden, residual = stage.receive(input_ids.shape[0], input_ids.device,
+                                             with_residual=self.pre_norm)
+        for layer in self.layers[stage.start:stage.end]:
             hidden, residual = layer(hidden, residual, ctx)
+        if not stage.is_last:
+            stage.send(hidden, residual)
+            return None
         if self.final_layer_norm is not None:
             hidden = self.final_layer_norm(hidden, residual)[0] if residual is not None \
                 else self.final_layer_norm(hidden)
@@ -138,6 +146,7 @@ class OPTModel(nn.Module):
     def __init__(self, *args: Any) -> None:
         super().__init__()
         self.decoder = OPTDecoder(*args)
+        self.channel = self.decoder.channel  # where the engine looks for a stage's channel
 
 
 class OPTForCausalLM(nn.Module):
@@ -146,25 +155,27 @@ class OPTForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  quant_config: Any = None, prefix: str = "") -> None:
         super().__init__()
-        check_single_stage("OPTForCausalLM")
         self.hf_config, self.dtype = hf_config, dtype
         model_prefix = f"{prefix}.model.decoder" if prefix else "model.decoder"
         self.model = OPTModel(hf_config, attn_backend, dtype, quant_config, model_prefix)
         decoder = self.model.decoder
-        self.head_dim = decoder.layers[0].self_attn.head_dim
-        self.num_kv_heads = decoder.layers[0].self_attn.num_kv_heads
+        stage = decoder.stage
+        self.head_dim = decoder.layers[stage.start].self_attn.head_dim
+        self.num_kv_heads = decoder.layers[stage.start].self_attn.num_kv_heads
         # OPT ties the LM head to the token embedding unless the config says otherwise.
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.word_embed_proj_dim,
-                                      params_dtype=dtype)
-        if self.tie_word_embeddings:
+        self.lm_head = stage.last(lambda: ParallelLMHead(
+            hf_config.vocab_size, hf_config.word_embed_proj_dim, params_dtype=dtype))
+        if self.tie_word_embeddings and stage.is_first and stage.is_last:
             self.lm_head.tie_to(decoder.embed_tokens)
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(len(self.model.decoder.layers), self.num_kv_heads, self.head_dim)
+        stage = self.model.decoder.stage
+        return KVCacheSpec(stage.end - stage.start, self.num_kv_heads, self.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
+                ctx: ForwardContext) -> torch.Tensor | None:
+        """Final hidden states; None on a pipeline stage other than the last."""
         return self.model.decoder(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -179,7 +190,9 @@ class OPTForCausalLM(nn.Module):
                     continue  # it is the embedding
                 yield name, tensor
 
-        return load_weights_with_mapping(self, renamed(weights), self.packed_modules_mapping)
+        return load_weights_with_mapping(
+            self, stage_weights(self, renamed(weights), "model.decoder.embed_tokens.weight"),
+            self.packed_modules_mapping)
 
 
 __all__ = ["OPTForCausalLM"]

@@ -9,11 +9,12 @@ QUANT_ALGOS = ("minmax", "gptq", "awq", "smoothquant", "smoothquant+")
 # The layouts the algorithms know (layouts.py: Llama's q/k/v/o and gate/up/down linears, OPT's,
 # Phi-3's and GLM's fused ones; RMSNorms or LayerNorms that multiply by their weight, into which
 # AWQ / SmoothQuant fold their scales; mixture-of-experts layers: layouts.moe_layout), and that
-# the engine serves. Others are refused from config.json before any work: e.g. Gemma's norm
-# multiplies by (1 + weight), so folding scales into it would silently give wrong weights.
+# the engine serves; Gemma's norms multiply by (1 + weight): their groups say so
+# (``SmoothGroup.unit_offset``). Others are refused from config.json before any work.
 QUANT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                        "Qwen3ForCausalLM", "OPTForCausalLM", "Phi3ForCausalLM", "GlmForCausalLM",
-                       "Glm4ForCausalLM",  # their layer layouts: layouts.py
+                       "Glm4ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                       # (their layer layouts: layouts.py)
                        "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # Mixture-of-experts architectures (algorithms/moe.py): GPTQ and minmax only. AWQ / SmoothQuant
 # fold scales into the norm before the MLP, which also feeds the router (float): not done.

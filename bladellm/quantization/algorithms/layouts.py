@@ -7,7 +7,8 @@ and multiplying the linears' input channel ``j`` by it leaves the float layer un
 ``inspect`` names the submodule whose output measures a candidate's error. A group is left out
 (None) where no such scaling exists: OPT-350m's norms come after their blocks, Phi-3's v and up
 are rows of fused modules, a GELU between OPT's fc1 and fc2 does not commute with scaling (ReLU
-does). Torch-free: the command line checks a checkpoint's tensors against it before loading.
+does). Gemma's norms scale by ``1 + w`` (``unit_offset``: the stored weight moves so that
+``1 + w`` is divided). Torch-free: the command line checks a checkpoint's tensors against it before loading.
 
 Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE) have Llama's attention; their MLP is
 one linear per expert projection once algorithms/moe.py has unfused the stacked experts
@@ -25,6 +26,7 @@ class SmoothGroup:
     prev: str
     linears: tuple[str, ...]
     inspect: str
+    unit_offset: bool = False  # ``prev`` is a norm that scales by 1 + weight (Gemma)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,18 @@ PHI3 = LayerLayout(
     ("self_attn.qkv_proj",))
 
 
+# Gemma 2 / Gemma 3: (1 + w) norms before and after attention and the MLP (the ones after feed
+# the residual stream, not a linear); GeGLU: up -> down scales (gate's GELU is not in between).
+_GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
+GEMMA = LayerLayout(
+    "Gemma", (_QKV, ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)),
+    _GEMMA_NORMS, SmoothGroup("input_layernorm", _QKV, "self_attn", unit_offset=True), _ATTN_OUT,
+    SmoothGroup("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp",
+                unit_offset=True),
+    SmoothGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"), _QKV[:2])
+
+
 def opt_layout(pre_norm: bool, relu: bool) -> LayerLayout:
     """OPT: LayerNorms (with bias) before each block, or after it (350m: no norm feeds a
     linear); fc1 -> fc2 scales through ReLU only."""
@@ -85,7 +99,8 @@ def opt_layout(pre_norm: bool, relu: bool) -> LayerLayout:
 
 
 # config.json architectures (transformers' names) -> layout; Llama's for the others.
-_BY_ARCHITECTURE = {"GlmForCausalLM": GLM, "Glm4ForCausalLM": GLM, "Phi3ForCausalLM": PHI3}
+_BY_ARCHITECTURE = {"GlmForCausalLM": GLM, "Glm4ForCausalLM": GLM, "Phi3ForCausalLM": PHI3,
+                    "Gemma2ForCausalLM": GEMMA, "Gemma3ForCausalLM": GEMMA}
 # The decoder layers' tensor name prefixes a checkpoint may use.
 LAYER_PREFIXES = ("model.layers.", "model.decoder.layers.", "decoder.layers.")
 
@@ -123,6 +138,8 @@ def layout_of_layer(layer: Any) -> LayerLayout:
     if "fc1" in children:
         return opt_layout(bool(getattr(layer, "do_layer_norm_before", True)),
                           type(getattr(layer, "activation_fn", None)).__name__ == "ReLU")
+    if "pre_feedforward_layernorm" in children:
+        return GEMMA
     if "self_attn.qkv_proj" in children:
         return PHI3
     if "mlp.gate_up_proj" in children:

@@ -56,20 +56,26 @@ class ModelSource:
         self.files = weight_files(model_dir)
         self.layer_prefix = layer_prefix(self.files)
         self.config = transformers.AutoConfig.from_pretrained(model_dir)
+        # transformers' SDPA path skips Gemma 2's attention soft-cap: calibrate on the real model.
+        attn = "eager" if getattr(self.config, "attn_logit_softcapping", None) else "sdpa"
         if cpu_offload:
+            if "Gemma3ForCausalLM" in (getattr(self.config, "architectures", None) or []):
+                # its embedding's scale is a computed buffer the meta model would lose
+                raise ValueError("--cpu_offload: not supported for Gemma3ForCausalLM; quantize "
+                                 "without it")
             if self.layer_prefix != LAYER_PREFIX:
                 raise ValueError(f"--cpu_offload: not supported for "
                                  f"{type(self.config).__name__} checkpoints (layers under "
                                  f"{self.layer_prefix!r}); quantize without it")
             with torch.device("meta"):
                 model = transformers.AutoModelForCausalLM.from_config(
-                    self.config, dtype=torch.float32, attn_implementation="sdpa")
+                    self.config, dtype=torch.float32, attn_implementation=attn)
             inner = model.model
             inner.rotary_emb = type(inner.rotary_emb)(config=self.config)  # a computed buffer
             self._materialize(inner.embed_tokens, "model.embed_tokens.")
         else:
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=torch.float32, attn_implementation="sdpa")
+                model_dir, dtype=torch.float32, attn_implementation=attn)
         model.eval()
         self.model = model
 

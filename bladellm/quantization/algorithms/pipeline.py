@@ -75,26 +75,42 @@ class _StopForward(Exception):
 
 
 @torch.no_grad()
-def capture_layer0_inputs(model: nn.Module, samples: list[torch.Tensor]) -> LayerInputs:
-    """Run the model's embedding (and mask / rotary set-up) and stop at decoder layer 0."""
-    hidden, kwargs = [], []
+def capture_layer_inputs(model: nn.Module, samples: list[torch.Tensor]
+                         ) -> tuple[LayerInputs, list[list[dict[str, Any]]]]:
+    """Run the model's embedding (and mask / rotary set-up) and capture, per calibration sample,
+    the hidden states entering decoder layer 0 and the keyword arguments every layer gets: they
+    differ between layers where the model has local and global layers (Gemma: a sliding-window
+    mask, and Gemma 3 a rotary table, per layer type). The layers themselves do not run (they
+    hand their input on; the last one stops the forward), so offloaded layers stay unread."""
+    layers = decoder_layers(model)
+    hidden: list[torch.Tensor] = []
+    per_layer: list[list[dict[str, Any]]] = [[] for _ in layers]
+    originals = [layer.forward for layer in layers]
 
-    def hook(_module, args, kw):
-        hidden.append(args[0] if args else kw.pop("hidden_states"))
-        kwargs.append({k: v for k, v in kw.items()
-                       if k not in ("past_key_values", "use_cache", "hidden_states")})
-        raise _StopForward
+    def recorder(i: int):
+        def forward(*args: Any, **kw: Any) -> Any:
+            h = args[0] if args else kw.pop("hidden_states")
+            if i == 0:
+                hidden.append(h)
+            per_layer[i].append({k: v for k, v in kw.items()
+                                 if k not in ("past_key_values", "use_cache", "hidden_states")})
+            if i == len(layers) - 1:
+                raise _StopForward
+            return h
+        return forward
 
-    handle = decoder_layers(model)[0].register_forward_pre_hook(hook, with_kwargs=True)
+    for i, layer in enumerate(layers):
+        layer.forward = recorder(i)
     try:
         for ids in samples:
             try:
-                model.model(input_ids=ids, use_cache=False)
+                model.base_model(input_ids=ids, use_cache=False)
             except _StopForward:
                 pass
     finally:
-        handle.remove()
-    return LayerInputs(hidden, kwargs)
+        for layer, forward in zip(layers, originals):
+            layer.forward = forward
+    return LayerInputs(hidden, per_layer[0]), per_layer
 
 
 def _install_quantized(layer: nn.Module, result: LayerResult) -> list:
@@ -177,7 +193,7 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
     num_layers = len(source.layers)
     inputs = None
     if samples is not None:
-        inputs = capture_layer0_inputs(source.model, samples)
+        inputs, layer_kwargs = capture_layer_inputs(source.model, samples)
     os.makedirs(cfg.output_dir, exist_ok=True)
     out = writer.ShardedWriter(cfg.output_dir, num_layers + 1)
     for i in tqdm(range(num_layers), desc=f"{cfg.quant_algo} layers", disable=not progress):
@@ -199,7 +215,7 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
                                ", ".join(missed), UNCALIBRATED_RULE)
         if inputs is not None and i + 1 < num_layers:  # the next layer sees this one quantized
             handles = _install_quantized(layer, result)
-            inputs = LayerInputs(run_layer(layer, inputs), inputs.kwargs)
+            inputs = LayerInputs(run_layer(layer, inputs), layer_kwargs[i + 1])
             for h in handles:
                 h.remove()
         out.write_shard(_layer_tensors(layer, f"{source.layer_prefix}{i}.", result, dtype,

@@ -47,6 +47,8 @@ def apply_scales(layer: nn.Module, group: SmoothGroup, scales: torch.Tensor) -> 
         prev.weight.data.div_(scales.unsqueeze(1))
         if prev.bias is not None:
             prev.bias.data.div_(scales)
+    elif group.unit_offset:  # Gemma's RMSNorm: y = (1 + w) * x / rms(x)
+        prev.weight.data = (1 + prev.weight.data) / scales - 1
     else:  # RMSNorm: y = w * x / rms(x); LayerNorm: y = w * norm(x) + b
         prev.weight.data.div_(scales)
         if getattr(prev, "bias", None) is not None:

@@ -1,0 +1,58 @@
+"""Pipeline parallelism for the families with a layout of their own (Gemma 2, Gemma 3, Bloom,
+OPT; models/stage.py): greedy tokens identical to transformers' ``generate`` in fp32 under the
+stress configuration (prompt cache, chunked prefill, preemption, block accounting checked every
+step), with 3 layers over 2 stages (2 + 1): the first stage's embedding side (Gemma's scale,
+Bloom's embedding LayerNorm, OPT's learned positions and ``project_in``), the last stage's
+final norm, tied LM head read from the checkpoint's embedding, final soft-cap and
+``project_out``; a local (sliding) layer whose index in the model differs from its KV cache's
+index on the second stage; Bloom with 2 x 2 ranks (each its heads' ALiBi slopes)."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from bladellm import LLM, SamplingParams
+from family_models import make_family_model
+from test_window_family_engine import MAX_TOKENS, STRESS, _hf_greedy, _prompts
+from window_family_models import make_window_family_model
+
+# case -> (family, config overrides, tensor_parallel_size)
+CASES = {
+    # layers: local, global, local
+    "gemma2": ("gemma2", dict(num_hidden_layers=3), 1),
+    # layers 0, 1 local (first stage), 2 global (second stage)
+    "gemma3": ("gemma3", {}, 1),
+    "bloom": ("bloom", dict(n_layer=3), 1),
+    "bloom-post-ln-residual": ("bloom", dict(n_layer=3,
+                                             apply_residual_connection_post_layernorm=True), 1),
+    "bloom-T2": ("bloom", dict(n_layer=3), 2),
+    "opt": ("opt", dict(num_hidden_layers=3), 1),
+    "opt-post-ln-proj": ("opt", dict(num_hidden_layers=3, do_layer_norm_before=False,
+                                     word_embed_proj_dim=32), 1),
+}
+
+
+def _make(tmp_path, family: str, overrides: dict) -> str:
+    if family == "opt":
+        return make_family_model(tmp_path, family, **overrides)
+    return make_window_family_model(tmp_path, family, **overrides)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_stages_greedy_identical_to_transformers(tmp_path, case):
+    family, overrides, tp = CASES[case]
+    path = _make(tmp_path, family, overrides)
+    prompts = _prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)[:8]
+    llm = LLM(model=path, pipeline_parallel_size=2, tensor_parallel_size=tp, **STRESS)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                            use_tqdm=False)
+        stats = llm.engine.core.scheduler.get_stats()
+    finally:
+        llm.shutdown()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.num_used_blocks == 0
+    for i, (out, exp) in enumerate(zip(outs, _hf_greedy(path, prompts))):
+        assert out.outputs[0].token_ids == exp, f"{case}: prompt {i} (len {len(prompts[i])})"
