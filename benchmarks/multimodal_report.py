@@ -60,7 +60,8 @@ def versus_table(out: str) -> list[str]:
             rows.append(
                 f"| {round_} | {b['request_throughput']:.2f} | {v['request_throughput']:.2f} | "
                 f"**{b['request_throughput'] / v['request_throughput']:.2f}×** | "
-                f"{_ttft(b):.0f} / {_ttft(b, 'p90'):.0f} | {_ttft(v):.0f} / {_ttft(v, 'p90'):.0f} | "
+                f"{_ttft(b):.0f} / {_ttft(b, 'p90'):.0f} | "
+                f"{_ttft(v):.0f} / {_ttft(v, 'p90'):.0f} | "
                 f"{_ttft(b) / _ttft(v):.2f} | "
                 f"{b['total_input_tokens'] / max(b['completed'], 1):.0f} / "
                 f"{v['total_input_tokens'] / max(v['completed'], 1):.0f} |")
