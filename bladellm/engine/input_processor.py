@@ -169,16 +169,22 @@ class InputProcessor:
         return text
 
     def load_chat_images(self, messages: Any) -> list[Any]:
-        """The images of the messages' ``image_url`` parts, in order, decoded within the
-        ``--limit_mm_per_prompt`` / ``--max_image_pixels`` / ``--max_image_bytes`` limits and
-        the URL-fetch rule (``multimodal/image.py``); each failure is a ``MessageError``
-        naming ``messages[i].content[j]``. Blocking (decoding, maybe fetching): call it off the
-        event loop."""
+        """The images of the messages' ``image_url`` parts, in order (``load_images``), each
+        failure naming ``messages[i].content[j]``."""
+        return self.load_images([(param, _image_url(part))
+                                 for param, part in _image_parts(messages)])
+
+    def load_images(self, parts: list[tuple[str, Any]]) -> list[Any]:
+        """One image per ``(param, url)``, in prompt order: a request's image parts, whatever
+        its API (chat's ``image_url``, Responses' ``input_image``, Anthropic's ``image``
+        blocks as data: URLs), decoded within the ``--limit_mm_per_prompt`` /
+        ``--max_image_pixels`` / ``--max_image_bytes`` limits and the URL-fetch rule
+        (``multimodal/image.py``); each failure is a ``MessageError`` naming its ``param``.
+        Blocking (decoding, maybe fetching): call it off the event loop."""
         from bladellm.multimodal.image import ImageError, load_image_url
 
-        parts = list(_image_parts(messages))
         images = []
-        for n, (param, part) in enumerate(parts):
+        for n, (param, url) in enumerate(parts):
             if self.images is None:
                 raise MessageError(f"{param}: {self.model_info.served_model_name!r} is a "
                                    f"text-only model; images are not supported", param,
@@ -188,13 +194,16 @@ class InputProcessor:
                 raise MessageError(f"{param}: more than {limit} images in one request "
                                    f"(--limit_mm_per_prompt image={limit})", param,
                                    "invalid_image")
-            spec = part.get("image_url")
-            url = spec.get("url") if isinstance(spec, dict) else None
             try:
                 images.append(load_image_url(url, self.mm_config))
             except ImageError as e:
                 raise MessageError(f"{param}: {e}", param, "invalid_image") from None
         return images
+
+
+def _image_url(part: dict) -> Any:
+    spec = part.get("image_url")
+    return spec.get("url") if isinstance(spec, dict) else None
 
 
 def _image_parts(messages: Any):

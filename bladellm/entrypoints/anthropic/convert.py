@@ -6,7 +6,11 @@ their place among the turn's text); an assistant turn's ``tool_use`` blocks beco
 ``tool_calls``; ``tools`` become function tools (``input_schema`` as ``parameters``);
 ``tool_choice`` auto / any / tool / none become auto / required / named / none; ``thinking``
 becomes the template variable ``enable_thinking``. A conversation that ends with an assistant
-turn is continued (Anthropic's prefill), not answered.
+turn is continued (Anthropic's prefill), not answered. A user turn's ``image`` blocks become
+the chat's ``image_url`` parts (a base64 source as a data: URL of its ``media_type``, which the
+image loader checks against the bytes; a url source as it is, fetched only from
+``--allowed_media_domains``), and each one's ``(block, url)`` joins the request's image list,
+which the chat path's loader (``serving_chat.load_images``) turns into the engine's images.
 """
 
 from __future__ import annotations
@@ -14,20 +18,25 @@ from __future__ import annotations
 from typing import Any
 
 from bladellm.entrypoints.anthropic.protocol import (
-    ImageBlock, InputMessage, MessagesRequest, RedactedThinkingBlock, TextBlock, ThinkingBlock,
-    ThinkingDisabled, ToolChoiceAny, ToolChoiceAuto, ToolChoiceNone, ToolChoiceTool,
-    ToolResultBlock, ToolUseBlock, _PromptRequest)
+    Base64ImageSource, FileImageSource, ImageBlock, InputMessage, MessagesRequest,
+    RedactedThinkingBlock, TextBlock, ThinkingBlock, ThinkingDisabled, ToolChoiceAny,
+    ToolChoiceAuto, ToolChoiceNone, ToolChoiceTool, ToolResultBlock, ToolUseBlock, _PromptRequest)
 from bladellm.entrypoints.openai.protocol import ChatCompletionRequest
 from bladellm.http.errors import bad_request
 
 TOOL_ERROR_PREFIX = "Error: "  # how a tool_result with is_error reaches the model
+MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")  # Anthropic's
+ImagePart = tuple[str, str]  # (the block, as messages[i].content[j]; its URL)
 
 
-def to_chat_request(req: _PromptRequest) -> ChatCompletionRequest:
-    """The chat request that renders the same prompt and samples with the same parameters."""
+def to_chat_request(req: _PromptRequest,
+                    images: list[ImagePart] | None = None) -> ChatCompletionRequest:
+    """The chat request that renders the same prompt and samples with the same parameters;
+    the request's image blocks, in prompt order, are appended to ``images``."""
     _check_tools(req)
+    images = [] if images is None else images
     messages = _system(req) + [m for i, msg in enumerate(req.messages)
-                               for m in _turn(i, msg)]
+                               for m in _turn(i, msg, images)]
     fields: dict[str, Any] = {"model": req.model, "messages": messages}
     if req.messages[-1].role == "assistant":  # prefill: the answer continues this turn
         fields.update(add_generation_prompt=False, continue_final_message=True)
@@ -113,7 +122,7 @@ def _system(req: _PromptRequest) -> list[dict[str, Any]]:
     return [{"role": "system", "content": parts}] if parts else []
 
 
-def _turn(i: int, msg: InputMessage) -> list[dict[str, Any]]:
+def _turn(i: int, msg: InputMessage, images: list[ImagePart]) -> list[dict[str, Any]]:
     """One Anthropic turn as chat messages (a user turn with tool results becomes several)."""
     blocks = [TextBlock(type="text", text=msg.content)] if isinstance(msg.content, str) \
         else msg.content
@@ -125,6 +134,10 @@ def _turn(i: int, msg: InputMessage) -> list[dict[str, Any]]:
         where = f"messages[{i}].content[{j}]"
         if isinstance(block, TextBlock):
             parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock):
+            url = _image_url(where, block)
+            images.append((where, url))
+            parts.append({"type": "image_url", "image_url": {"url": url}})
         elif isinstance(block, ToolResultBlock):
             if parts:  # keep the turn's order: text before the result stays before it
                 result.append({"role": "user", "content": parts})
@@ -167,18 +180,34 @@ def _tool_result_text(where: str, block: ToolResultBlock) -> str:
         texts = []
         for k, part in enumerate(content):
             if isinstance(part, ImageBlock):
-                raise _image(f"{where}.content[{k}]")
+                raise bad_request(f"{where}.content[{k}]: images inside a tool_result are not "
+                                  f"supported by this server; send the image as an image "
+                                  f"block of the user turn", f"{where}.content[{k}]",
+                                  code="unsupported_content")
             texts.append(part.text)
         text = "\n".join(texts)
     return TOOL_ERROR_PREFIX + text if block.is_error else text
 
 
 def _refuse(where: str, block: Any, role: str) -> None:
-    if isinstance(block, ImageBlock):
-        raise _image(where)
     raise bad_request(f"{where}: a {block.type} block cannot appear in a {role} message", where)
 
 
-def _image(where: str):
-    return bad_request(f"{where}: image blocks are not supported: this server serves a "
-                       f"text-only model", where, code="unsupported_content")
+def _image_url(where: str, block: ImageBlock) -> str:
+    """An image block's URL for the image loader; 400 naming the block for a source or option
+    the server cannot take (the loader names it for the image itself)."""
+    if block.transformations:
+        raise bad_request(f"{where}.transformations: image transformations are not supported "
+                          f"by this server", f"{where}.transformations",
+                          code="unsupported_content")
+    source = block.source
+    if isinstance(source, FileImageSource):
+        raise bad_request(f"{where}.source: file sources are not supported by this server (it "
+                          f"has no Files API); send a base64 or url source", f"{where}.source",
+                          code="unsupported_content")
+    if isinstance(source, Base64ImageSource):
+        if source.media_type not in MEDIA_TYPES:
+            raise bad_request(f"{where}.source.media_type: must be one of {list(MEDIA_TYPES)}, "
+                              f"got {source.media_type!r}", f"{where}.source.media_type")
+        return f"data:{source.media_type};base64,{source.data}"
+    return source.url

@@ -35,12 +35,33 @@ class TextBlock(_Request):
     citations: list[Any] | None = None  # echoed back by clients; this server makes none
 
 
-class ImageBlock(_Request):
-    """Declared so that an image gets a 400 naming its block, not a schema error."""
+class Base64ImageSource(_Request):
+    type: Literal["base64"]
+    media_type: str  # checked in convert.py, so that a wrong one is a 400 naming the block
+    data: str
 
-    model_config = ConfigDict(extra="allow")
+
+class URLImageSource(_Request):
+    type: Literal["url"]
+    url: str
+
+
+class FileImageSource(_Request):
+    """A Files API id: declared so that it gets a 400 naming the block (no Files API here)."""
+
+    type: Literal["file"]
+    file_id: str
+
+
+ImageSource = Annotated[Union[Base64ImageSource, URLImageSource, FileImageSource],
+                        Field(discriminator="type")]
+
+
+class ImageBlock(_Request):
     type: Literal["image"]
-    source: Any = None
+    source: ImageSource
+    cache_control: CacheControl | None = None
+    transformations: dict[str, Any] | None = None  # refused unless empty (convert.py)
 
 
 class ToolUseBlock(_Request):

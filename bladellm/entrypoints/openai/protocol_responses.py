@@ -33,11 +33,15 @@ class _Response(BaseModel):
 
 
 class ContentPart(_Item):
-    """``input_text`` / ``output_text`` (text), ``refusal``; images and files are refused."""
+    """``input_text`` / ``output_text`` (text), ``refusal``, ``input_image`` (``image_url``: a
+    data: URL or an http(s) URL; ``file_id`` is refused); files are refused."""
 
     type: str
     text: str | None = None
     refusal: str | None = None
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
 
 
 class MessageItem(_Item):

@@ -7,6 +7,11 @@ Item → message rules: ``developer`` stays a system prompt (as on chat); ``func
 join the assistant message before them (or start one) as its ``tool_calls``;
 ``function_call_output`` becomes a ``tool`` message; a ``reasoning`` item is the next assistant
 message's ``reasoning_content`` (templates that render earlier thinking use it, others drop it).
+An ``input_image`` part of a user, system or developer message becomes the chat's ``image_url``
+part, and its ``(param, url)`` joins the request's image list, which the chat path's image
+loader (``serving_chat.load_images``) turns into the engine's images; stored turns keep their
+image parts, so a ``previous_response_id`` follow-up renders the same prompt with the same
+images.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from bladellm.http.errors import APIError, bad_request, unsupported
 
 _ITEMS = TypeAdapter(list[InputItem])
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_DETAILS = ("auto", "low", "high", "original")  # OpenAI's ImageDetail
 LOGPROBS = "message.output_text.logprobs"
 # What `include` may ask for. Reasoning items always carry their text in the clear (`content`),
 # so a client that asks for the encrypted copy to replay reasoning statelessly gets what it needs
@@ -161,9 +167,10 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
         if isinstance(item, ItemReference):
             raise unsupported(f"input[{i}]", "item_reference input items")
         if isinstance(item, MessageItem) and isinstance(item.content, list):
-            _parts(item.content, f"input[{i}].content")
+            _parts(item.content, f"input[{i}].content",
+                   None if item.role == "assistant" else [])
         if isinstance(item, FunctionCallOutputItem) and isinstance(item.output, list):
-            _parts(item.output, f"input[{i}].output")
+            _parts(item.output, f"input[{i}].output", None)
     return [item.model_dump(mode="json", exclude_none=True) for item in req.input]
 
 
@@ -188,10 +195,20 @@ def with_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return result
 
 
-def _parts(parts: list[ContentPart], param: str) -> list[dict[str, str]]:
-    result = []
+ImagePart = tuple[str, str]  # (the request field naming an image part, its URL)
+
+
+def _parts(parts: list[ContentPart], param: str,
+           images: list[ImagePart] | None) -> list[dict[str, Any]]:
+    """Content parts as chat parts; each ``input_image`` is appended to ``images`` (None: this
+    place cannot hold images, a 400)."""
+    result: list[dict[str, Any]] = []
     for j, part in enumerate(parts):
-        if part.type in _TEXT_PARTS:
+        if part.type == "input_image":
+            url = _image_url(part, f"{param}[{j}]", images is not None)
+            images.append((f"{param}[{j}]", url))  # type: ignore[union-attr]
+            result.append({"type": "image_url", "image_url": {"url": url}})
+        elif part.type in _TEXT_PARTS:
             if part.text is None:
                 raise bad_request(f"{param}[{j}].text: required for a '{part.type}' part",
                                   f"{param}[{j}].text", code="missing_required_parameter")
@@ -200,9 +217,30 @@ def _parts(parts: list[ContentPart], param: str) -> list[dict[str, str]]:
             result.append({"type": "text", "text": part.refusal or ""})
         else:
             raise bad_request(f"{param}[{j}].type: '{part.type}' content is not supported by "
-                              f"this server (text only)", f"{param}[{j}].type",
+                              f"this server (text and input_image only)", f"{param}[{j}].type",
                               code="unsupported_content")
     return result
+
+
+def _image_url(part: ContentPart, param: str, allowed: bool) -> str:
+    """An ``input_image`` part's URL; 400 naming the part for what the server cannot take.
+    ``detail`` is accepted and changes nothing: the model's own image processor fixes the
+    resolution an image is seen at."""
+    if not allowed:
+        raise bad_request(f"{param}: an input_image cannot appear here (only in user, system "
+                          f"or developer messages)", param, code="unsupported_content")
+    if part.file_id is not None:
+        raise bad_request(f"{param}.file_id: file inputs are not supported by this server "
+                          f"(it has no Files API); send the image as image_url, a data: URL",
+                          f"{param}.file_id", code="unsupported_parameter")
+    if not part.image_url:
+        raise bad_request(f"{param}.image_url: an input_image needs an image_url (a data: URL "
+                          f"or an http(s) URL)", f"{param}.image_url",
+                          code="missing_required_parameter")
+    if part.detail is not None and part.detail not in _DETAILS:
+        raise bad_request(f"{param}.detail: must be one of {list(_DETAILS)}, got "
+                          f"{part.detail!r}", f"{param}.detail")
+    return part.image_url
 
 
 def _reasoning_text(item: ReasoningItem) -> str:
@@ -210,9 +248,17 @@ def _reasoning_text(item: ReasoningItem) -> str:
     return "".join(p.text for p in parts)
 
 
-def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Item dicts (stored turns and this input) as chat messages."""
+def to_messages(items: list[dict[str, Any]], images: list[ImagePart] | None = None,
+                first_input: int = 0) -> list[dict[str, Any]]:
+    """Item dicts (stored turns, then this input from ``items[first_input]`` on) as chat
+    messages; their image parts, in prompt order, are appended to ``images``."""
     messages: list[dict[str, Any]] = []
+    images = [] if images is None else images
+
+    def param(i: int) -> str:  # a stored turn's item: the i-th of the stored conversation
+        return f"input[{i - first_input}]" if i >= first_input \
+            else f"previous_response_id.items[{i}]"
+
     reasoning: str | None = None
 
     def assistant() -> dict[str, Any]:
@@ -228,7 +274,8 @@ def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if isinstance(item, MessageItem):
             content: Any = item.content
             if isinstance(content, list):
-                content = _parts(content, f"input[{i}].content")
+                content = _parts(content, f"{param(i)}.content",
+                                 None if item.role == "assistant" else images)
             if item.role == "assistant":
                 assistant()["content"] = content
             else:
@@ -243,16 +290,19 @@ def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif isinstance(item, FunctionCallOutputItem):
             output: Any = item.output
             if isinstance(output, list):
-                output = "".join(p["text"] for p in _parts(output, f"input[{i}].output"))
+                output = "".join(p["text"] for p in _parts(output, f"{param(i)}.output",
+                                                           None))
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         elif isinstance(item, ReasoningItem):
             reasoning = (reasoning or "") + _reasoning_text(item)
     return messages
 
 
-def chat_request(req: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat request that renders and samples this Responses request."""
-    messages = to_messages(items)
+def chat_request(req: ResponsesRequest, items: list[dict[str, Any]],
+                 images: list[ImagePart] | None = None,
+                 first_input: int = 0) -> ChatCompletionRequest:
+    """The chat request that renders and samples this Responses request (``to_messages``)."""
+    messages = to_messages(items, images, first_input)
     if req.instructions:
         messages.insert(0, {"role": "system", "content": req.instructions})
     if not messages:

@@ -182,6 +182,17 @@ def chat_images(req: ChatCompletionRequest, ctx: ServingContext) -> list[Any]:
         raise bad_request(str(e), e.param, code=e.code) from None
 
 
+def load_images(parts: list[tuple[str, Any]], ctx: ServingContext) -> list[Any]:
+    """The engine's images for a request's image parts, given as ``(param, url)`` in prompt
+    order by any API (Responses' ``input_image``, Anthropic's ``image`` blocks as data: URLs):
+    the same loader, limits and URL rule as chat's ``image_url`` parts; a bad one is a 400
+    naming its ``param``. Blocking: run it in ``ctx.offload``."""
+    try:
+        return ctx.engine.input_processor.load_images(parts)
+    except MessageError as e:
+        raise bad_request(str(e), e.param, code=e.code) from None
+
+
 def _has_images(req: ChatCompletionRequest) -> bool:
     return any(isinstance(m.content, list) and any(p.type == "image_url" for p in m.content)
                for m in req.messages)

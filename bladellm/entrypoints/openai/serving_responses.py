@@ -25,8 +25,9 @@ from bladellm.entrypoints.openai.protocol_responses import (
 from bladellm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from bladellm.entrypoints.openai.responses_events import OutputBuilder, new_id, sse_event
 from bladellm.entrypoints.openai.responses_input import (
-    chat_request, check_request, input_items, logprobs, with_ids)
-from bladellm.entrypoints.openai.serving_chat import ChoiceState, chat_prompt_ids, tool_call_deltas
+    ImagePart, chat_request, check_request, input_items, logprobs, with_ids)
+from bladellm.entrypoints.openai.serving_chat import (
+    ChoiceState, chat_prompt_ids, load_images, tool_call_deltas)
 from bladellm.entrypoints.openai.serving_common import (
     SSE_HEADERS, ClientDisconnected, ServingContext, UsageCounter, build_sampling_params,
     chat_logprobs, check_output, merge_streams, naming_context_errors, until_disconnect)
@@ -100,8 +101,10 @@ class ResponsesService:
         check_request(req)
         history = self._history(req)
         # Off the loop: an input may hold hundreds of thousands of items.
-        items, chat, tools = await ctx.offload.run(
+        items, chat, tools, image_parts = await ctx.offload.run(
             _conversation, req, list(history.items) if history else [])
+        # Before rendering: a text-only model's 400 names the first image part.
+        images = await ctx.offload.run(load_images, image_parts, ctx) if image_parts else None
         prompt, prompt_text = await ctx.offload.run(_prompt, chat, ctx, tools)
         parser = (ctx.reasoning_parser.for_prompt(prompt_text)
                   if ctx.reasoning_parser is not None else None)
@@ -123,7 +126,8 @@ class ResponsesService:
             {"format": {"type": "text"}}, priority=req.priority)
         run = _Run(OutputBuilder(response), tools,
                    ChoiceState(reasoning=parser.streamer() if parser is not None else None))
-        merged = merge_streams([ctx.generate(prompt, params, response.id, lora, req.priority)])
+        merged = merge_streams([ctx.generate(prompt, params, response.id, lora, req.priority,
+                                             images=images)])
         if req.stream:
             first = await naming_context_errors(until_disconnect(anext(merged), raw), "input",
                                                 "max_output_tokens")
@@ -243,13 +247,15 @@ def _json(body: str) -> Response:
     return Response(body, media_type="application/json")
 
 
-def _conversation(req: ResponsesRequest, earlier: list[dict[str, Any]],
-                  ) -> tuple[list[dict[str, Any]], ChatCompletionRequest, ToolChoice | None]:
-    """The conversation's items (earlier turns, then this input), and the chat request and tool
-    choice they make."""
+def _conversation(req: ResponsesRequest, earlier: list[dict[str, Any]]) -> tuple[
+        list[dict[str, Any]], ChatCompletionRequest, ToolChoice | None, list[ImagePart]]:
+    """The conversation's items (earlier turns, then this input), the chat request and tool
+    choice they make, and its image parts in prompt order (earlier turns' included)."""
     items = earlier + with_ids(input_items(req))
-    chat = chat_request(req, items)
-    return items, chat, parse_tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+    image_parts: list[ImagePart] = []
+    chat = chat_request(req, items, image_parts, first_input=len(earlier))
+    tools = parse_tool_choice(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+    return items, chat, tools, image_parts
 
 
 def _prompt(chat: ChatCompletionRequest, ctx: ServingContext,

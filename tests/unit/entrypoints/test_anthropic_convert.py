@@ -112,13 +112,37 @@ def test_count_tokens_request_has_no_sampling():
     assert chat.max_tokens is None and chat.stop is None
 
 
+PNG_SOURCE = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+
+
+def test_image_blocks_become_image_url_parts_in_prompt_order():
+    images: list = []
+    chat = to_chat_request(_req(messages=[
+        {"role": "user", "content": [{"type": "image", "source": PNG_SOURCE},
+                                     {"type": "text", "text": "and"},
+                                     {"type": "image", "source": {"type": "url",
+                                                                  "url": "https://a.example/x"}}]}]),
+        images)
+    parts = chat.messages[0].model_dump(exclude_none=True)["content"]
+    assert [p["type"] for p in parts] == ["image_url", "text", "image_url"]
+    assert images == [("messages[0].content[0]", "data:image/png;base64,iVBORw0KGgo="),
+                      ("messages[0].content[2]", "https://a.example/x")]
+    assert parts[0]["image_url"]["url"] == images[0][1]
+
+
 @pytest.mark.parametrize("kw,param", [
     ({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "look"}, {"type": "image", "source": {"type": "base64"}}]}]},
-     "messages[0].content[1]"),
+        {"type": "text", "text": "look"}, {"type": "image", "source": PNG_SOURCE},
+        {"type": "image", "source": {"type": "file", "file_id": "f"}}]}]},
+     "messages[0].content[2].source"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        **PNG_SOURCE, "media_type": "image/bmp"}}]}]}, "messages[0].content[0].source.media_type"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
-                                                 "content": [{"type": "image"}]}]}]},
+                                                 "content": [{"type": "image",
+                                                              "source": PNG_SOURCE}]}]}]},
      "messages[0].content[0].content[0]"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "image", "source": PNG_SOURCE}]}]},
+     "messages[0].content[0]"),
     ({"messages": [{"role": "assistant", "content": [
         {"type": "tool_result", "tool_use_id": "t"}]}]}, "messages[0].content[0]"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),

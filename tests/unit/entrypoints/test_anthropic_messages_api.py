@@ -244,7 +244,8 @@ async def test_errors_in_anthropic_shape(client, http, engine):
         assert field in r.json()["error"]["message"], r.json()
     r = await http.post("/v1/messages", headers={"x-api-key": KEY}, json={
         "model": "fake-model", "max_tokens": 5, "messages": [{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "data": ""}}]}]})
+            {"type": "image", "source": {"type": "base64", "media_type": "image/bmp",
+                                         "data": ""}}]}]})
     assert r.status_code == 400 and "messages[0].content[0]" in r.json()["error"]["message"]
     # A full queue is Anthropic's 529 overloaded_error.
     engine.raise_on_generate = EngineOverloadedError("the waiting queue is full")

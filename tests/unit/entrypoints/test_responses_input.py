@@ -79,3 +79,34 @@ def test_reasoning_item_reaches_the_chat_message():
         {"role": "user", "content": "again"}]})
     chat = chat_request(req, input_items(req))
     assert chat.messages[1].role == "assistant" and chat.messages[1].reasoning_content == "think"
+
+
+def test_input_images_become_image_url_parts_named_by_their_item():
+    stored = [{"type": "message", "role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,AA", "detail": "auto"}]},
+        {"type": "message", "role": "assistant", "content": "ok"}]
+    req = ResponsesRequest.model_validate({"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "and"},
+        {"type": "input_image", "image_url": "https://a.example/b.png", "detail": "high"}]}]})
+    images: list = []
+    chat = chat_request(req, stored + input_items(req), images, first_input=len(stored))
+    assert images == [("previous_response_id.items[0].content[0]", "data:image/png;base64,AA"),
+                      ("input[0].content[1]", "https://a.example/b.png")]
+    last = chat.messages[-1].model_dump(exclude_none=True)["content"]
+    assert last == [{"type": "text", "text": "and"},
+                    {"type": "image_url", "image_url": {"url": "https://a.example/b.png"}}]
+    # Stored as sent: the image part survives into the stored items.
+    assert input_items(req)[0]["content"][1]["image_url"] == "https://a.example/b.png"
+
+
+@pytest.mark.parametrize("part,param", [
+    ({"type": "input_image", "file_id": "file-1", "detail": "auto"}, "input[0].content[0].file_id"),
+    ({"type": "input_image", "detail": "auto"}, "input[0].content[0].image_url"),
+    ({"type": "input_image", "image_url": "data:,", "detail": "huge"},
+     "input[0].content[0].detail"),
+])
+def test_bad_input_image_is_400_naming_the_part(part, param):
+    req = ResponsesRequest.model_validate({"input": [{"role": "user", "content": [part]}]})
+    with pytest.raises(APIError) as info:
+        input_items(req)
+    assert info.value.status == 400 and info.value.param == param
