@@ -48,6 +48,8 @@ LINEAR_MAX_ROWS_PANEL = 1 << 16
 # K in 32-bit lanes, vdpbf16ps with AVX512-BF16, exact widening and FMAs elsewhere) for bf16
 # activations, instead of a oneDNN copy; the same row limit as the fp32 panels.
 LINEAR_PAIRS_ISAS = ("avx2", "avx512_bf16")
+# The most experts per token moe.cpp combines (kMaxTopK there).
+MOE_MAX_TOP_K = 64
 
 
 class _PagedAttentionArgs(ctypes.Structure):
@@ -875,6 +877,7 @@ class CompiledKernels(Kernels):
                 or w2.dtype != x.dtype or not (x.is_contiguous() and w13.is_contiguous()
                                                and w2.is_contiguous())
                 or T == 0 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T
+                or not 1 <= topk_ids.shape[1] <= MOE_MAX_TOP_K
                 or not self._moe_rows_fit(topk_ids, w13.shape[0],
                                           self.moe_max_tokens(x.dtype, packed))):
             return super().fused_moe(x, w13, w2, topk_weights, topk_ids, packed)
