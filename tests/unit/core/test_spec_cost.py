@@ -126,7 +126,7 @@ def test_sps_draft_runs_only_when_it_pays():
     out = sched.schedule()
     assert out.spec_propose == {"a"}  # the prompt's last token is sampled this step
     sched = _sched(SPS, SpecCosts(**COSTS, draft_ratio=0.37))
-    reqs = _decoding(sched, 16, chain=3)
+    _decoding(sched, 16, chain=3)
     out = sched.schedule()
     assert out.spec_propose == set()
     assert out.scheduled_spec_tokens == {}  # nor are the chains worth their query tokens
