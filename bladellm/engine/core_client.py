@@ -25,11 +25,11 @@ import zmq
 import zmq.asyncio
 
 from bladellm.config import EngineConfig
-from bladellm.engine.core_proc import (DEAD_POLL_MS, SHUTDOWN_WAIT_S, Msg, run_engine_core_proc,
-                                      stop_signals_held)
+from bladellm.engine.core_proc import DEAD_POLL_MS, SHUTDOWN_WAIT_S, Msg, run_engine_core_proc
 from bladellm.errors import EngineDeadError
 from bladellm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from bladellm.platforms.threads import engine_process_env, process_env
+from bladellm.platforms.signals import stop_signals_held
 
 logger = logging.getLogger(__name__)
 

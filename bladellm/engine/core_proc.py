@@ -10,7 +10,6 @@ within ``DEAD_POLL_MS``, whether idle or in the middle of requests, and frees wh
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import gc
 import logging
@@ -20,7 +19,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -152,24 +150,6 @@ def _end_if_orphaned_during_start(parent_pid: int, started: threading.Event) -> 
         if os.getppid() != parent_pid:
             os.kill(os.getpid(), signal.SIGTERM)
             return
-
-
-@contextlib.contextmanager
-def stop_signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM wait (blocked, then delivered) until the block ends. Around starting
-    a child process: a signal that interrupts ``Process.start()`` half-way leaves the child
-    reading a truncated start-up message, and it dies with an ``EOFError`` traceback. (The
-    child does not inherit the block.) Only the main thread can block them meaningfully: from
-    another thread this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def exit_process_now(code: int) -> None:

@@ -62,6 +62,7 @@ from bladellm.executor.worker_proc import (HEARTBEAT, HEARTBEAT_S, JOIN, SHUTDOW
 from bladellm.checkpoint.locate import ResolvedModel
 from bladellm.model.parallel_fit import check_pipeline_parallel, check_tensor_parallel
 from bladellm.platforms.threads import engine_process_env, process_env
+from bladellm.platforms.signals import stop_signals_held
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +258,8 @@ class MultiprocExecutor(Executor):
                                       key, curve=multinode, remote=False, log_level=log_level)
                     proc = mp.Process(target=worker_main, name=f"bladellm-worker-{rank}",
                                       daemon=True, args=(config, resolved, spec))
-                    proc.start()
+                    with stop_signals_held():  # a signal must not cut the start
+                        proc.start()
                     self.procs.append(proc)
             if beats is not None:
                 beats.start()

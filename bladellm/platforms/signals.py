@@ -1,0 +1,26 @@
+"""Holding the stop signals while a child process starts (the engine core, worker ranks)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait (blocked, then delivered) until the block ends. Around starting
+    a child process: a signal that interrupts ``Process.start()`` half-way leaves the child
+    reading a truncated start-up message, and it dies with an ``EOFError`` traceback. (The
+    child does not inherit the block.) Only the main thread can block them meaningfully: from
+    another thread this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
