@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 
 from bladellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from bladellm.core import spec_decode
+from bladellm.core import spec_decode, stop_rules
 from bladellm.core.block_pool import _require
 from bladellm.core.encoder_budget import EncoderBudget
 from bladellm.core.interface import (CachedRequestData, ModelRunnerOutput, NewRequestData,
@@ -44,7 +44,7 @@ from bladellm.core.interface import (CachedRequestData, ModelRunnerOutput, NewRe
 from bladellm.core.kv_cache_manager import KVCacheManager, cdiv
 from bladellm.core.outputs import QUEUE_TIMEOUT_ERROR, EngineCoreOutput, Logprobs, SchedulerStats
 from bladellm.core.request_queue import make_queue, schedule_key
-from bladellm.errors import ErrorKind, failed_mid_output_error, unsatisfiable_error
+from bladellm.errors import ErrorKind
 from bladellm.request import Request, RequestStatus
 
 
@@ -450,7 +450,7 @@ class Scheduler:
                     error = "the model runner returned no token for a finished prefill"
                 if (req.grammar is not None and not req.is_finished
                         and len(new_tokens) < len(tokens)):
-                    error_kind, error = self._grammar_rejection(req, tokens[len(new_tokens)])
+                    error_kind, error = stop_rules.grammar_rejection(req, tokens[len(new_tokens)])
             done = error is not None or req.is_finished
             if done:
                 self._finish(req, req.status if error is None else RequestStatus.FINISHED_ERROR)
@@ -482,67 +482,10 @@ class Scheduler:
         self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
 
     def _append_tokens(self, req: Request, token_ids: list[int]) -> list[int]:
-        """Append sampled tokens one by one, stopping at the first that finishes the request."""
-        appended = []
-        grammar = req.grammar
-        for token_id in token_ids:
-            if grammar is not None and grammar.accept_tokens([token_id]) != 1:
-                break  # the mask allowed it, so the matcher is in error: the caller fails it
-            req.append_output_token_ids([token_id])
-            appended.append(token_id)
-            if grammar is not None and grammar.is_terminated() and self._grammar_stop(req):
-                break
-            if self._check_stop(req, token_id):
-                break
+        appended = stop_rules.append_tokens(req, token_ids, self.eos_token_ids,
+                                            self.max_model_len)
         self.num_generation_tokens += len(appended)
         return appended
-
-    @staticmethod
-    def _grammar_rejection(req: Request, token_id: int) -> tuple[ErrorKind, str]:
-        """The error of a request whose grammar rejected ``token_id``.
-
-        When llguidance itself failed (the matcher is in its error state: ``try_consume_tokens``
-        of a merely banned token leaves no error), the constraint is the cause: before any
-        output, the grammar fails on its own whatever the model samples (``start: start``, an
-        endless forced text); after some, it outgrew llguidance's limits (a right-recursive rule
-        past 2000 Earley items). Either is the client's constraint: ``INVALID_GRAMMAR`` makes it
-        a 400 naming the request field, with llguidance's advice. A banned token that
-        got past the mask stays an engine failure (the mask and the matcher disagree).
-        """
-        reason = req.grammar.error  # type: ignore[union-attr]
-        guided = req.sampling_params.guided_decoding
-        if reason is not None and guided is not None:
-            if req.num_output_tokens == 0:
-                return ErrorKind.INVALID_GRAMMAR, unsatisfiable_error(guided.kind, reason)
-            return ErrorKind.INVALID_GRAMMAR, failed_mid_output_error(guided.kind, reason,
-                                                                      req.num_output_tokens)
-        return ErrorKind.FAILED, (f"grammar: token {token_id} rejected "
-                                  f"({reason or 'not allowed by the grammar'})")
-
-    @staticmethod
-    def _grammar_stop(req: Request) -> bool:
-        """The output is complete under its grammar: finish as a stop (EOS is implied)."""
-        req.status = RequestStatus.FINISHED_STOPPED
-        req.stop_reason = None
-        req.grammar_complete = True
-        return True
-
-    def _check_stop(self, req: Request, token_id: int) -> bool:
-        """Stop tokens first (they count only after ``min_tokens`` output tokens), then length."""
-        params = req.sampling_params
-        if req.num_output_tokens > params.min_tokens:
-            if params.stop_token_ids and token_id in params.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token_id
-                return True
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = None
-                return True
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
 
     # --- finishing -----------------------------------------------------------------------------
 
