@@ -44,8 +44,14 @@ def load_hf_config(model_dir: str, trust_remote_code: bool, snapshot: bool = Fal
                          f"model_type {raw.get('model_type')!r}); pass --trust_remote_code to "
                          f"allow it")
     try:
+        from huggingface_hub.errors import StrictDataclassClassValidationError as invalid
+    except ImportError:  # huggingface_hub < 1.0: transformers raised ValueError itself
+        invalid = ValueError
+    try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except (ValueError, OSError, KeyError) as e:
+    except (ValueError, OSError, KeyError, invalid) as e:
         if "trust_remote_code" in str(e) and not trust_remote_code:
             raise ValueError(f"{path}: loading this config needs --trust_remote_code") from e
-        raise ValueError(f"cannot load {path}: {e}") from e
+        # one line: transformers' config validation errors run over several
+        one_line = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
+        raise ValueError(f"cannot load {path}: {one_line}") from e

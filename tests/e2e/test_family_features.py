@@ -387,7 +387,7 @@ def _fake_quant_greedy(src: str, qdir: str, w8a8: bool, max_tokens: int) -> list
             state[prefix + ".weight"] = dequantize_gptq(t, prefix, bits)
     packed = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale")
     state.update({k: v.float() for k, v in t.items() if k not in state and not k.endswith(packed)})
-    if not any(k.startswith("model.") for k in state):  # saved from OPTModel: no "model."
+    if not any(k.startswith(("model.", "transformer.")) for k in state):  # from OPTModel
         state = {f"model.{k}": v for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected, unexpected
@@ -408,7 +408,7 @@ def _fake_quant_greedy(src: str, qdir: str, w8a8: bool, max_tokens: int) -> list
 
 @pytest.mark.parametrize("case", list(QUANT_CASES))
 @pytest.mark.parametrize("variant", ["opt", "opt-post-ln-proj", "phi3-longrope", "glm", "glm4",
-                                     "gemma2", "gemma3"])
+                                     "gemma2", "gemma3", "bloom"])
 def test_quantized_by_our_tool_serves_the_fake_quantized_tokens(family_dir, variant, case,
                                                                tmp_path):
     """As tests/e2e/test_quantize_roundtrip.py judges Llama: the engine serving our tool's
@@ -434,14 +434,14 @@ def test_quantized_by_our_tool_serves_the_fake_quantized_tokens(family_dir, vari
 
 
 @pytest.mark.parametrize("variant, flag, message", [
-    ("bloom", [], r"--model: architecture BloomForCausalLM is not supported"),
+    ("bloom", ["--cpu_offload"], r"--cpu_offload: not supported for BloomConfig"),
     ("chatglm", [], r"--model: architecture ChatGLMModel is not supported"),
     ("opt", ["--cpu_offload"], r"--cpu_offload: not supported for OPTConfig"),
     ("gemma3", ["--cpu_offload"], r"--cpu_offload: not supported for Gemma3ForCausalLM"),
 ])
 def test_quantize_refusals_name_the_flag(family_dir, variant, flag, message, tmp_path):
-    """Layouts the tool does not read (Bloom's and ChatGLM's fused per-head query_key_value)
-    are refused from config.json; OPT's and Gemma 3's offloaded walk too."""
+    """Layouts the tool does not read (ChatGLM: not a transformers architecture) are refused
+    from config.json; OPT's, Bloom's and Gemma 3's offloaded walk too."""
     from bladellm.entrypoints.cli.quantize import run
 
     with pytest.raises(ValueError, match=message):

@@ -1,7 +1,9 @@
 """GPTQ / AWQ checkpoints of the new families, quantized module by module as AutoGPTQ / AutoAWQ
 write them (tests/quant_checkpoints.py) — OPT's q/k/v, out_proj, fc1, fc2; Phi-3's and GLM-4's
-fused qkv_proj / gate_up_proj as one quantized module each, as their checkpoints store them:
-logits match transformers running the fake-quantized weights."""
+fused qkv_proj / gate_up_proj as one quantized module each, as their checkpoints store them;
+Gemma 2 / 3's Llama-named modules; Bloom's query_key_value (rows per head, split at load in
+packed units), dense, dense_h_to_4h, dense_4h_to_h: logits match transformers running the
+fake-quantized weights (eager attention: its SDPA path skips Gemma 2's soft-cap)."""
 
 from __future__ import annotations
 
@@ -15,14 +17,39 @@ from bladellm.config import ModelConfig
 from bladellm.model.loader import load_model
 from family_models import family_dirs
 from quant_checkpoints import quantize_checkpoint
-from test_quantized_parity import _close, _reference
+from test_quantized_parity import _close
 from tiny_paged_kv import PagedKV, Seq
+from window_family_models import make_window_family_model
 
+WINDOW_FAMILIES = ("gemma2", "gemma3", "bloom")
 
 
 @pytest.fixture(scope="module")
 def family_dir(tmp_path_factory):
-    return family_dirs(tmp_path_factory)
+    families = family_dirs(tmp_path_factory)
+    cache: dict = {}
+
+    def get(variant: str) -> str:
+        if variant not in WINDOW_FAMILIES:
+            return families(variant)
+        if variant not in cache:
+            cache[variant] = make_window_family_model(tmp_path_factory.mktemp(variant), variant)
+        return cache[variant]
+
+    return get
+
+
+def _reference(float_dir: str, fake: dict[str, torch.Tensor]):
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32,
+                                                            attn_implementation="eager")
+    state = ref.state_dict()
+    if not any(k in state for k in fake):  # saved from the base model (Bloom: no transformer.)
+        fake = {f"{ref.base_model_prefix}.{k}": v for k, v in fake.items()}
+    assert set(fake) <= set(state)
+    ref.load_state_dict({**state, **fake})
+    return ref.eval()
 
 
 def _load(model_dir: str, kernels):
@@ -32,7 +59,12 @@ def _load(model_dir: str, kernels):
 
 LINEARS = {"opt": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
            "phi3-longrope": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
-           "glm4": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")}
+           "glm4": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"),
+           "gemma2": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                      "down_proj"),
+           "gemma3": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                      "down_proj"),
+           "bloom": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")}
 CASES = {"gptq": dict(fmt="gptq", bits=4, group_size=32, sym=False),
          "awq": dict(fmt="awq", group_size=32)}
 
@@ -46,7 +78,7 @@ def test_quantized_logits(family_dir, tmp_path, variant, case, layer_kernels, mo
     fake = quantize_checkpoint(src, tmp_path, **CASES[case])
     assert len({name.rsplit(".", 2)[-2] for name in fake}) == len(LINEARS[variant])
     ours = _load(str(tmp_path), layer_kernels)
-    ref = _reference(src, fake, w8a8=False)
+    ref = _reference(src, fake)
     ids = torch.randint(3, ref.config.vocab_size, (13,), generator=torch.Generator().manual_seed(0))
     kv = PagedKV(ours.get_kv_cache_spec(), num_blocks=32, block_size=4)
     seq = Seq()

@@ -170,7 +170,7 @@ def _check_tensors(model: str, model_dir: str, raw: dict) -> None:
     initialize a missing one at random and we would quantize noise without a word. A checkpoint
     quantized without ``quantization_config`` in config.json (AutoGPTQ's quantize_config.json,
     packed tensors) is named as such."""
-    from bladellm.quantization.algorithms.layouts import layout_of_config
+    from bladellm.quantization.algorithms.layouts import EMBEDDINGS, layout_of_config
     from bladellm.quantization.algorithms.model_source import layer_prefix, weight_files
     from bladellm.quantization.algorithms.moe import moe_architecture, required_mlp_tensors
 
@@ -188,9 +188,8 @@ def _check_tensors(model: str, model_dir: str, raw: dict) -> None:
     moe = moe_architecture(raw.get("architectures") or [])
     linears = layout.attention_linear_names if moe else layout.linear_names
     per_layer = [f"{n}.weight" for n in linears + layout.norms]
-    embed = "model.embed_tokens.weight" if prefix == "model.layers." else \
-        prefix.replace("layers.", "embed_tokens.weight")
-    want = [embed] + [f"{prefix}{i}.{n}" for i in range(int(raw.get("num_hidden_layers") or 0))
+    num_layers = raw.get("num_hidden_layers") or raw.get("n_layer") or 0  # Bloom: n_layer
+    want = [EMBEDDINGS[prefix]] + [f"{prefix}{i}.{n}" for i in range(int(num_layers))
                       for n in per_layer + (required_mlp_tensors(raw, moe, i) if moe else [])]
     missing = [n for n in want if n not in names]
     if missing:
@@ -203,10 +202,12 @@ def _check_group_size(cfg: QuantizeConfig, raw: dict) -> None:
     if cfg.group_size == -1:
         return
     hidden = raw.get("hidden_size")
-    heads = raw.get("num_attention_heads")
+    heads = raw.get("num_attention_heads") or raw.get("n_head")  # Bloom: n_head
     head_dim = raw.get("head_dim") or (hidden // heads if hidden and heads else None)
+    bloom = "BloomForCausalLM" in (raw.get("architectures") or [])
     dims = {"hidden_size": hidden,
-            "intermediate_size": raw.get("intermediate_size") or raw.get("ffn_dim"),
+            "intermediate_size": raw.get("intermediate_size") or raw.get("ffn_dim") or (
+                4 * hidden if bloom and hidden else None),
             "num_attention_heads * head_dim": heads * head_dim if heads and head_dim else None,
             # mixture of experts: the experts' and the shared expert's down_proj inputs
             "moe_intermediate_size": raw.get("moe_intermediate_size"),

@@ -165,9 +165,12 @@ class BloomForCausalLM(nn.Module):
     def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]
                  ) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoint names as this module names them; ``query_key_value`` (rows per head:
-        q, k, v of head_dim each) split into q_proj / k_proj / v_proj."""
+        q, k, v of head_dim each) split into q_proj / k_proj / v_proj. A quantized tensor
+        (GPTQ / AWQ ``qweight``, ``qzeros``, ``scales``) is split along its output dimension in
+        packed units; one without an output dimension (GPTQ's ``g_idx``) goes to every part."""
         cfg = self.hf_config
         heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+        params = dict(self.named_parameters())
         for name, tensor in weights:
             if not name.startswith(("transformer.", "lm_head.")):
                 name = f"transformer.{name}"  # saved from BloomModel
@@ -177,14 +180,26 @@ class BloomForCausalLM(nn.Module):
             if ".query_key_value." not in name:
                 yield name, tensor
                 continue
-            if tensor.shape[0] != 3 * hidden:
+            spec = getattr(params.get(name.replace(".query_key_value.", ".qkv_proj.")),
+                           "quant_spec", None)
+            dim, div = (0, 1) if spec is None else (spec.output_dim, spec.output_div)
+            parts = [name.replace(".query_key_value.", f".{p}.")
+                     for p in ("q_proj", "k_proj", "v_proj")]
+            if dim is None:
+                for part in parts:
+                    yield part, tensor
+                continue
+            rows = 3 * hidden // div
+            if tensor.dim() <= dim or tensor.shape[dim] != rows or (hidden // heads) % div:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; "
-                                 f"config.json gives {3 * hidden} rows (3 x hidden_size "
-                                 f"{hidden})")
-            per_head = tensor.reshape(heads, 3, hidden // heads, *tensor.shape[1:])
-            for i, part in enumerate(("q_proj", "k_proj", "v_proj")):
-                yield (name.replace(".query_key_value.", f".{part}."),
-                       per_head[:, i].reshape(hidden, *tensor.shape[1:]))
+                                 f"config.json gives {rows} in dim {dim} (3 x hidden_size "
+                                 f"{hidden}{f', in units of {div}' if div > 1 else ''})")
+            shape = tensor.shape
+            per_head = tensor.reshape(*shape[:dim], heads, 3, rows // (3 * heads),
+                                      *shape[dim + 1:])
+            for i, part in enumerate(parts):
+                piece = per_head.select(dim + 1, i)
+                yield part, piece.reshape(*shape[:dim], rows // 3, *shape[dim + 1:])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_weights_with_mapping(

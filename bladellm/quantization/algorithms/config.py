@@ -14,6 +14,7 @@ QUANT_ALGOS = ("minmax", "gptq", "awq", "smoothquant", "smoothquant+")
 QUANT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                        "Qwen3ForCausalLM", "OPTForCausalLM", "Phi3ForCausalLM", "GlmForCausalLM",
                        "Glm4ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                       "BloomForCausalLM",
                        # (their layer layouts: layouts.py)
                        "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # Mixture-of-experts architectures (algorithms/moe.py): GPTQ and minmax only. AWQ / SmoothQuant

@@ -43,14 +43,17 @@ def check_layer_layout(layer: nn.Module) -> None:
             layer.get_submodule(name)
         except AttributeError as e:
             raise ValueError(f"--model: decoder layer {type(layer).__name__} has no {name}; "
-                             f"blade_llm_quantize reads the Llama, OPT, Phi-3 and GLM layer "
-                             f"layouts only") from e
+                             f"blade_llm_quantize reads the Llama, OPT, Phi-3, GLM, Gemma "
+                             f"and Bloom layer layouts only") from e
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """A causal LM's decoder layers (``model.layers``; OPT: ``model.decoder.layers``)."""
-    inner = model.model
-    return inner.decoder.layers if hasattr(inner, "decoder") else inner.layers
+    """A causal LM's decoder layers (``model.layers``; OPT: ``model.decoder.layers``; Bloom:
+    ``transformer.h``)."""
+    inner = model.base_model
+    if hasattr(inner, "decoder"):
+        return inner.decoder.layers
+    return inner.h if hasattr(inner, "h") else inner.layers
 
 
 def _layer_output(out: Any) -> torch.Tensor:

@@ -86,6 +86,19 @@ GEMMA = LayerLayout(
     SmoothGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"), _QKV[:2])
 
 
+# Bloom: q/k/v fused per head in query_key_value (v's rows interleaved with q and k, so v -> dense
+# cannot scale), a GELU between the MLP's linears; LayerNorms with bias feed query_key_value and
+# dense_h_to_4h. Its attention and MLP take the residual as an argument: the linears themselves
+# measure a candidate's error.
+_BLOOM_QKV = "self_attention.query_key_value"
+BLOOM = LayerLayout(
+    "Bloom", ((_BLOOM_QKV,), ("self_attention.dense",), ("mlp.dense_h_to_4h",),
+              ("mlp.dense_4h_to_h",)), ("input_layernorm", "post_attention_layernorm"),
+    SmoothGroup("input_layernorm", (_BLOOM_QKV,), _BLOOM_QKV), None,
+    SmoothGroup("post_attention_layernorm", ("mlp.dense_h_to_4h",), "mlp.dense_h_to_4h"), None,
+    (_BLOOM_QKV,))
+
+
 def opt_layout(pre_norm: bool, relu: bool) -> LayerLayout:
     """OPT: LayerNorms (with bias) before each block, or after it (350m: no norm feeds a
     linear); fc1 -> fc2 scales through ReLU only."""
@@ -100,9 +113,18 @@ def opt_layout(pre_norm: bool, relu: bool) -> LayerLayout:
 
 # config.json architectures (transformers' names) -> layout; Llama's for the others.
 _BY_ARCHITECTURE = {"GlmForCausalLM": GLM, "Glm4ForCausalLM": GLM, "Phi3ForCausalLM": PHI3,
-                    "Gemma2ForCausalLM": GEMMA, "Gemma3ForCausalLM": GEMMA}
-# The decoder layers' tensor name prefixes a checkpoint may use.
-LAYER_PREFIXES = ("model.layers.", "model.decoder.layers.", "decoder.layers.")
+                    "Gemma2ForCausalLM": GEMMA, "Gemma3ForCausalLM": GEMMA,
+                    "BloomForCausalLM": BLOOM}
+# The decoder layers' tensor name prefixes a checkpoint may use (Bloom saved from BloomModel:
+# no "transformer.").
+LAYER_PREFIXES = ("model.layers.", "model.decoder.layers.", "decoder.layers.", "transformer.h.",
+                  "h.")
+# The token embedding next to each prefix's layers.
+EMBEDDINGS = {"model.layers.": "model.embed_tokens.weight",
+              "model.decoder.layers.": "model.decoder.embed_tokens.weight",
+              "decoder.layers.": "decoder.embed_tokens.weight",
+              "transformer.h.": "transformer.word_embeddings.weight",
+              "h.": "word_embeddings.weight"}
 
 
 def layout_of_config(raw: dict[str, Any]) -> LayerLayout:
@@ -140,6 +162,8 @@ def layout_of_layer(layer: Any) -> LayerLayout:
                           type(getattr(layer, "activation_fn", None)).__name__ == "ReLU")
     if "pre_feedforward_layernorm" in children:
         return GEMMA
+    if _BLOOM_QKV in children:
+        return BLOOM
     if "self_attn.qkv_proj" in children:
         return PHI3
     if "mlp.gate_up_proj" in children:

@@ -56,8 +56,10 @@ class ModelSource:
         self.files = weight_files(model_dir)
         self.layer_prefix = layer_prefix(self.files)
         self.config = transformers.AutoConfig.from_pretrained(model_dir)
-        # transformers' SDPA path skips Gemma 2's attention soft-cap: calibrate on the real model.
-        attn = "eager" if getattr(self.config, "attn_logit_softcapping", None) else "sdpa"
+        # transformers' SDPA path skips Gemma 2's attention soft-cap (calibrate on the real
+        # model); Bloom has no SDPA path.
+        attn = "eager" if getattr(self.config, "attn_logit_softcapping", None) or \
+            self.config.model_type == "bloom" else "sdpa"
         if cpu_offload:
             if "Gemma3ForCausalLM" in (getattr(self.config, "architectures", None) or []):
                 # its embedding's scale is a computed buffer the meta model would lose
