@@ -59,18 +59,22 @@ class Qwen2VLSpec:
     ``<|vision_start|><|image_pad|><|vision_end|>``, as the models' chat template writes it."""
 
     image_token_id: int
+    video_token_id: int | None  # refused in prompts: videos are not supported yet
     vision_start_token_id: int
     vision_end_token_id: int
     patch_size: int
     temporal_patch_size: int
     merge_size: int
+    video_text: str = "<|video_pad|>"
 
     @classmethod
     def of(cls, hf_config: Any) -> "Qwen2VLSpec":
         vision = hf_config.vision_config
-        return cls(int(hf_config.image_token_id), int(hf_config.vision_start_token_id),
-                   int(hf_config.vision_end_token_id), int(vision.patch_size),
-                   int(vision.temporal_patch_size), int(vision.spatial_merge_size))
+        video = getattr(hf_config, "video_token_id", None)
+        return cls(int(hf_config.image_token_id), None if video is None else int(video),
+                   int(hf_config.vision_start_token_id), int(hf_config.vision_end_token_id),
+                   int(vision.patch_size), int(vision.temporal_patch_size),
+                   int(vision.spatial_merge_size))
 
     def num_tokens(self, tensors: dict[str, np.ndarray]) -> int:
         return int(np.prod(tensors["image_grid_thw"][0])) // self.merge_size ** 2
@@ -129,6 +133,10 @@ class ImageInputProcessor:
             raise ValueError(f"{param}: {len(images)} images, above the server's limit of "
                              f"{limit} per request (--limit_mm_per_prompt image={limit})")
         image_id = self.spec.image_token_id
+        video_id = getattr(self.spec, "video_token_id", None)
+        if video_id is not None and video_id in prompt_ids:
+            raise ValueError(f"{param}: the prompt has a video placeholder "
+                             f"({self.spec.video_text}); videos are not supported yet")
         slots = [i for i, t in enumerate(prompt_ids) if t == image_id]
         if len(slots) != len(images):
             raise ValueError(f"{param}: the prompt has {len(slots)} image placeholder(s) "

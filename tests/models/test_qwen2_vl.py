@@ -225,3 +225,14 @@ def test_hub_config_and_weight_layouts(vl_dir, tmp_path):
     llm = LLM(model=str(tmp_path), dtype="float32", block_size=4, num_kv_blocks=256,
               max_model_len=256)
     check_same(run(llm, CASES[:1]), hf_greedy(vl_dir, CASES[:1]))
+
+
+def test_prompt_errors(vl_dir):
+    """Placeholders without their images, and videos (not supported yet), are refused with a
+    message naming the placeholder."""
+    llm = LLM(model=vl_dir, dtype="float32", num_kv_blocks=65, max_model_len=256)
+    with pytest.raises(ValueError, match="image_pad"):
+        llm.generate({"prompt": f"{IMAGE}{IMAGE} two", "multi_modal_data": {
+            "image": [image(1, (16, 16))]}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="video"):
+        llm.generate("<|vision_start|><|video_pad|><|vision_end|> a video", use_tqdm=False)

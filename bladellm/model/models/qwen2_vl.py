@@ -1,13 +1,11 @@
 """Qwen2-VL and Qwen2.5-VL: a dynamic-resolution vision tower and a Qwen2 language model with
-M-RoPE positions. One implementation; the two differ only in the tower's class.
+M-RoPE positions. One implementation; the two differ only in the tower.
 
-Vision tower: transformers' own module (``Qwen2VisionTransformerPretrainedModel``: a 3D-conv
-patch embedding over ``temporal_patch_size`` frames, 2D rotary in its blocks, LayerNorm + MLP
-blocks, the 2x2 patch merger; ``Qwen2_5_VisionTransformerPretrainedModel``: RMSNorm + SwiGLU
-blocks, window attention except in ``fullatt_block_indexes``, with its window-index reordering
-undone after the merger). As for LLaVA it runs once per image in the worker (the encoder cache
-keeps its rows across prefill chunks and requests), replicated on each tensor-parallel rank,
-with ``image_grid_thw`` per image.
+Vision tower (``qwen2_vl_vision.py``): 3D-conv patch embedding, 2D rotary, the 2x2 patch
+merger; Qwen2.5-VL's with RMSNorm + SwiGLU blocks and window attention outside
+``fullatt_block_indexes``. As for LLaVA it runs once per image in the worker (the encoder
+cache keeps its rows across prefill chunks and requests), replicated on each tensor-parallel
+rank, with the image's ``image_grid_thw``.
 
 Language model: ``Qwen2ForCausalLM``'s layers (TP-sharded as usual) whose rotary embedding is
 ``MRotaryEmbedding``: positions are [3, T] (``worker/mrope_positions.py`` builds them per step
@@ -18,7 +16,6 @@ transformers uses: ``visual.*`` / ``model.*`` / ``lm_head.*`` (the checkpoints o
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Iterable
 
 import numpy as np
@@ -29,8 +26,8 @@ from bladellm.attention.backend import AttentionBackend
 from bladellm.distributed.parallel_state import get_pp_group
 from bladellm.model.forward_context import ForwardContext
 from bladellm.model.layers.mrope import get_mrope
-from bladellm.model.models.llava import _real_config
 from bladellm.model.models.qwen2 import Qwen2ForCausalLM
+from bladellm.model.models.qwen2_vl_vision import Qwen25VisionTower, Qwen2VisionTower
 from bladellm.model.utils import KVCacheSpec
 from bladellm.multimodal.inputs import MultiModalItem
 from bladellm.multimodal.mrope import mrope_positions
@@ -61,8 +58,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
-    vision_module = ("transformers.models.qwen2_vl.modeling_qwen2_vl",
-                     "Qwen2VisionTransformerPretrainedModel")
+    vision_tower_cls: type[nn.Module] = Qwen2VisionTower
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, attn_backend: AttentionBackend,
                  quant_config: Any = None, prefix: str = "") -> None:
@@ -75,10 +71,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
                              f"yet")
         self.hf_config, self.dtype = hf_config, dtype
         self.language_model = Qwen2VLTextForCausalLM(hf_config.text_config, dtype, attn_backend)
-        module, cls = self.vision_module
-        vision_cls = getattr(importlib.import_module(module), cls)
-        self.visual = vision_cls._from_config(_real_config(hf_config.vision_config),
-                                              attn_implementation="sdpa").to(dtype).eval()
+        self.visual = self.vision_tower_cls(hf_config.vision_config).to(dtype).eval()
         self.spatial_merge_size = int(hf_config.vision_config.spatial_merge_size)
         self.tie_word_embeddings = self.language_model.tie_word_embeddings
 
@@ -107,9 +100,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         """One image's processor outputs (``pixel_values`` [patches, C * tps * ps * ps],
         ``image_grid_thw`` [1, 3]) -> its rows of input embeddings [t * h * w / merge^2,
         hidden]."""
-        pixels = tensors["pixel_values"].to(self.dtype)
-        grid = tensors["image_grid_thw"].reshape(-1, 3).to(torch.long)
-        return self.visual(pixels, grid_thw=grid).pooler_output
+        t, h, w = (int(x) for x in tensors["image_grid_thw"].reshape(-1)[:3])
+        return self.visual(tensors["pixel_values"].to(self.dtype), (t, h, w))
 
     # ---- weights --------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -148,8 +140,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """Qwen2.5-VL: the same language model and positions; the windowed RMSNorm/SwiGLU tower."""
 
-    vision_module = ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
-                     "Qwen2_5_VisionTransformerPretrainedModel")
+    vision_tower_cls = Qwen25VisionTower
 
 
 __all__ = ["Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"]
