@@ -214,7 +214,9 @@ class CacheConfig:
                           "(total memory - model weights), total memory being physical memory "
                           "or the cgroup limit if lower, at most 8 GiB, and no more than "
                           "--max_num_seqs requests of --max_model_len tokens can use. The same "
-                          "machine and model always get the same size."})
+                          "machine and model always get the same size. On a GPU, auto sizes "
+                          "the cache by a profiling forward (--max_gpu_memory_utilization) "
+                          "and an explicit SIZE overrides it."})
     max_gpu_memory_utilization: float = field(
         default=0.90,
         metadata={"help": "GPU (--device cuda): fraction of the GPU's memory this engine may "

@@ -88,7 +88,9 @@ def rank_memory(config: EngineConfig, target: ResolvedModel,
     from bladellm.platforms.cpu_defaults import model_weight_bytes
     from bladellm.worker.model_runner import packable_modules, prepack_bound
 
-    device = torch.device(config.device)
+    from bladellm.platforms.select import resolve_platform
+
+    device = resolve_platform(config.device).device()  # --device auto resolved as a worker does
     cache = config.cache
     # The worker's choice (Worker.__init__), so the prepacked copies are counted for its set.
     kernels = resolve_kernels(config.model.kernels, device,
@@ -154,7 +156,7 @@ def all_rank_memory(config: EngineConfig) -> tuple[ResolvedModel, list[RankMemor
     from bladellm.distributed.parallel_state import tp_shape_for_split
     from bladellm.model.loader import resolve_model
 
-    target = resolve_model(config.model)
+    target = resolve_model(config.model, device=config.device)
     draft = _resolve_draft(config, target)
     par = config.parallel
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size

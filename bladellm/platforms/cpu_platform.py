@@ -46,6 +46,8 @@ class CpuPlatform(Platform):
     dist_backend = "gloo"
     auto_kernel_set = "compiled"
     sizes_kv_cache_by_profiling = False
+    supports_speculative_decoding = True
+    supports_lora = True
 
     def device(self, local_rank: int = 0) -> "torch.device":
         import torch

@@ -44,6 +44,10 @@ class CudaPlatform(Platform):
     dist_backend = "nccl"
     auto_kernel_set = "triton"
     sizes_kv_cache_by_profiling = True
+    # Not built on a GPU yet (docs/gpu.md): the draft steps build host tensors, and the adapter
+    # slots are host buffers.
+    supports_speculative_decoding = False
+    supports_lora = False
 
     def device(self, local_rank: int = 0) -> "torch.device":
         import torch

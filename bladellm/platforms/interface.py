@@ -50,6 +50,9 @@ class Platform(ABC):
     # The KV cache is sized by a profiling forward against --max_gpu_memory_utilization
     # (worker/memory_profile.py); otherwise by --kv_cache_memory (platforms/cpu_defaults.py).
     sizes_kv_cache_by_profiling: bool
+    # Features built on this platform so far; the worker refuses the others' flags.
+    supports_speculative_decoding: bool
+    supports_lora: bool
 
     @abstractmethod
     def device(self, local_rank: int = 0) -> "torch.device":

@@ -101,7 +101,9 @@ def uniforms(num_rows: int, generators: dict[int, torch.Generator],
     seeded = torch.empty(len(rows), dtype=torch.float64)
     for j, row in enumerate(rows):
         seeded[j:j + 1].uniform_(generator=generators[row])
-    u[torch.tensor(rows, device=device)] = seeded.to(device, non_blocking=True)
+    # Index and values built on the host, sent without waiting for the device.
+    index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    u[index] = seeded.to(device, non_blocking=True)
     return u
 
 

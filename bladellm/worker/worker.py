@@ -61,15 +61,13 @@ def check_platform_flags(platform: Platform, config: EngineConfig) -> None:
         raise ValueError(f"--max_gpu_memory_utilization: applies to GPU devices, and "
                          f"--device {config.device} runs on {platform.name}; size the KV cache "
                          f"with --kv_cache_memory")
-    if platform.name == "cpu":
-        return
-    # Not built on a GPU yet (docs/gpu.md): their draft steps and adapter slots stay on the host.
-    if config.speculative.enabled:
+    if config.speculative.enabled and not platform.supports_speculative_decoding:
         raise ValueError(f"--decode_algo {config.speculative.decode_algo}: speculative "
-                         f"decoding runs only on --device cpu so far (docs/gpu.md)")
-    if config.lora.enable_lora:
-        raise ValueError("--enable_lora: LoRA adapters run only on --device cpu so far "
-                         "(docs/gpu.md)")
+                         f"decoding does not run on {platform.name} yet; use --device cpu "
+                         f"(docs/gpu.md)")
+    if config.lora.enable_lora and not platform.supports_lora:
+        raise ValueError(f"--enable_lora: LoRA adapters do not run on {platform.name} yet; use "
+                         f"--device cpu (docs/gpu.md)")
 
 
 class Worker:
@@ -128,9 +126,12 @@ class Worker:
             # An explicit size wins over the profile; it must fit the GPU with the weights.
             return rank_num_blocks(self.config, per_block, weights, max_request_tokens,
                                    self.local_world_size, self.memory.snapshot().total)
-        activations = profile_activations(
-            runner, self.memory, lambda: self.platform.synchronize(self.device),
-            sched.max_num_batched_tokens, sched.max_num_seqs, self.vocab_size)
+        # Every rank profiles the same step (collective_rpc), so TP collectives and pipeline
+        # send/recv pair up as in a real step; the pool size is then the ranks' minimum.
+        with self._pipeline_call(1):
+            activations = profile_activations(
+                runner, self.memory, lambda: self.platform.synchronize(self.device),
+                sched.max_num_batched_tokens, sched.max_num_seqs, self.vocab_size)
         plan = plan_kv_cache(self.memory.snapshot().total, self.free_bytes_at_start,
                              cache.max_gpu_memory_utilization, weights, activations, per_block,
                              runner.block_size, max_request_tokens)

@@ -65,8 +65,14 @@ def test_worker_refuses_what_the_platform_cannot_honour():
     check_platform_flags(CudaPlatform(), util)  # honoured there
     lora = EngineConfig(lora=LoRAConfig(enable_lora=True))
     check_platform_flags(CpuPlatform(), lora)
-    with pytest.raises(ValueError, match="--enable_lora"):
+    with pytest.raises(ValueError, match="--enable_lora: LoRA adapters do not run on cuda"):
         check_platform_flags(CudaPlatform(), lora)
+    from bladellm.config import SpeculativeConfig
+
+    spec = EngineConfig(speculative=SpeculativeConfig(decode_algo="look_ahead"))
+    check_platform_flags(CpuPlatform(), spec)
+    with pytest.raises(ValueError, match="--decode_algo look_ahead"):
+        check_platform_flags(CudaPlatform(), spec)
 
 
 def test_cuda_auto_dtype_keeps_16_bit_checkpoints():
