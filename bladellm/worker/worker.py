@@ -96,8 +96,10 @@ class Worker:
         # ours to size the KV cache from (worker/memory_profile.py).
         self.free_bytes_at_start = (self.memory.snapshot().free
                                     if self.platform.sizes_kv_cache_by_profiling else None)
-        text_config = getattr(resolved.hf_config, "get_text_config", lambda: resolved.hf_config)
-        self.vocab_size = int(text_config().vocab_size)
+        # A vision-language config nests its language model's (a cached snapshot of one has
+        # no ``get_text_config``).
+        text_config = getattr(resolved.hf_config, "text_config", None) or resolved.hf_config
+        self.vocab_size = int(text_config.vocab_size)
         # The driver samples and answers; the other ranks run their part of the forward.
         self.model_runner = ModelRunner(config, resolved, self.device, self.kernels,
                                         is_driver=rank == config.parallel.driver_rank)
