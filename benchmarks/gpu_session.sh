@@ -49,7 +49,7 @@ part() {
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE"
 part triton_tests 90 $PYTEST tests/kernels/test_triton_quant.py tests/kernels/test_triton_attention.py \
   tests/kernels/test_triton_elementwise.py tests/kernels/test_triton_sampling.py
-part gpu_tests 45 $PYTEST -m gpu tests/unit/platforms/test_platform.py tests/unit/worker \
+part gpu_tests 60 $PYTEST -m gpu tests/unit/platforms/test_platform.py tests/unit/worker \
   tests/unit/check/test_check.py
 part parity 60 python3 benchmarks/gpu_parity.py --device cuda --out "$OUT/parity.json"
 part server 50 python3 benchmarks/gpu_server_check.py --device cuda --out "$OUT/server.json" \
@@ -58,8 +58,8 @@ L8="python3 benchmarks/gpu_llama8b.py --device cuda --out $OUT/llama8b.jsonl"
 part bandwidth 15 $L8 --part bandwidth
 BW=$(python3 -c "import json,sys; rows=[json.loads(l) for l in open(sys.argv[1])]; print(next((r['copy_GBps'] for r in rows if r['part']=='bandwidth'), ''))" "$OUT/llama8b.jsonl" 2>/dev/null)
 part decode1 55 $L8 --part decode1 --prompt_len 128 --output_len 128 ${BW:+--bandwidth_gbs $BW}
-part batch64 70 $L8 --part batch --batch 64 --prompt_len 1024 --output_len 128
-part hf_batch64 60 $L8 --part hf --batch 64 --prompt_len 1024 --output_len 128
+part batch64 65 $L8 --part batch --batch 64 --prompt_len 1024 --output_len 128
+part hf_batch64 50 $L8 --part hf --batch 64 --prompt_len 1024 --output_len 128
 if [ "${1:-}" = "--with-quant-gemm" ]; then
   part quant_gemm 100 python3 benchmarks/triton_quant_gemm.py --out "$OUT/quant_gemm.jsonl" ${BENCH_ARGS:-}
 fi

@@ -93,5 +93,24 @@ def test_llm_on_cuda_greedy_matches_cpu(tiny_llama):
         alone = llm.generate(prompts[:1], seeded)[0].outputs[0].token_ids
         batch = llm.generate(prompts, [seeded, greedy, greedy])[0].outputs[0].token_ids
         assert alone == batch
-        del llm
+        llm.shutdown()
     assert outs["cpu"] == outs["cuda"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_nccl_tp_and_pp_match_one_gpu(tiny_llama, split):
+    """TP all-reduce / gather and PP send/recv over NCCL: greedy tokens as on one GPU."""
+    from bladellm import LLM
+    from bladellm.sampling_params import SamplingParams
+
+    prompts = ["hello world", "The quick brown fox"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for kw in ({}, split):
+        llm = LLM(model=tiny_llama, dtype="float32", device="cuda", max_model_len=128, **kw)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy)])
+        llm.shutdown()
+    assert outs[0] == outs[1]
