@@ -44,7 +44,37 @@ SHAPES = {
                            num_experts=64, num_experts_per_tok=8, moe_intermediate_size=384,
                            intermediate_size=3072, norm_topk_prob=True, vocab_size=32000,
                            max_position_embeddings=2048, tie_word_embeddings=False),
+    # The families' real widths cut to 4 layers (docs/benchmarks.md, Model families); their
+    # vocabularies are up to 256k rows: run with --load_format dummy (config.json only).
+    "gemma2-2b-4l": dict(model_type="gemma2", hidden_size=2304, intermediate_size=9216,
+                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                         head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+                         attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                         hidden_activation="gelu_pytorch_tanh", vocab_size=256000,
+                         max_position_embeddings=8192, tie_word_embeddings=True),
+    "phi3-mini-4l": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192,
+                         num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=32,
+                         vocab_size=32064, max_position_embeddings=4096,
+                         tie_word_embeddings=False),
+    "glm4-9b-4l": dict(model_type="glm4", hidden_size=4096, intermediate_size=13696,
+                       num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=2,
+                       head_dim=128, partial_rotary_factor=0.5, attention_bias=True,
+                       vocab_size=151552, max_position_embeddings=8192,
+                       tie_word_embeddings=False),
+    "bloom-560m-4l": dict(model_type="bloom", hidden_size=1024, n_layer=4, n_head=16,
+                          vocab_size=250880, tie_word_embeddings=True),
+    "opt-125m-4l": dict(model_type="opt", hidden_size=768, ffn_dim=3072, num_hidden_layers=4,
+                        num_attention_heads=12, word_embed_proj_dim=768, vocab_size=50272,
+                        max_position_embeddings=2048, do_layer_norm_before=True,
+                        tie_word_embeddings=True),
 }
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "glm4": "Glm4ForCausalLM", "bloom": "BloomForCausalLM",
+                 "opt": "OPTForCausalLM"}
+# --load_format dummy: a tokenizer of this size (prompts are drawn below it); the model's own
+# ids above it decode to nothing.
+DUMMY_TOKENIZER_VOCAB = 8192
 
 
 def train_bpe_tokenizer(vocab_size: int, seed: int = 0):
@@ -76,17 +106,24 @@ def train_bpe_tokenizer(vocab_size: int, seed: int = 0):
         pad_token="<|endoftext|>", unk_token="<|endoftext|>")
 
 
-def make_model_dir(shape: str, path: Path) -> str:
-    """Random-weight model of a real shape with a byte-level BPE tokenizer covering every id."""
+def make_model_dir(shape: str, path: Path, dummy: bool = False) -> str:
+    """Random-weight model of a real shape with a byte-level BPE tokenizer covering every id;
+    ``dummy``: config.json and a small tokenizer only (the engine makes the weights)."""
     import transformers
 
     cfg = SHAPES[shape]
     if (path / "config.json").exists():
         return str(path)
-    fast = train_bpe_tokenizer(cfg["vocab_size"])
     fields = {k: v for k, v in cfg.items() if k != "model_type"}
-    config = transformers.AutoConfig.for_model(cfg.get("model_type", "llama"), **fields,
+    model_type = cfg.get("model_type", "llama")
+    config = transformers.AutoConfig.for_model(model_type, **fields,
                                                bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    if dummy:
+        config.architectures = [ARCHITECTURES[model_type]]
+        config.save_pretrained(path)
+        train_bpe_tokenizer(DUMMY_TOKENIZER_VOCAB).save_pretrained(path)
+        return str(path)
+    fast = train_bpe_tokenizer(cfg["vocab_size"])
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path, safe_serialization=True)
@@ -94,8 +131,8 @@ def make_model_dir(shape: str, path: Path) -> str:
     return str(path)
 
 
-def default_model_dir(shape: str) -> Path:
-    return Path(tempfile.gettempdir()) / f"bladellm-bench-{shape}-bpe"
+def default_model_dir(shape: str, dummy: bool = False) -> Path:
+    return Path(tempfile.gettempdir()) / f"bladellm-bench-{shape}-{'dummy' if dummy else 'bpe'}"
 
 
 def make_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int], vocab: int,
@@ -112,7 +149,9 @@ def run_bladellm(model_dir: str, dtype: str, prompts, out_lens, args) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, dtype=dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory="4GiB")
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory=args.kv_cache_memory,
+              **({"load_format": args.load_format} if args.load_format != "auto" else {}))
     load_s = time.perf_counter() - t0
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
@@ -217,6 +256,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peers_dir", default=os.environ.get("PEERS_DIR", "/opt/peers"),
                     help="where install_vllm_cpu.sh / install_llamacpp.sh put their venvs")
     ap.add_argument("--gguf", default=None, help="GGUF for llamacpp (default: convert)")
+    ap.add_argument("--load_format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights made by the engine (bladellm only); the model "
+                         "dir holds config.json and a small tokenizer")
+    ap.add_argument("--kv_cache_memory", default="4GiB")
     ap.add_argument("--output_json", default=None)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
@@ -226,9 +269,13 @@ def main(argv: list[str] | None = None) -> None:
 
     in_range = tuple(int(x) for x in args.input_len.split(","))
     out_range = tuple(int(x) for x in args.output_len.split(","))
-    model_dir = args.model_dir or make_model_dir(args.shape, default_model_dir(args.shape))
-    prompts, out_lens = make_workload(args.num_prompts, in_range, out_range,
-                                      SHAPES[args.shape]["vocab_size"], args.seed)
+    dummy = args.load_format == "dummy"
+    if dummy and args.engines != "bladellm":
+        ap.error("--load_format dummy: only --engines bladellm (the peers read weight files)")
+    model_dir = args.model_dir or make_model_dir(args.shape, default_model_dir(args.shape, dummy),
+                                                 dummy)
+    vocab = DUMMY_TOKENIZER_VOCAB if dummy else SHAPES[args.shape]["vocab_size"]
+    prompts, out_lens = make_workload(args.num_prompts, in_range, out_range, vocab, args.seed)
     results = []
     engines = args.engines.split(",")
     if "bladellm" in engines:
@@ -247,7 +294,8 @@ def main(argv: list[str] | None = None) -> None:
 
     import transformers
     report = {
-        "shape": args.shape, "dtype": args.dtype, "num_prompts": args.num_prompts,
+        "shape": args.shape, "dtype": args.dtype, "load_format": args.load_format,
+        "num_prompts": args.num_prompts,
         "input_len": in_range, "output_len": out_range, "seed": args.seed,
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "torch": torch.__version__, "transformers": transformers.__version__,

@@ -56,3 +56,34 @@ def test_two_stages_greedy_identical_to_transformers(tmp_path, case):
     assert stats.num_used_blocks == 0
     for i, (out, exp) in enumerate(zip(outs, _hf_greedy(path, prompts))):
         assert out.outputs[0].token_ids == exp, f"{case}: prompt {i} (len {len(prompts[i])})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, overrides", [("gemma2", dict(num_hidden_layers=3)),
+                                               ("bloom", dict(n_layer=3))])
+def test_split_two_stages_serves_the_transformers_tokens(tmp_path, family, overrides):
+    """``blade_llm_split -pp 2``: each stage's shard holds only its layers and parts (the tied
+    LM head, from the embedding, on the last) and serves transformers' tokens."""
+    from safetensors import safe_open
+
+    from bladellm.entrypoints.cli.split import main as split_main
+
+    src = _make(tmp_path / "src", family, overrides)
+    out = str(tmp_path / "split")
+    assert split_main(["-tp", "1", "-pp", "2", "--model", src, "--output_dir", out]) == 0
+    names = []
+    for r in range(2):
+        with safe_open(f"{out}/rank_{r}/model.safetensors", "pt") as f:
+            names.append(set(f.keys()))
+    assert "lm_head.weight" in names[1] and "lm_head.weight" not in names[0]
+    layer2 = "model.layers.2." if family == "gemma2" else "transformer.h.2."
+    assert not any(n.startswith(layer2) for n in names[0])
+    assert any(n.startswith(layer2) for n in names[1])
+    prompts = _prompts(transformers.AutoConfig.from_pretrained(src).vocab_size)[:8]
+    llm = LLM(model=out, pipeline_parallel_size=2, **STRESS)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == _hf_greedy(src, prompts)

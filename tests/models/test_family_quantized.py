@@ -111,3 +111,28 @@ def test_quantized_fused_checkpoint_tp2_serves_the_one_rank_tokens(family_dir, t
         finally:
             llm.shutdown()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@torch.no_grad()
+def test_quantized_chatglm_equals_quantized_glm(family_dir, tmp_path, case, layer_kernels,
+                                                monkeypatch):
+    """A ChatGLM checkpoint quantized module by module (fused query_key_value, dense,
+    dense_h_to_4h, dense_4h_to_h) gives the logits of the same GLM weights quantized under
+    GLM's names (min-max per output row: fusing rows does not change them), which
+    test_quantized_logits checks against transformers."""
+    glm_q, chatglm_q = tmp_path / "glm", tmp_path / "chatglm"
+    monkeypatch.setattr(quant_checkpoints, "LINEARS",
+                        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"))
+    quantize_checkpoint(family_dir("glm-rope-ratio"), glm_q, **CASES[case])
+    monkeypatch.setattr(quant_checkpoints, "LINEARS",
+                        ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"))
+    quantize_checkpoint(family_dir("chatglm"), chatglm_q, **CASES[case])
+    ids = torch.randint(3, 200, (13,), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for path in (glm_q, chatglm_q):
+        model = _load(str(path), layer_kernels)
+        kv = PagedKV(model.get_kv_cache_spec(), num_blocks=32, block_size=4)
+        ctx, pos = kv.step([Seq()], [len(ids)])
+        logits.append(model.compute_logits(model(ids, pos, ctx)))
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=0)
