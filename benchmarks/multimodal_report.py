@@ -90,9 +90,12 @@ def main() -> None:
                                     "flags (a repeated image hits the cached blocks)")
     lines += pairs_line(out)
     lines += versus_table(out)
-    errors = [f"{os.path.basename(p)}: {json.load(open(p))['rates'][0]['errors']} errors"
-              for p in sorted(glob.glob(os.path.join(out, "*.json")))
-              if json.load(open(p))["rates"][0]["errors"]]
+    errors = []
+    for path in sorted(glob.glob(os.path.join(out, "*.json"))):
+        with open(path, encoding="utf-8") as f:
+            rates = json.load(f).get("rates")  # pc-pairs.json has none
+        if rates and rates[0]["errors"]:
+            errors.append(f"{os.path.basename(path)}: {rates[0]['errors']} errors")
     lines += errors or ["(no failed requests)"]
     print("\n".join(lines))
 
