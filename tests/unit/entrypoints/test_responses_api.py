@@ -294,7 +294,10 @@ async def test_priority_reaches_the_engine(fake):
     ({"input": 5}, 400, "input"),
     ({"input": ""}, 400, "input"),
     ({"input": [{"type": "bogus"}]}, 400, "input"),
+    # A text-only model: the image part is named (the same loader as chat's image_url).
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     400, "input[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      400, "input[0].content[0].type"),
     ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"input": "x" * 300}, 400, "input"),
