@@ -1,4 +1,5 @@
-"""Holding the stop signals while a child process starts (the engine core, worker ranks)."""
+"""Holding the stop signals while a child process starts (the engine core, worker ranks), and
+telling an interrupted start-up from a failed one."""
 
 from __future__ import annotations
 
@@ -24,3 +25,17 @@ def stop_signals_held() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def caused_by_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` is a ``KeyboardInterrupt`` or comes from one that code on the way wrapped
+    in another exception (a dataclass's ``__set_name__`` does): its ``__cause__`` /
+    ``__context__`` chain holds one."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
