@@ -26,6 +26,7 @@ import zmq
 
 from bladellm.config import EngineConfig
 from bladellm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from bladellm.platforms.signals import unblock_stop_signals
 
 # The API process imports this module to start the core (core_client), before it imports
 # anything heavy: nothing here may import torch at module level (the executor, the model), or
@@ -66,9 +67,12 @@ def tell_parent(conn: Any, message: dict) -> bool:
 def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str,
                          ready_conn: Any, log_level: int) -> None:
     """Entry point of the engine-core process."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(message)s")
     # The parent handles Ctrl-C and tells us to shut down; we must not die half-way on SIGINT.
+    # Set before the inherited block (stop_signals_held) comes off: a Ctrl-C that came while
+    # this process started is dropped, a SIGTERM ends it (start-up is not protected).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    unblock_stop_signals()
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(message)s")
     parent = os.getppid()
     started = threading.Event()
     threading.Thread(target=_end_if_orphaned_during_start, args=(parent, started),
@@ -144,12 +148,13 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
 def _end_if_orphaned_during_start(parent_pid: int, started: threading.Event) -> None:
     """Start-up (model load, KV sizing) can take minutes and reads nothing from the parent: if
     the API process dies meanwhile (a signal before its handlers were installed, SIGKILL), stop
-    at once rather than finish loading for no one. SIGTERM's default action ends this process
-    (it is not ignored before start-up ends); worker processes die with it (PR_SET_PDEATHSIG)."""
+    at once rather than finish loading for no one: the process ends here, whatever the main
+    thread is doing (no signal, which a mask could hold); worker processes die with it
+    (PR_SET_PDEATHSIG)."""
     while not started.wait(_START_WATCH_S):
         if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
+            logger.warning("the API process is gone during start-up: stopping the engine core")
+            exit_process_now(1)
 
 
 def exit_process_now(code: int) -> None:

@@ -21,6 +21,10 @@ step, or whose prefill is still running: what changed since the last good step);
 only the suspects are bisected. With ``k`` culprits among ``n`` requests it takes about
 ``k * log2(n)`` re-runs; a fault that does not repeat (the whole set runs the second time) fails
 nobody.
+
+Recovery's own failures (a rank's ``drop_requests`` raising, a re-run that cannot be built) are
+the engine's, not the requests': the search stops, the step's requests not yet answered fail
+with an error saying so, and the engine goes on. A dead worker (``fatal``) still propagates.
 """
 
 from __future__ import annotations
@@ -95,18 +99,53 @@ class StepIsolation:
                 in_later_steps: Collection[str] = ()) -> ModelRunnerOutput:
         """``in_later_steps``: requests of micro-batches published after ``sched`` (already
         finished on the workers); the workers must not forget them."""
-        # The workers forget the step's requests (they are sent again in full) and, if the step
-        # never reached them, the finished and preempted ones it was to tell them about.
-        self.drop(sorted((set(sched.num_scheduled_tokens) | sched.finished_req_ids
-                          | sched.preempted_req_ids) - set(in_later_steps)))
         # Only requests still running are re-run: one aborted or preempted since the step was
         # scheduled (pipeline parallelism) no longer owns its blocks, and its results would be
         # ignored anyway.
         req_ids = [r for r in sched.num_scheduled_tokens if self._is_running(r)]
-        suspects = suspects_of(sched, self.scheduler)
-        innocent = [r for r in req_ids if r not in suspects]
         outputs: list[ModelRunnerOutput] = []
         culprits: dict[str, str] = {}
+        try:
+            # The workers forget the step's requests (they are sent again in full) and, if the
+            # step never reached them, the finished and preempted ones it was to tell them about.
+            self.drop(sorted((set(sched.num_scheduled_tokens) | sched.finished_req_ids
+                              | sched.preempted_req_ids) - set(in_later_steps)))
+            self._isolate(sched, exc, req_ids, outputs, culprits)
+        except self.fatal:
+            raise
+        except Exception as engine_exc:  # noqa: BLE001 - recovery's own failure, not theirs
+            # Dropping requests on a rank or building a re-run failed: an engine-side error the
+            # step's requests did not cause. The search cannot go on (the workers' view of the
+            # requests is unknown), so those without their tokens yet fail, and the engine lives.
+            answered = {r for out in outputs for r in out.req_ids} | set(culprits)
+            rest = [r for r in req_ids if r not in answered]
+            logger.error("engine error while re-running a failed step (%s: %s); failing its "
+                         "%d requests not yet re-run (their error is the engine's, not theirs)",
+                         type(engine_exc).__name__, engine_exc, len(rest), exc_info=engine_exc)
+            culprits.update((r, f"engine error while recovering from a failed step: "
+                                f"{type(engine_exc).__name__}: {engine_exc}") for r in rest)
+        else:
+            if culprits:
+                logger.error("step failed; %d of its %d requests cause it and finish with the "
+                             "error (%s); the others go on", len(culprits), len(req_ids),
+                             ", ".join(sorted(culprits)))
+            elif not req_ids:
+                logger.warning("step failed (%s: %s); its requests were all gone (aborted or "
+                               "preempted) before a re-run, so none was re-run",
+                               type(exc).__name__, exc)
+            else:
+                logger.warning("step failed (%s: %s) but its requests ran when re-run; none "
+                               "failed", type(exc).__name__, exc)
+        merged = merge(outputs)
+        merged.req_ids.extend(culprits)
+        merged.sampled_token_ids.extend([] for _ in culprits)
+        merged.errored.update(culprits)
+        return merged
+
+    def _isolate(self, sched: SchedulerOutput, exc: Exception, req_ids: list[str],
+                 outputs: list[ModelRunnerOutput], culprits: dict[str, str]) -> None:
+        suspects = suspects_of(sched, self.scheduler)
+        innocent = [r for r in req_ids if r not in suspects]
         if innocent and len(innocent) < len(req_ids):
             self._search(sched, innocent, None, outputs, culprits)
             self._search(sched, [r for r in req_ids if r in suspects], None, outputs, culprits)
@@ -115,18 +154,6 @@ class StepIsolation:
             # has not been seen failing on its own yet.
             known_failing = len(req_ids) == len(sched.num_scheduled_tokens)
             self._search(sched, req_ids, exc if known_failing else None, outputs, culprits)
-        if culprits:
-            logger.error("step failed; %d of its %d requests cause it and finish with the "
-                         "error (%s); the others go on", len(culprits), len(req_ids),
-                         ", ".join(sorted(culprits)))
-        else:
-            logger.warning("step failed (%s: %s) but its requests ran when re-run; none failed",
-                           type(exc).__name__, exc)
-        merged = merge(outputs)
-        merged.req_ids.extend(culprits)
-        merged.sampled_token_ids.extend([] for _ in culprits)
-        merged.errored.update(culprits)
-        return merged
 
     def _is_running(self, req_id: str) -> bool:
         req = self.scheduler.requests.get(req_id)
@@ -150,11 +177,15 @@ class StepIsolation:
 
     def _run(self, sched: SchedulerOutput, group: list[str],
              outputs: list[ModelRunnerOutput]) -> Exception | None:
+        # Built outside the guard: an error here is the engine's (``recover`` handles it), not
+        # the group's.
+        step = sub_step(sched, group, self.scheduler)
         try:
-            outputs.append(self.run(sub_step(sched, group, self.scheduler)))
+            outputs.append(self.run(step))
             return None
         except self.fatal:
             raise
         except Exception as exc:  # noqa: BLE001 - the search goes on in smaller groups
-            self.drop(group)
-            return exc
+            error = exc
+        self.drop(group)  # outside the guard too: a failed drop is the engine's error
+        return error

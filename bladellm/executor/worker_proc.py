@@ -35,6 +35,7 @@ import zmq
 from bladellm.config import EngineConfig
 from bladellm.executor.channel import BadMessageError, MessageCodec, make_curve_client
 from bladellm.checkpoint.locate import ResolvedModel
+from bladellm.platforms.signals import unblock_stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -243,12 +244,19 @@ def _rank_threads(config: EngineConfig, local_world_size: int) -> int:
 
 def worker_main(config: EngineConfig, resolved: ResolvedModel, spec: WorkerSpec) -> int:
     """Entry point of a worker rank; returns the process exit status."""
+    if not spec.remote:
+        # The engine core decides when we stop (SHUTDOWN, or it dies and PR_SET_PDEATHSIG
+        # kills us): a stop signal sent to the whole process group (Ctrl-C, systemd's
+        # control-group SIGTERM) must not kill a rank while the API process drains requests.
+        # Set before the inherited block (stop_signals_held) comes off: one that came while
+        # this process started is dropped.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    unblock_stop_signals()
     _die_with_parent()
     rank = spec.rank
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
-    if not spec.remote:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when we stop
     link = _Link(spec)
     stop_beats = threading.Event()
     beats = None

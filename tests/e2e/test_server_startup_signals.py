@@ -24,9 +24,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # (the engine core already started), or the engine core before it loads the model. Each says
 # so on stderr, then waits (interruptibly) for up to a minute.
 _HOLD_HOOK = """
-import importlib.abc, importlib.util, sys, time
+import importlib.abc, importlib.util, os, sys, time
 
 HOLD = {hold!r}
+# The API process only (the variable is gone before it starts any child): Python's resource
+# tracker already running when the engine core is started, as after an earlier child.
+if os.environ.pop("TEST_RESOURCE_TRACKER_FIRST", None):
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()
 
 
 def _hold(what):
@@ -80,13 +85,15 @@ class Starting:
     whole group signalled), its merged output read by a thread. ``hook_dir``: where a
     sitecustomize module holds start-up (``_HOLD_HOOK``)."""
 
-    def __init__(self, model: str, hook_dir: str | None = None) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    def __init__(self, model: str, hook_dir: str | None = None, extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         if hook_dir is not None:
             env["PYTHONPATH"] = os.pathsep.join([hook_dir, REPO])
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bladellm.entrypoints.cli.server", "--model", model,
-             "--host", "127.0.0.1", "--port", "0", "--dtype", "float32", "--num_threads", "1"],
+             "--host", "127.0.0.1", "--port", "0", "--dtype", "float32", "--num_threads", "1",
+             *extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
             start_new_session=True, env=env)
         self.lines: list[str] = []
@@ -180,8 +187,14 @@ def test_sigterm_during_start_up_exits_cleanly(tiny_llama, tmp_path, point):
     _stopped_cleanly(srv)
 
 
-def test_killed_api_process_does_not_leave_its_engine_core_loading(tiny_llama, tmp_path):
-    srv = Starting(tiny_llama, _hooked(tmp_path, {CORE}))
+@pytest.mark.parametrize("tracker", ["tracker-started-by-the-core", "tracker-already-running"])
+def test_killed_api_process_does_not_leave_its_engine_core_loading(tiny_llama, tmp_path,
+                                                                  tracker):
+    """With the resource tracker already running in the API process, the engine core used to
+    start with SIGINT/SIGTERM blocked (inherited from stop_signals_held), and its orphan
+    watcher's SIGTERM to itself stayed pending."""
+    env = {"TEST_RESOURCE_TRACKER_FIRST": "1"} if tracker == "tracker-already-running" else {}
+    srv = Starting(tiny_llama, _hooked(tmp_path, {CORE}), env=env)
     srv.wait_for("TEST: holding engine core start")
     srv.proc.kill()
     srv.proc.wait(10)
@@ -189,6 +202,43 @@ def test_killed_api_process_does_not_leave_its_engine_core_loading(tiny_llama, t
     if not left:
         os.killpg(srv.proc.pid, signal.SIGKILL)
     assert left, "the engine core kept loading after its API process died:\n" + srv.output()
+
+
+_STOP_BITS = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+
+
+def _signal_masks(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return {k: int(fields[k], 16) for k in ("SigBlk", "SigIgn")}
+
+
+@pytest.mark.parametrize("pp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_no_process_of_the_server_keeps_the_stop_signals_blocked(tiny_llama, pp):
+    """stop_signals_held blocks SIGINT/SIGTERM around each child's start; the children
+    inherit the mask and must take it off (else ``kill <rank>`` is held forever). Worker ranks
+    (``-pp 2``) and the ready engine core ignore SIGTERM instead, explicitly."""
+    srv = Starting(tiny_llama, extra=("--pipeline_parallel_size", str(pp)))
+    try:
+        srv.wait_for("BladeLLM server ready at", timeout=240)
+        members = _session_members(srv.proc.pid)
+        masks = {}
+        for pid in members:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                masks[pid] = (cmd, _signal_masks(pid))
+            except OSError:  # gone meanwhile
+                continue
+        assert len(masks) >= 3, masks  # the API process, the resource tracker, the core
+        blocked = {pid: m for pid, m in masks.items() if m[1]["SigBlk"] & _STOP_BITS}
+        assert not blocked, blocked
+        spawned = [m for m in masks.values() if "spawn_main" in m[0]]
+        assert len(spawned) == 1 + (pp if pp > 1 else 0), masks  # the engine core, the ranks
+        assert all(m[1]["SigIgn"] & _STOP_BITS == _STOP_BITS for m in spawned), masks
+    finally:
+        srv.proc.send_signal(signal.SIGTERM)
+    _stopped_cleanly(srv)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from bladellm.entrypoints.cli.args import parse_args
+from bladellm.platforms.signals import caused_by_interrupt
 
 
 def _is_local(model: str) -> bool:
@@ -17,26 +18,26 @@ def _is_local(model: str) -> bool:
     return model == "demo" or os.path.exists(os.path.expanduser(model))
 
 
-class _Interrupt:
-    """The start-up SIGINT/SIGTERM handler: raises ``KeyboardInterrupt`` and remembers the
-    signal (an import can wrap the exception in another: ``RuntimeError`` from a dataclass's
-    ``__set_name__``, say)."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-
-    def __call__(self, signum: int, _frame: Any) -> None:
-        self.received = signum
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+def _interrupt(signum: int, _frame: Any) -> None:
+    """The start-up SIGINT/SIGTERM handler (an import can wrap its ``KeyboardInterrupt`` in
+    another exception: ``RuntimeError`` from a dataclass's ``__set_name__``, say)."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def main(argv: list[str] | None = None, interrupt: _Interrupt | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     # SIGINT/SIGTERM from the first moment: during start-up (imports, model load) they stop the
     # server cleanly (the engine core started below is closed, no traceback); once serving,
-    # run_server's handlers drain requests first.
-    interrupt = interrupt or _Interrupt()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, interrupt)
+    # run_server's handlers drain requests first. The caller's handlers come back when we
+    # return (an in-process caller must not keep SIGTERM raising KeyboardInterrupt).
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _main(argv)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv: list[str] | None) -> int:
     engine_config, server_config = parse_args(argv)
     # Start the engine-core process before importing the HTTP stack and the tokenizer: its own
     # imports and model load run beside ours (a few seconds of a cold start on 2 cores). A hub
@@ -61,11 +62,10 @@ def cli() -> None:
     sockets closed, logs written), the process ends without interpreter finalization: tearing
     down torch, the tokenizer and the HTTP stack would spend the shutdown budget (grace + 2 s)
     that orchestrators wait for on nothing."""
-    interrupt = _Interrupt()
     try:
-        code = main(interrupt=interrupt)
+        code = main()
     except BaseException as exc:
-        if not isinstance(exc, KeyboardInterrupt) and interrupt.received is None:
+        if not caused_by_interrupt(exc):  # a real failure keeps its traceback and status
             raise
         # SIGINT/SIGTERM during start-up: nothing was serving yet. Import nothing more: the
         # signal may have cut an import half-way (numpy's, say), and importing it again fails.

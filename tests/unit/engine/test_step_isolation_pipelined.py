@@ -22,7 +22,8 @@ def _setup():
     reqs = {r: _running(r) for r in ("a", "b", "bad", "preempted")}
     reqs["preempted"].status = RequestStatus.PREEMPTED  # by a later micro-batch's schedule
     scheduler = SimpleNamespace(requests=reqs,
-                                kv_cache_manager=SimpleNamespace(get_block_ids=lambda _: [1]))
+                                kv_cache_manager=SimpleNamespace(
+                                    get_group_block_ids=lambda _: [[1]]))
     sched = SchedulerOutput(preempted_req_ids={"resumed_later"})
     for req_id in ("a", "aborted", "b", "bad", "preempted"):  # "aborted": gone from requests
         sched.num_scheduled_tokens[req_id] = 1
