@@ -49,6 +49,7 @@ from bladellm.http.handlers import from_exception, install_handlers
 from bladellm.http.connections import (
     RateLimitedErrors, effective_max_connections, raise_open_file_limit, uvicorn_limits)
 from bladellm.http.listen import bind_socket, open_listener_warning
+from bladellm.platforms.signals import caused_by_interrupt
 
 logger = logging.getLogger("bladellm.server")
 
@@ -254,19 +255,6 @@ def _interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _caused_by_interrupt(exc: BaseException) -> bool:
-    """Whether ``exc`` comes from a ``KeyboardInterrupt`` (``_interrupt``) that code on the way
-    wrapped in another exception (a dataclass's ``__set_name__`` does)."""
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, KeyboardInterrupt):
-            return True
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return False
-
-
 def _configure_logging(server_config: ServerConfig) -> None:
     py_level = server_config.py_log_level
     logging.basicConfig(level=py_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -361,7 +349,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     except KeyboardInterrupt:
         pass
     except (ValueError, RuntimeError, OSError) as exc:  # bad model dir, engine start-up failure
-        if _caused_by_interrupt(exc):  # a signal during an import, wrapped by it
+        if caused_by_interrupt(exc):  # a signal during an import, wrapped by it
             return 0
         logger.debug("start-up failed", exc_info=exc)
         logger.error("cannot start the server: %s", exc)
