@@ -63,29 +63,11 @@ class ModelSource:
         self.files = weight_files(model_dir)
         #: the GLM tensors of a ChatGLM checkpoint (its files hold other names)
         self.glm_state: dict[str, torch.Tensor] | None = None
+        self._chatglm_dtype: torch.dtype | None = None
         with open(os.path.join(model_dir, "config.json")) as f:
             raw = json.load(f)
         if is_chatglm(raw):
-            if cpu_offload:
-                raise ValueError("--cpu_offload: not supported for ChatGLM checkpoints (they are "
-                                 "converted to GLM in memory); quantize without it")
-            self.layer_prefix = LAYER_PREFIX
-            self.config = glm_config_of_chatglm(raw)
-            self.glm_state = glm_state_of_chatglm(
-                raw, read_tensors(self.files, list(self.files)))
-            with torch.device("meta"):
-                model = transformers.GlmForCausalLM(self.config)
-            missing, unexpected = model.load_state_dict(
-                {n: t.float() for n, t in self.glm_state.items()}, strict=False, assign=True)
-            if self.config.tie_word_embeddings:
-                missing = [n for n in missing if n != "lm_head.weight"]
-                model.tie_weights()
-            if missing or unexpected:
-                raise ValueError(f"--model: {model_dir} is not a ChatGLM checkpoint of its "
-                                 f"config.json: missing {missing[:3]}, unexpected "
-                                 f"{unexpected[:3]} (GLM names)")
-            model.model.rotary_emb = type(model.model.rotary_emb)(config=self.config)
-            self.model = model.eval()
+            self._load_chatglm(raw)
             return
         self.layer_prefix = layer_prefix(self.files)
         self.config = transformers.AutoConfig.from_pretrained(model_dir)
@@ -114,6 +96,37 @@ class ModelSource:
         model.eval()
         self.model = model
 
+    def _load_chatglm(self, raw: dict) -> None:
+        """transformers' GlmForCausalLM of the ChatGLM checkpoint's weights."""
+        import transformers
+
+        if self.cpu_offload:
+            raise ValueError("--cpu_offload: not supported for ChatGLM checkpoints (they are "
+                             "converted to GLM in memory); quantize without it")
+        self.layer_prefix = LAYER_PREFIX
+        self.config = glm_config_of_chatglm(raw)
+        self.glm_state = glm_state_of_chatglm(
+            raw, read_tensors(self.files, list(self.files)))
+        with torch.device("meta"):
+            model = transformers.GlmForCausalLM(self.config)
+        missing, unexpected = model.load_state_dict(
+            {n: t.float() for n, t in self.glm_state.items()}, strict=False, assign=True)
+        if self.config.tie_word_embeddings:
+            missing = [n for n in missing if n != "lm_head.weight"]
+            model.tie_weights()
+        if missing or unexpected:
+            raise ValueError(f"--model: {self.model_dir} is not a ChatGLM checkpoint of its "
+                             f"config.json: missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]} (GLM names)")
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=self.config)
+        self.model = model.eval()
+        # the model holds the layers (float32); keep only what is written as it was
+        self._chatglm_dtype = next(t.dtype for n, t in self.glm_state.items()
+                                   if n.startswith(self.layer_prefix)
+                                   and n.endswith("weight"))
+        self.glm_state = {n: t for n, t in self.glm_state.items()
+                          if not n.startswith(self.layer_prefix)}
+
     @property
     def layers(self) -> nn.ModuleList:
         from bladellm.quantization.algorithms.layer_io import decoder_layers
@@ -121,9 +134,8 @@ class ModelSource:
         return decoder_layers(self.model)
 
     def source_dtype(self) -> torch.dtype:
-        if self.glm_state is not None:
-            return next(t.dtype for n, t in self.glm_state.items()
-                        if n.startswith(self.layer_prefix) and n.endswith("weight"))
+        if self._chatglm_dtype is not None:
+            return self._chatglm_dtype
         name = next(n for n in self.files
                     if n.startswith(self.layer_prefix) and n.endswith("weight"))
         with safe_open(self.files[name], "pt") as f:

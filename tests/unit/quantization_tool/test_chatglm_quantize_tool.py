@@ -8,11 +8,12 @@ import glob
 import json
 import logging
 import os
+import shutil
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from bladellm.entrypoints.cli.quantize import run
 from bladellm.quantization.algorithms.model_source import (glm_config_of_chatglm,
@@ -124,8 +125,15 @@ def test_chatglm_refusals_name_the_flag_or_field(dirs, tmp_path, calib_file):
     (variant / "config.json").write_text(json.dumps({**raw, "rmsnorm": False}))
     with pytest.raises(ValueError, match=r"^--model: ChatGLM config rmsnorm=False"):
         _quantize(str(variant), tmp_path / "b", "minmax", None)
-    # a tokenizer that is only the directory's code cannot tokenize --calib_data
+    # a layer's tensor missing: named under the checkpoint's fused name's GLM parts
     (variant / "config.json").write_text(json.dumps(raw))
+    state = load_file(str(variant / "model.safetensors"))
+    del state["transformer.encoder.layers.1.self_attention.query_key_value.weight"]
+    save_file(state, str(variant / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks 3 tensor\(s\).*layers\.1\.self_attn\.q_proj"):
+        _quantize(str(variant), tmp_path / "d", "minmax", None)
+    shutil.copy(os.path.join(chatglm, "model.safetensors"), variant / "model.safetensors")
+    # a tokenizer that is only the directory's code cannot tokenize --calib_data
     os.remove(variant / "tokenizer.json")
     tok = json.loads((variant / "tokenizer_config.json").read_text())
     tok["auto_map"] = {"AutoTokenizer": ["tokenization_chatglm.ChatGLMTokenizer", None]}
