@@ -17,9 +17,12 @@ import os
 import shutil
 import sys
 
+from bladellm.checkpoint.chatglm import is_chatglm
 from bladellm.entrypoints.cli.output_dir import first_missing
 from bladellm.quantization.algorithms.config import (CALIBRATED_ALGOS, QUANT_ALGOS,
                                                      QUANT_ARCHITECTURES, QuantizeConfig)
+
+logger = logging.getLogger("bladellm.quantize")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -130,13 +133,16 @@ def check_paths(cfg: QuantizeConfig) -> None:
     if raw.get("quantization_config"):
         raise ValueError(f"--model: {cfg.model} is already quantized (quantization_config); "
                          f"start from the float checkpoint")
+    chatglm = is_chatglm(raw)
+    if chatglm:
+        raw = _chatglm_as_glm(cfg, model_dir, raw)
     archs = raw.get("architectures") or []
     if not any(a in QUANT_ARCHITECTURES for a in archs):
         raise ValueError(f"--model: architecture {', '.join(archs) or '(none in config.json)'} "
                          f"is not supported; blade_llm_quantize supports "
                          f"{', '.join(QUANT_ARCHITECTURES)}")
     _check_moe(cfg, archs)
-    _check_tensors(cfg.model, model_dir, raw)
+    _check_tensors(cfg.model, model_dir, raw, chatglm)
     _check_group_size(cfg, raw)
     if os.path.isfile(cfg.output_dir):
         raise ValueError(f"--output_dir: {cfg.output_dir} is a file")
@@ -145,6 +151,36 @@ def check_paths(cfg: QuantizeConfig) -> None:
             raise ValueError(f"--output_dir: {cfg.output_dir} is not empty; pass --overwrite "
                              f"to replace it")
         _remove_previous_output(cfg.output_dir)
+
+
+def _chatglm_as_glm(cfg: QuantizeConfig, model_dir: str, raw: dict) -> dict:
+    """A ChatGLM2/3 checkpoint is quantized as the transformers GlmForCausalLM of the same
+    weights (``model_source.py``) and written as a GLM checkpoint: returns that config.json.
+    What cannot work is refused here, naming the flag."""
+    from bladellm.quantization.algorithms.model_source import glm_config_of_chatglm
+
+    if cfg.cpu_offload:
+        raise ValueError("--cpu_offload: not supported for ChatGLM checkpoints (they are "
+                         "converted to GLM in memory); quantize without it")
+    glm = glm_config_of_chatglm(raw).to_dict()  # a variant outside the layout: names the field
+    if cfg.quant_algo in CALIBRATED_ALGOS and not os.path.isfile(
+            os.path.join(model_dir, "tokenizer.json")):
+        tok = os.path.join(model_dir, "tokenizer_config.json")
+        auto_map = {}
+        if os.path.isfile(tok):
+            with open(tok) as f:
+                auto_map = json.load(f).get("auto_map") or {}
+        if auto_map:
+            raise ValueError(f"--quant_algo {cfg.quant_algo}: the tokenizer of {cfg.model} that "
+                             f"would tokenize --calib_data is the directory's own code "
+                             f"({auto_map.get('AutoTokenizer')}), which blade_llm_quantize does "
+                             f"not run; add its tokenizer.json (fast tokenizer) or use "
+                             f"--quant_algo minmax")
+    logger.info("%s is a ChatGLM checkpoint (%s): quantizing it as transformers' "
+                "GlmForCausalLM of the same weights; %s will be a GLM checkpoint "
+                "(GlmForCausalLM) of the same model", cfg.model,
+                ", ".join(raw.get("architectures") or ["model_type chatglm"]), cfg.output_dir)
+    return glm
 
 
 def _check_moe(cfg: QuantizeConfig, archs: list[str]) -> None:
@@ -165,7 +201,7 @@ def _check_moe(cfg: QuantizeConfig, archs: list[str]) -> None:
 _PACKED_SUFFIXES = (".qweight", ".qzeros", ".weight_scale", ".weight_packed")
 
 
-def _check_tensors(model: str, model_dir: str, raw: dict) -> None:
+def _check_tensors(model: str, model_dir: str, raw: dict, chatglm: bool = False) -> None:
     """Every decoder layer's float linears and norms are in the checkpoint: transformers would
     initialize a missing one at random and we would quantize noise without a word. A checkpoint
     quantized without ``quantization_config`` in config.json (AutoGPTQ's quantize_config.json,
@@ -182,6 +218,8 @@ def _check_tensors(model: str, model_dir: str, raw: dict) -> None:
     if packed:
         raise ValueError(f"--model: {model} is already quantized ({packed[0]}); start from the "
                          f"float checkpoint")
+    if chatglm:  # checked under the GLM names it is quantized by
+        names = _glm_names(names)
     layout = layout_of_config(raw)
     prefix = layer_prefix(names)
     # a mixture of experts: the family's attention, the MLP per layer (sparse or dense) by moe.py
@@ -195,6 +233,19 @@ def _check_tensors(model: str, model_dir: str, raw: dict) -> None:
     if missing:
         raise ValueError(f"--model: {model} lacks {len(missing)} tensor(s) its layers need, "
                          f"e.g. {', '.join(missing[:3])}")
+
+
+def _glm_names(names: dict[str, str]) -> set[str]:
+    from bladellm.checkpoint.chatglm import glm_tensor_name
+
+    out = set()
+    for name in names:
+        glm = glm_tensor_name(name)
+        if glm is not None and ".self_attn.qkv_proj." in glm:
+            out.update(glm.replace(".qkv_proj.", f".{p}.") for p in ("q_proj", "k_proj", "v_proj"))
+        elif glm is not None:
+            out.add(glm)
+    return out
 
 
 def _check_group_size(cfg: QuantizeConfig, raw: dict) -> None:

@@ -27,7 +27,7 @@ from bladellm.quantization.algorithms.base import LayerAlgorithm, LayerResult
 from bladellm.quantization.algorithms.config import QuantizeConfig
 from bladellm.quantization.algorithms.layer_io import (LayerInputs, check_layer_layout,
                                                        decoder_layers, linear, run_layer)
-from bladellm.quantization.algorithms.model_source import ModelSource, read_tensors
+from bladellm.quantization.algorithms.model_source import ModelSource
 from bladellm.quantization.algorithms.moe import (MOE_ARCHITECTURES, UNCALIBRATED_RULE,
                                                   checkpoint_name, expert_token_counts,
                                                   moe_architecture, unfuse_experts)
@@ -169,7 +169,8 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
     samples = None
     if algo.needs_calibration:  # before the model is read: a bad tokenizer fails at once
         try:
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            # never the directory's own code (and transformers would ask on stdin)
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
         except (OSError, ValueError) as e:  # transformers' messages run over several lines
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"--model: cannot load the tokenizer of {cfg.model} (it tokenizes "
@@ -222,8 +223,7 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
                                        moe_block))
         del result
         source.release_layer(i)
-    rest = source.non_layer_names()
-    out.write_shard(read_tensors(source.files, rest))
+    out.write_shard(source.non_layer_tensors())
     choices = {k: getattr(algo, k) for k in ("chosen_ratios", "chosen_alphas")
                if hasattr(algo, k)}
     moe_meta = ({"uncalibrated_experts": uncalibrated,

@@ -10,6 +10,11 @@
   ``weight_scale`` ``[out, 1]`` in the model's dtype, no zero point (symmetric);
   ``w = weight * weight_scale``.
 
+A ChatGLM checkpoint's output is a GLM one (``GlmForCausalLM``, transformers' ``GlmConfig``
+fields): the tensors were quantized under GLM's names (``model_source.py``), and the custom
+modeling / configuration code its config.json's ``auto_map`` names is not copied (the tokenizer's
+is).
+
 The checkpoint is written as sharded safetensors (one shard per decoder layer plus one for the
 rest) with a ``model.safetensors.index.json``, so a layer can be written and forgotten.
 """
@@ -24,6 +29,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from bladellm.checkpoint.chatglm import is_chatglm
+from bladellm.quantization.algorithms.model_source import glm_config_of_chatglm
 from bladellm.quantization.algorithms.quantizer import Int8ChannelWeight, QuantizedWeight
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -129,14 +136,30 @@ class ShardedWriter:
             json.dump(index, f, indent=2)
 
 
+def _source_config(src: str) -> dict[str, Any]:
+    with open(os.path.join(src, "config.json")) as f:
+        return json.load(f)
+
+
+def _model_code_files(config: dict[str, Any]) -> set[str]:
+    """A ChatGLM directory's modeling / configuration code (``auto_map``'s non-tokenizer
+    entries): the GLM checkpoint written from it does not use them."""
+    if not is_chatglm(config):
+        return set()
+    refs = [v for k, v in (config.get("auto_map") or {}).items() if "Tokenizer" not in k]
+    return {f"{ref.split('--')[-1].rsplit('.', 1)[0]}.py" for ref in refs if isinstance(ref, str)}
+
+
 def copy_side_files(src: str, dst: str) -> list[str]:
     """Tokenizer, generation config, chat template, ...: every top-level file of ``src`` that
-    is neither weights nor config.json (written by the caller with the quantization config)."""
+    is neither weights nor config.json (written by the caller with the quantization config),
+    nor a ChatGLM directory's model code."""
     copied = []
+    skip = _model_code_files(_source_config(src))
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)
         if (not os.path.isfile(path) or name in _WEIGHT_INDEXES or name == "config.json"
-                or name.endswith(_WEIGHT_SUFFIXES)):
+                or name.endswith(_WEIGHT_SUFFIXES) or name in skip):
             continue
         shutil.copy2(path, os.path.join(dst, name))
         copied.append(name)
@@ -145,8 +168,10 @@ def copy_side_files(src: str, dst: str) -> list[str]:
 
 def write_config(src: str, dst: str, quantization_config: dict[str, Any],
                  torch_dtype: str) -> None:
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
+    config = _source_config(src)
+    if is_chatglm(config):  # quantized as transformers' GlmForCausalLM: written as one
+        config = glm_config_of_chatglm(config).to_diff_dict()
+        config["dtype"] = torch_dtype
     config["quantization_config"] = quantization_config
     config["torch_dtype"] = torch_dtype
     if "dtype" in config:
