@@ -79,7 +79,7 @@ def test_twin_skips_ids_outside_its_experts():
 def layout(request, compiled, monkeypatch) -> str:
     """Expert weights kept in rows or packed in (pair) panels, whatever this machine picks."""
     rows = 64 if request.param == "panels" else 0
-    monkeypatch.setattr(compiled, "linear_max_rows_panel", rows)
+    monkeypatch.setattr(compiled, "moe_panels_fp32", request.param == "panels")
     monkeypatch.setattr(compiled, "linear_max_rows_pairs", rows)
     return request.param
 
@@ -165,7 +165,6 @@ def test_compiled_grouped_gemm_prefill_sized(compiled, layout, dtype, monkeypatc
     if layout == "rows":
         monkeypatch.setattr(compiled, "linear_max_rows", {dtype: 1 << 16})
     else:
-        monkeypatch.setattr(compiled, "linear_max_rows_panel", 1 << 16)
         monkeypatch.setattr(compiled, "linear_max_rows_pairs", 1 << 16)
     E, H, I, k, T = 6, 80, 72, 3, 200
     x = randn(T, H, dtype=dtype, seed=11)
