@@ -50,6 +50,12 @@ LINEAR_MAX_ROWS_PANEL = 1 << 16
 LINEAR_PAIRS_ISAS = ("avx2", "avx512_bf16")
 # The most experts per token moe.cpp combines (kMaxTopK there).
 MOE_MAX_TOP_K = 64
+# Where fp32 experts are packed in fp32 panels for every batch even though dense fp32 linears are
+# not (LINEAR_PANEL_ISAS): an expert's GEMMs are small-M at decode (a few tokens per expert),
+# where the panels beat the row kernel and oneDNN, and the grouped GEMM then takes prefills too
+# instead of the twin's per-expert oneDNN calls; measured end to end on AVX512-BF16
+# (docs/kernels.md, Mixture of experts). AVX-512 without BF16 and AMX run the same fp32 code.
+MOE_PANEL_FP32_ISAS = ("avx2", "avx512", "avx512_bf16", "amx")
 
 
 class _PagedAttentionArgs(ctypes.Structure):
@@ -324,6 +330,7 @@ class CompiledKernels(Kernels):
             self.linear_max_rows_packed[torch.float32] = LINEAR_MAX_ROWS_PACKED_AVX2_FP32
         self.linear_max_rows_panel = LINEAR_MAX_ROWS_PANEL if isa in LINEAR_PANEL_ISAS else 0
         self.linear_max_rows_pairs = LINEAR_MAX_ROWS_PANEL if isa in LINEAR_PAIRS_ISAS else 0
+        self.moe_panels_fp32 = isa in MOE_PANEL_FP32_ISAS
         self.linear_max_rows_narrow = LINEAR_MAX_ROWS_NARROW.get(isa,
                                                                  LINEAR_MAX_ROWS_NARROW_DEFAULT)
 
@@ -831,14 +838,14 @@ class CompiledKernels(Kernels):
 
     # ---- mixture of experts (moe.cpp) -----------------------------------------------------------
     def pack_moe_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> object | None:
-        """Each expert's weights packed as ``pack_linear_weight`` packs a linear layer's: fp32
-        panels where ``linear_max_rows_panel`` > 0, bf16 pair panels where
+        """Each expert's weights packed in the layout of a linear.cpp kernel: fp32 panels where
+        ``moe_panels_fp32`` (``MOE_PANEL_FP32_ISAS``), bf16 pair panels where
         ``linear_max_rows_pairs`` > 0; None elsewhere (``fused_moe`` then streams the [N, K]
         rows)."""
         if not all(_packable(w[0]) and w.is_contiguous() for w in (w13, w2)) or \
                 w13.dtype != w2.dtype or w13.shape[0] == 0:
             return None
-        if w13.dtype == torch.float32 and self.linear_max_rows_panel > 0:
+        if w13.dtype == torch.float32 and self.moe_panels_fp32:
             pack, kind = self.pack_panels, LINEAR_PANEL
         elif w13.dtype == torch.bfloat16 and self.linear_max_rows_pairs > 0:
             pack, kind = self.pack_pairs, LINEAR_PAIRS
@@ -851,7 +858,7 @@ class CompiledKernels(Kernels):
         """The most tokens per expert ``fused_moe`` runs compiled (the row limit of the GEMM it
         uses)."""
         if isinstance(packed, _PackedExperts):
-            return (self.linear_max_rows_panel if packed.kind == LINEAR_PANEL
+            return (LINEAR_MAX_ROWS_PANEL if packed.kind == LINEAR_PANEL
                     else self.linear_max_rows_pairs)
         return self.linear_max_rows.get(dtype, 0)
 

@@ -79,7 +79,7 @@ def test_twin_skips_ids_outside_its_experts():
 def layout(request, compiled, monkeypatch) -> str:
     """Expert weights kept in rows or packed in (pair) panels, whatever this machine picks."""
     rows = 64 if request.param == "panels" else 0
-    monkeypatch.setattr(compiled, "linear_max_rows_panel", rows)
+    monkeypatch.setattr(compiled, "moe_panels_fp32", request.param == "panels")
     monkeypatch.setattr(compiled, "linear_max_rows_pairs", rows)
     return request.param
 
@@ -155,3 +155,41 @@ def test_compiled_takes_large_batches_spread_over_experts(compiled, monkeypatch)
     assert not calls and got is not None
     monkeypatch.undo()
     _check(got, ref.fused_moe(x, w13, w2, w, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_grouped_gemm_prefill_sized(compiled, layout, dtype, monkeypatch):
+    """A prefill-sized call: hundreds of rows per expert, uneven experts, each expert's outputs
+    cut into several work items (a width not a multiple of the panel's) over two threads,
+    and ids another rank owns mixed in."""
+    if layout == "rows":
+        monkeypatch.setattr(compiled, "linear_max_rows", {dtype: 1 << 16})
+    else:
+        monkeypatch.setattr(compiled, "linear_max_rows_pairs", 1 << 16)
+    E, H, I, k, T = 6, 80, 72, 3, 200
+    x = randn(T, H, dtype=dtype, seed=11)
+    w13, w2 = experts(E, H, I, dtype, seed=5)
+    w, ids = route(T, E + 2, k, H, seed=13)
+    ids = ids - 1  # -1 and E: another rank's
+    packed = compiled.pack_moe_weights(w13, w2)
+    calls = []
+    monkeypatch.setattr(Kernels, "fused_moe", lambda *a, **kw: calls.append(1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = compiled.fused_moe(x, w13, w2, w, ids, packed)
+    finally:
+        torch.set_num_threads(threads)
+    assert not calls, "fell back to the twin"
+    monkeypatch.undo()
+    _check(got, ref.fused_moe(x, w13, w2, w, ids))
+
+
+def test_compiled_falls_back_above_its_top_k(compiled):
+    from bladellm.kernels.compiled import MOE_MAX_TOP_K
+
+    E, H, I = MOE_MAX_TOP_K + 1, 16, 8
+    x = randn(2, H)
+    w13, w2 = experts(E, H, I, torch.float32)
+    w, ids = route(2, E, E, H)
+    _check(compiled.fused_moe(x, w13, w2, w, ids), ref.fused_moe(x, w13, w2, w, ids))
