@@ -26,15 +26,14 @@ import torch
 from torch import nn
 
 from bladellm.quantization.algorithms.base import LayerResult
-from bladellm.quantization.algorithms.layer_io import (LayerInputs, capture_inputs, input_hooks,
-                                                       linear, run_layer)
+from bladellm.quantization.algorithms.layer_io import LayerInputs, capture_inputs, linear
 from bladellm.quantization.algorithms.layouts import layout_of_layer
 from bladellm.quantization.algorithms.moe import UNCALIBRATED_RULE_SMOOTHED
 from bladellm.quantization.algorithms.quantizer import (GroupQuantSpec, fake_quantize_groups,
                                                          rtn_quantize)
 from bladellm.quantization.algorithms.smoothing import (applicable_groups, apply_scales,
-                                                         group_inputs, input_absmean,
-                                                         search_scales)
+                                                         expert_tokens_seen, group_inputs,
+                                                         input_absmean, search_scales)
 
 N_GRID = 20
 MAX_SHRINK = 0.5
@@ -80,20 +79,6 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, spec: GroupQuantSpec,
     return torch.cat(best)
 
 
-@torch.no_grad()
-def count_tokens(layer: nn.Module, inputs: LayerInputs, names: tuple[str, ...]) -> dict[str, int]:
-    """The calibration tokens each named linear sees in one pass of the float layer (a MoE
-    expert's: those routed to it)."""
-    seen = dict.fromkeys(names, 0)
-
-    def add(n: str, x: torch.Tensor) -> None:
-        seen[n] += x.reshape(-1, x.shape[-1]).shape[0]
-
-    with input_hooks(layer, names, add):
-        run_layer(layer, inputs)
-    return seen
-
-
 class AWQ:
     name = "awq"
     needs_calibration = True
@@ -108,8 +93,7 @@ class AWQ:
     def quantize_layer(self, layer: nn.Module, inputs: LayerInputs | None) -> LayerResult:
         assert inputs is not None
         layout = layout_of_layer(layer)
-        self.tokens_seen = count_tokens(layer, inputs, layout.sequential[2]) \
-            if layout.expert_out else {}
+        self.tokens_seen = expert_tokens_seen(layer, layout, inputs)
         groups = (layout.attn_in, layout.attn_out, layout.mlp_in, layout.mlp_out,
                   *layout.expert_out)
         for group in applicable_groups(layer, groups):

@@ -17,9 +17,10 @@ QUANT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausal
                        "BloomForCausalLM",
                        # (their layer layouts: layouts.py)
                        "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-# Mixture-of-experts architectures (algorithms/moe.py). AWQ folds its scales into the norm before
-# the block and into the float router's weight columns too (layouts.moe_layout), exactly.
-MOE_QUANT_ALGOS = ("minmax", "gptq", "awq")
+# Mixture-of-experts architectures (algorithms/moe.py): all of them. AWQ / SmoothQuant fold their
+# scales into the norm before the block and into the float router's weight columns too
+# (layouts.moe_layout), exactly.
+MOE_QUANT_ALGOS = QUANT_ALGOS
 # Algorithms that look at activations: they need --calib_data.
 CALIBRATED_ALGOS = ("gptq", "awq", "smoothquant", "smoothquant+")
 

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from bladellm.quantization.algorithms.layer_io import (LayerInputs, call_submodule,
-                                                        capture_inputs, linear)
+                                                        capture_inputs, input_hooks, linear,
+                                                        run_layer)
 from bladellm.quantization.algorithms.layouts import LLAMA, SmoothGroup
 from bladellm.quantization.algorithms.quantizer import GroupQuantSpec, fake_quantize_groups
 
@@ -106,3 +107,23 @@ def group_inputs(layer: nn.Module, group: SmoothGroup,
     tokens: fewer entries than samples, none for an expert no token reached."""
     name = group.inp or group.linears[0]
     return capture_inputs(layer, inputs, (name,))[name]
+
+
+@torch.no_grad()
+def count_tokens(layer: nn.Module, inputs: LayerInputs, names: tuple[str, ...]) -> dict[str, int]:
+    """The calibration tokens each named linear sees in one pass of the layer (a MoE expert's:
+    those routed to it; the scales fold exactly, so routing is the float layer's)."""
+    seen = dict.fromkeys(names, 0)
+
+    def add(n: str, x: torch.Tensor) -> None:
+        seen[n] += x.reshape(-1, x.shape[-1]).shape[0]
+
+    with input_hooks(layer, names, add):
+        run_layer(layer, inputs)
+    return seen
+
+
+def expert_tokens_seen(layer: nn.Module, layout, inputs: LayerInputs) -> dict[str, int]:
+    """For a MoE layer (``layout.expert_out``), the tokens each gate / up projection saw (what
+    the pipeline counts per expert); empty for a dense layer."""
+    return count_tokens(layer, inputs, layout.sequential[2]) if layout.expert_out else {}
