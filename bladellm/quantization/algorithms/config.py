@@ -17,10 +17,6 @@ QUANT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausal
                        "BloomForCausalLM",
                        # (their layer layouts: layouts.py)
                        "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-# Mixture-of-experts architectures (algorithms/moe.py): all of them. AWQ / SmoothQuant fold their
-# scales into the norm before the block and into the float router's weight columns too
-# (layouts.moe_layout), exactly.
-MOE_QUANT_ALGOS = QUANT_ALGOS
 # Algorithms that look at activations: they need --calib_data.
 CALIBRATED_ALGOS = ("gptq", "awq", "smoothquant", "smoothquant+")
 
