@@ -164,7 +164,6 @@ def test_experts_no_token_reached_fall_back_to_minmax(tiny_model_factory, tmp_pa
 
 
 @pytest.mark.parametrize("flags, match", [
-    (["--quant_algo", "awq"], "--quant_algo awq: not supported for the mixture-of-experts"),
     (["--cpu_offload"], "--cpu_offload: not supported for the mixture-of-experts"),
 ])
 def test_unsupported_moe_combinations_are_refused(tiny_model_factory, tmp_path, flags, match):

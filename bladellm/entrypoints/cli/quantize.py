@@ -184,15 +184,13 @@ def _chatglm_as_glm(cfg: QuantizeConfig, model_dir: str, raw: dict) -> dict:
 
 
 def _check_moe(cfg: QuantizeConfig, archs: list[str]) -> None:
-    from bladellm.quantization.algorithms.config import MOE_QUANT_ALGOS
+    """Every --quant_algo quantizes a mixture of experts (AWQ / SmoothQuant compensate the float
+    router: layouts.moe_layout); --cpu_offload does not (transformers reads experts stacked)."""
     from bladellm.quantization.algorithms.moe import moe_architecture
 
     arch = moe_architecture(archs)
     if arch is None:
         return
-    if cfg.quant_algo not in MOE_QUANT_ALGOS:
-        raise ValueError(f"--quant_algo {cfg.quant_algo}: not supported for the mixture-of-"
-                         f"experts {arch} (supported: {', '.join(MOE_QUANT_ALGOS)})")
     if cfg.cpu_offload:
         raise ValueError(f"--cpu_offload: not supported for the mixture-of-experts {arch}")
 

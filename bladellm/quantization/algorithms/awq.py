@@ -8,6 +8,16 @@ calibration data). Then, per linear except q/k (whose errors the softmax hides, 
 them), a clipping search shrinks each group's range to ``max|w| * (1 - i/20)``, i < 10, keeping
 the value with the smallest output error on up to 512 calibration tokens. Last, round to
 nearest on the group grid.
+
+Mixture-of-experts layers (layouts.moe_layout; AutoAWQ's mixtral / qwen3_moe grouping): one
+scale vector for the norm before the block, shared by every expert's gate / up (and the shared
+expert's), searched on the error of the whole block's output (routing included) over all
+calibration tokens; the float router and ``shared_expert_gate`` take the scales on their weight
+columns, so they route as before (AutoAWQ leaves the router out of the group, and so feeds it
+the divided norm output). Then each expert's up -> down, searched on that expert's routed tokens,
+and clipping per expert linear on its own tokens. An expert no calibration token reached keeps
+up -> down scales of 1 and gets no clipping: min-max round-to-nearest of its weights (its gate /
+up carrying the block's shared scales, as the fold requires), named by the pipeline.
 """
 
 from __future__ import annotations
@@ -18,11 +28,12 @@ from torch import nn
 from bladellm.quantization.algorithms.base import LayerResult
 from bladellm.quantization.algorithms.layer_io import LayerInputs, capture_inputs, linear
 from bladellm.quantization.algorithms.layouts import layout_of_layer
+from bladellm.quantization.algorithms.moe import UNCALIBRATED_RULE_SMOOTHED
 from bladellm.quantization.algorithms.quantizer import (GroupQuantSpec, fake_quantize_groups,
                                                          rtn_quantize)
 from bladellm.quantization.algorithms.smoothing import (applicable_groups, apply_scales,
-                                                         group_inputs, input_absmean,
-                                                         search_scales)
+                                                         expert_tokens_seen, group_inputs,
+                                                         input_absmean, search_scales)
 
 N_GRID = 20
 MAX_SHRINK = 0.5
@@ -71,17 +82,24 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, spec: GroupQuantSpec,
 class AWQ:
     name = "awq"
     needs_calibration = True
+    uncalibrated_rule = UNCALIBRATED_RULE_SMOOTHED  # MoE experts no calibration token reached
 
     def __init__(self, spec: GroupQuantSpec, *, clip: bool = True) -> None:
         self.spec, self.clip = spec, clip
         self.chosen_ratios: list[float] = []  # grid value picked per group, for the record
+        #: MoE: calibration tokens each expert linear of the last layer saw (by name in the layer)
+        self.tokens_seen: dict[str, int] = {}
 
     def quantize_layer(self, layer: nn.Module, inputs: LayerInputs | None) -> LayerResult:
         assert inputs is not None
         layout = layout_of_layer(layer)
-        groups = (layout.attn_in, layout.attn_out, layout.mlp_in, layout.mlp_out)
+        self.tokens_seen = expert_tokens_seen(layer, layout, inputs)
+        groups = (layout.attn_in, layout.attn_out, layout.mlp_in, layout.mlp_out,
+                  *layout.expert_out)
         for group in applicable_groups(layer, groups):
             xs = group_inputs(layer, group, inputs)
+            if not xs:  # an expert no calibration token reached: scales of 1
+                continue
             candidates = awq_candidates(input_absmean(xs))
             best, _ = search_scales(layer, group, inputs, xs, candidates, self.spec)
             self.chosen_ratios.append(best / N_GRID)
@@ -90,6 +108,8 @@ class AWQ:
             names = tuple(n for n in layout.linear_names if n not in layout.clip_skip)
             seen = capture_inputs(layer, inputs, names)
             for n in names:
+                if not seen[n]:  # an expert no calibration token reached: no clipping
+                    continue
                 lin = linear(layer, n)
                 bound = search_clip(lin.weight.data, torch.cat(
                     [x.reshape(-1, x.shape[-1]) for x in seen[n]]), self.spec)

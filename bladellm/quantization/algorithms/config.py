@@ -17,9 +17,6 @@ QUANT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausal
                        "BloomForCausalLM",
                        # (their layer layouts: layouts.py)
                        "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-# Mixture-of-experts architectures (algorithms/moe.py): GPTQ and minmax only. AWQ / SmoothQuant
-# fold scales into the norm before the MLP, which also feeds the router (float): not done.
-MOE_QUANT_ALGOS = ("minmax", "gptq")
 # Algorithms that look at activations: they need --calib_data.
 CALIBRATED_ALGOS = ("gptq", "awq", "smoothquant", "smoothquant+")
 

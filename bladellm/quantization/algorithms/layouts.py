@@ -12,7 +12,11 @@ does). Gemma's norms scale by ``1 + w`` (``unit_offset``: the stored weight move
 
 Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE) have Llama's attention; their MLP is
 one linear per expert projection once algorithms/moe.py has unfused the stacked experts
-(``moe_layout``). Their MLP has no smoothing group: the norm before it also feeds the float router.
+(``moe_layout``). The norm before their MLP also feeds the float router (and Qwen2-MoE's
+``shared_expert_gate``): those stay float but are listed in the group's ``float_linears``, so
+their weight columns take the same scales and they compute what they did (the fold is exact).
+The group's input is the whole block's (``inp``), and each expert's up -> down is its own group
+(``expert_out``), seeing only the tokens routed to that expert.
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ class SmoothGroup:
     linears: tuple[str, ...]
     inspect: str
     unit_offset: bool = False  # ``prev`` is a norm that scales by 1 + weight (Gemma)
+    # the module whose input is the group's (default: the first linear); a MoE block's input
+    # group reads the block's, as an expert's linears see only the tokens routed to it
+    inp: str = ""
+    # modules that also read ``prev``'s output but stay float (routers): their weight columns
+    # take the scales too, so they compute exactly what they did
+    float_linears: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,7 @@ class LayerLayout:
     mlp_in: SmoothGroup | None
     mlp_out: SmoothGroup | None
     clip_skip: tuple[str, ...]  # AWQ's clipping search skips q/k (the softmax hides their error)
+    expert_out: tuple[SmoothGroup, ...] = ()  # MoE: each expert's up -> down
 
     @property
     def linear_names(self) -> tuple[str, ...]:
@@ -138,14 +149,26 @@ def layout_of_config(raw: dict[str, Any]) -> LayerLayout:
 def moe_layout(experts: tuple[tuple[str, str, str], ...], shared_expert: bool) -> LayerLayout:
     """A sparse layer: Llama's attention, then every expert's gate and up (and the shared
     expert's) in one group, every down in the next. ``experts``: each expert's (gate, up, down)
-    module names in the checkpoint's spelling (Mixtral: w1, w3, w2)."""
+    module names in the checkpoint's spelling (Mixtral: w1, w3, w2). Smoothing: the norm before
+    the block -> every gate / up, the router (and ``shared_expert_gate``) compensated in float,
+    the error measured on the block's output; each expert's up -> down (AutoAWQ's grouping)."""
     gate_up = tuple(f"mlp.experts.{e}.{n}" for e, names in enumerate(experts) for n in names[:2])
     down = tuple(f"mlp.experts.{e}.{names[2]}" for e, names in enumerate(experts))
+    routers: tuple[str, ...] = ("mlp.gate",)
+    mlp_out = None
     if shared_expert:
         gate_up += ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")
         down += ("mlp.shared_expert.down_proj",)
+        routers += ("mlp.shared_expert_gate",)
+        mlp_out = SmoothGroup("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",),
+                              "mlp.shared_expert.down_proj")
+    mlp_in = SmoothGroup("post_attention_layernorm", gate_up, "mlp", inp="mlp",
+                         float_linears=routers)
+    expert_out = tuple(SmoothGroup(f"mlp.experts.{e}.{names[1]}",
+                                   (f"mlp.experts.{e}.{names[2]}",), f"mlp.experts.{e}.{names[2]}")
+                       for e, names in enumerate(experts))
     return LayerLayout("MoE", (_QKV, ("self_attn.o_proj",), gate_up, down), _NORMS, _ATTN_IN,
-                       _ATTN_OUT, None, None, _QKV[:2])
+                       _ATTN_OUT, mlp_in, mlp_out, _QKV[:2], expert_out)
 
 
 def layout_of_layer(layer: Any) -> LayerLayout:

@@ -16,7 +16,9 @@ log, the report and ``quantization_config.meta.uncalibrated_experts``.
 
 The router (``mlp.gate``) and Qwen2-MoE's ``shared_expert_gate`` stay float (as AutoGPTQ /
 GPTQModel leave them, and as the engine serves them); the shared expert is quantized as a
-dense MLP.
+dense MLP. AWQ, SmoothQuant and SmoothQuant+ fold their input scales into the norm before the block and
+compensate the router exactly (layouts.moe_layout); an uncalibrated expert's rule is then
+``UNCALIBRATED_RULE_SMOOTHED`` (AWQ, SmoothQuant+) or ``UNCALIBRATED_RULE_W8A8``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ MOE_ARCHITECTURES: dict[str, tuple[str, tuple[str, str, str]]] = {
 }
 # What an expert no calibration token reached is quantized with (stated in the config's meta).
 UNCALIBRATED_RULE = "minmax round-to-nearest (no calibration token reached the expert)"
+# AWQ: the norm's scales are shared by the whole block, so such an expert's gate / up carry them.
+UNCALIBRATED_RULE_SMOOTHED = ("minmax round-to-nearest (no calibration token reached the "
+                              "expert): no clipping, up -> down scales of 1; its gate / up "
+                              "carry the block's shared input scales folded into the norm")
+# SmoothQuant W8A8: weights need no calibration (int8 per-channel min-max, as every expert's).
+UNCALIBRATED_RULE_W8A8 = ("int8 per-channel min-max, as every expert (no calibration token "
+                          "reached the expert); its gate / up carry the block's shared "
+                          "smoothing scales folded into the norm")
 
 
 def moe_architecture(architectures: list[str]) -> str | None:
@@ -135,6 +145,7 @@ def required_mlp_tensors(raw: dict[str, Any], arch: str, layer: int) -> list[str
                                        for e in range(num_experts(config)) for n in names]
 
 
-__all__ = ["MOE_ARCHITECTURES", "PerExpertMLPs", "UNCALIBRATED_RULE", "checkpoint_name",
+__all__ = ["MOE_ARCHITECTURES", "PerExpertMLPs", "UNCALIBRATED_RULE",
+           "UNCALIBRATED_RULE_SMOOTHED", "UNCALIBRATED_RULE_W8A8", "checkpoint_name",
            "expert_token_counts", "moe_architecture", "required_mlp_tensors",
            "unfuse_experts"]

@@ -9,7 +9,8 @@
 
 Mixture-of-experts layers are unfused into one linear per expert projection first
 (algorithms/moe.py); the calibration tokens each expert saw are logged and reported, and the
-experts none reached are named (quantized by the rule ``moe.UNCALIBRATED_RULE``).
+experts none reached are named (quantized by the rule ``moe.UNCALIBRATED_RULE``, or the
+algorithm's ``uncalibrated_rule``: AWQ's).
 """
 
 from __future__ import annotations
@@ -190,6 +191,7 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
                          f"stacked by transformers)")
     expert_tokens: dict[str, list[int]] = {}
     uncalibrated: list[str] = []
+    rule = getattr(algo, "uncalibrated_rule", UNCALIBRATED_RULE)
     dtype = source.source_dtype()
     num_layers = len(source.layers)
     inputs = None
@@ -213,7 +215,7 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
             logger.info("layer %d: calibration tokens per expert %s", i, counts)
             if missed:
                 logger.warning("%s: no calibration token reached them; quantized by %s",
-                               ", ".join(missed), UNCALIBRATED_RULE)
+                               ", ".join(missed), rule)
         if inputs is not None and i + 1 < num_layers:  # the next layer sees this one quantized
             handles = _install_quantized(layer, result)
             inputs = LayerInputs(run_layer(layer, inputs), layer_kwargs[i + 1])
@@ -227,7 +229,7 @@ def quantize_checkpoint(cfg: QuantizeConfig, *, progress: bool = True,
     choices = {k: getattr(algo, k) for k in ("chosen_ratios", "chosen_alphas")
                if hasattr(algo, k)}
     moe_meta = ({"uncalibrated_experts": uncalibrated,
-                 "uncalibrated_experts_rule": UNCALIBRATED_RULE} if expert_tokens else {})
+                 "uncalibrated_experts_rule": rule} if expert_tokens else {})
     _write_config(cfg, model_dir, dtype, inputs, {**choices, **moe_meta})
     writer.copy_side_files(model_dir, cfg.output_dir)
     out.finish()

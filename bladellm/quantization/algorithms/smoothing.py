@@ -5,6 +5,9 @@ A ``SmoothGroup`` is an operation ``prev`` (an RMSNorm or a linear) whose output
 ``prev``'s output by ``s_j`` leaves the float layer unchanged, and moves quantization difficulty
 between activations and weights. ``inspect`` names the submodule whose output measures a
 candidate's error (attention for q/k/v, the MLP for gate/up, the linear itself otherwise).
+Modules in ``float_linears`` (a MoE router) read ``prev``'s output but stay float: they take the
+same scales on their weight columns, so they compute what they did; the search leaves them (and
+``prev``) alone, so routing is the float layer's for every candidate.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import torch
 from torch import nn
 
 from bladellm.quantization.algorithms.layer_io import (LayerInputs, call_submodule,
-                                                        capture_inputs, linear)
+                                                        capture_inputs, input_hooks, linear,
+                                                        run_layer)
 from bladellm.quantization.algorithms.layouts import LLAMA, SmoothGroup
 from bladellm.quantization.algorithms.quantizer import GroupQuantSpec, fake_quantize_groups
 
@@ -55,6 +59,8 @@ def apply_scales(layer: nn.Module, group: SmoothGroup, scales: torch.Tensor) -> 
             prev.bias.data.div_(scales)
     for n in group.linears:
         linear(layer, n).weight.data.mul_(scales.unsqueeze(0))
+    for n in group.float_linears:  # routers: not nn.Linear in transformers, but [out, in] weights
+        layer.get_submodule(n).weight.data.mul_(scales.unsqueeze(0))
 
 
 def input_absmax(xs: list[torch.Tensor]) -> torch.Tensor:
@@ -96,5 +102,28 @@ def search_scales(layer: nn.Module, group: SmoothGroup, inputs: LayerInputs,
 
 def group_inputs(layer: nn.Module, group: SmoothGroup,
                  inputs: LayerInputs) -> list[torch.Tensor]:
-    """Inputs of the group's linears (they share one) with the layer as it is now."""
-    return capture_inputs(layer, inputs, (group.linears[0],))[group.linears[0]]
+    """Inputs of the group's linears (they share one; ``group.inp``'s where named) with the
+    layer as it is now. A MoE expert's linear is called only on the samples routing sent it
+    tokens: fewer entries than samples, none for an expert no token reached."""
+    name = group.inp or group.linears[0]
+    return capture_inputs(layer, inputs, (name,))[name]
+
+
+@torch.no_grad()
+def count_tokens(layer: nn.Module, inputs: LayerInputs, names: tuple[str, ...]) -> dict[str, int]:
+    """The calibration tokens each named linear sees in one pass of the layer (a MoE expert's:
+    those routed to it; the scales fold exactly, so routing is the float layer's)."""
+    seen = dict.fromkeys(names, 0)
+
+    def add(n: str, x: torch.Tensor) -> None:
+        seen[n] += x.reshape(-1, x.shape[-1]).shape[0]
+
+    with input_hooks(layer, names, add):
+        run_layer(layer, inputs)
+    return seen
+
+
+def expert_tokens_seen(layer: nn.Module, layout, inputs: LayerInputs) -> dict[str, int]:
+    """For a MoE layer (``layout.expert_out``), the tokens each gate / up projection saw (what
+    the pipeline counts per expert); empty for a dense layer."""
+    return count_tokens(layer, inputs, layout.sequential[2]) if layout.expert_out else {}
