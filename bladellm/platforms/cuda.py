@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bladellm.platforms.interface import MemoryReader, MemorySnapshot, Platform
+from bladellm.platforms.interface import CopyFence, MemoryReader, MemorySnapshot, Platform
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +37,25 @@ class CudaMemoryReader(MemoryReader):
         import torch
 
         torch.cuda.empty_cache()
+
+
+class CudaCopyFence(CopyFence):
+    """A CUDA event on the device's current stream (re-recorded each time)."""
+
+    def __init__(self, device: "torch.device") -> None:
+        self.device = device
+        self._event = None
+
+    def record(self) -> None:
+        import torch
+
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(self.device))
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
 
 
 class CudaPlatform(Platform):
@@ -79,6 +98,9 @@ class CudaPlatform(Platform):
         import torch
 
         torch.cuda.synchronize(device)
+
+    def copy_fence(self, device: "torch.device") -> CopyFence:
+        return CudaCopyFence(device)
 
     def set_device(self, device: "torch.device") -> None:
         import torch

@@ -40,6 +40,18 @@ class MemoryReader(ABC):
         """Return cached but unused blocks to the device (a caching allocator's)."""
 
 
+class CopyFence:
+    """A point in a device's work queue the host can wait for: ``record`` marks it (after the
+    copies just queued), ``wait`` blocks the host until the device has passed it. On a device
+    whose copies finish before they return (the CPU) both are no-ops, as here."""
+
+    def record(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+
 class Platform(ABC):
     """One kind of device. Subclasses are stateless: the choice is made by ``resolve_platform``
     and handed down; nothing reads it from a global."""
@@ -77,6 +89,11 @@ class Platform(ABC):
     @abstractmethod
     def describe(self, device: "torch.device") -> str:
         """One line for the start-up log: the device, its memory, the runtime."""
+
+    def copy_fence(self, device: "torch.device") -> CopyFence:
+        """A fence for host-to-``device`` copies (``worker/device_inputs.py`` waits on it before
+        it overwrites the pinned buffer those copies read)."""
+        return CopyFence()
 
     def set_device(self, device: "torch.device") -> None:
         """Make ``device`` this process's current device (before any allocation on it)."""
