@@ -16,7 +16,9 @@ GiB = 1 << 30
 
 class CudaMemoryReader(MemoryReader):
     """One GPU's memory through torch: ``mem_get_info`` (the driver's free / total, other
-    processes counted) and the caching allocator's peak."""
+    processes counted) and the caching allocator's peak. Blocks torch has cached but does not
+    use (``memory_reserved - memory_allocated``) count as free: this process can reuse them
+    (a previous engine's, after its shutdown, until ``release_cached``)."""
 
     def __init__(self, device: "torch.device") -> None:
         self.device = device
@@ -25,7 +27,9 @@ class CudaMemoryReader(MemoryReader):
         import torch
 
         free, total = torch.cuda.mem_get_info(self.device)
-        return MemorySnapshot(total=total, free=free,
+        cached = (torch.cuda.memory_reserved(self.device)
+                  - torch.cuda.memory_allocated(self.device))
+        return MemorySnapshot(total=total, free=min(total, free + max(0, cached)),
                               peak_allocated=torch.cuda.max_memory_allocated(self.device))
 
     def reset_peak(self) -> None:

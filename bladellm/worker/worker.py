@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import random
 
@@ -94,8 +95,13 @@ class Worker:
         self.memory = self.platform.memory_reader(self.device)
         # The GPU's free memory before this engine took any: what other processes hold is not
         # ours to size the KV cache from (worker/memory_profile.py).
-        self.free_bytes_at_start = (self.memory.snapshot().free
-                                    if self.platform.sizes_kv_cache_by_profiling else None)
+        self.free_bytes_at_start = None
+        if self.platform.sizes_kv_cache_by_profiling:
+            # An engine shut down earlier in this process may still be garbage (cycles) or
+            # blocks in torch's cache: neither is another process's, so free both first.
+            gc.collect()
+            self.memory.release_cached()
+            self.free_bytes_at_start = self.memory.snapshot().free
         # A vision-language config nests its language model's (a cached snapshot of one has
         # no ``get_text_config``).
         text_config = getattr(resolved.hf_config, "text_config", None) or resolved.hf_config
@@ -151,6 +157,20 @@ class Worker:
             raise RuntimeError("spec_forward_times: no sps draft model is loaded")
         return (time_token_forward(runner.model, self.device),
                 time_token_forward(runner.spec.proposer.model, self.device))
+
+    def shutdown(self) -> None:
+        """Let go of the model, the KV cache and the runner's buffers and hand the device
+        memory back (torch's cache included), so that another engine in this process can size
+        its own from what the device then has free. The worker serves no step after this."""
+        runner, self.model_runner = self.model_runner, None
+        if runner is None:
+            return
+        runner.kv_caches = []
+        if runner.spec_bytes_per_block:
+            runner.spec.proposer.kv_caches = []
+        del runner
+        gc.collect()  # the model's modules hold reference cycles
+        self.memory.release_cached()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         runner = self.model_runner

@@ -80,13 +80,18 @@ class FakeReader(MemoryReader):
         self.base, self.scratch = 3 * GiB, 0
         self.resets = 0
         self.ran_forward = False
+        self.log: list[str] = []
 
     def snapshot(self) -> MemorySnapshot:
+        self.log.append("snapshot")
         peak = self.base + (self.scratch + self.activations if self.ran_forward else 0)
         return MemorySnapshot(total=self.total, free=self.total, peak_allocated=peak)
 
     def reset_peak(self) -> None:
         self.resets += 1
+
+    def release_cached(self) -> None:
+        self.log.append("release")
 
 
 class ProfilingCpu(CpuPlatform):
@@ -163,6 +168,36 @@ def test_explicit_kv_size_is_checked_against_the_device(tiny_llama, monkeypatch)
     w = worker_mod.Worker(cfg, resolve_model(cfg.model))
     with pytest.raises(KVCacheSizeError, match="--num_kv_blocks"):
         w.determine_num_blocks()
+
+
+def test_worker_frees_the_cache_before_its_first_read_and_at_shutdown(tiny_llama, monkeypatch):
+    """A second engine in one process: the first one's garbage and torch's cached blocks are
+    freed before the new worker reads what is free, and shutting an engine down (its in-process
+    executor) lets go of its model and KV cache and empties torch's cache."""
+    import gc
+    import types
+    import weakref
+
+    from bladellm.executor.uniproc import UniProcExecutor
+    from bladellm.model.loader import resolve_model
+
+    reader = FakeReader(total=8 * GiB, activations=0)
+    monkeypatch.setattr(worker_mod, "resolve_platform", lambda device: ProfilingCpu(reader))
+    monkeypatch.setattr(worker_mod, "gc", types.SimpleNamespace(
+        collect=lambda: (reader.log.append("gc"), gc.collect())[1]))
+    cfg = EngineConfig.from_kwargs(model=tiny_llama, dtype="float32", max_model_len=64,
+                                   max_gpu_memory_utilization=0.5)
+    executor = UniProcExecutor(cfg, resolve_model(cfg.model))
+    assert reader.log[:3] == ["gc", "release", "snapshot"]
+    runner = executor.worker.model_runner
+    runner.initialize_kv_cache(8)
+    model, cache = weakref.ref(runner.model), weakref.ref(runner.kv_caches[0])
+    del runner
+    reader.log.clear()
+    executor.shutdown()
+    assert reader.log == ["gc", "release"]
+    assert model() is None and cache() is None and executor.worker.model_runner is None
+    executor.shutdown()  # twice: nothing more to do
 
 
 @pytest.mark.gpu
