@@ -27,10 +27,13 @@ class CudaMemoryReader(MemoryReader):
         import torch
 
         free, total = torch.cuda.mem_get_info(self.device)
-        cached = (torch.cuda.memory_reserved(self.device)
-                  - torch.cuda.memory_allocated(self.device))
+        allocated = torch.cuda.memory_allocated(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - allocated
+        # The peak in reserved bytes, not allocated ones: the device gave the allocator all of
+        # them, fragmentation included (vLLM's profile reads the same).
         return MemorySnapshot(total=total, free=min(total, free + max(0, cached)),
-                              peak_allocated=torch.cuda.max_memory_allocated(self.device))
+                              peak=torch.cuda.max_memory_reserved(self.device),
+                              torch_allocated=allocated)
 
     def reset_peak(self) -> None:
         import torch

@@ -22,8 +22,17 @@ class MemorySnapshot:
     """Device memory as the platform reads it, in bytes."""
 
     total: int  # the device's (or, on a CPU, this process's: cgroup limit or physical) memory
-    free: int  # what the device (machine) has free right now, other processes counted
-    peak_allocated: int  # the most this process's allocator held since the last reset
+    # What the device (machine) has free right now, other processes counted, plus what this
+    # process's allocator caches without using (it can hand those out again).
+    free: int
+    # The most this process's allocator held since the last reset: on a GPU torch's reserved
+    # blocks (what the device actually gave it, fragmentation included); on a CPU the resident
+    # set.
+    peak: int
+    # Bytes torch's device allocator has handed out right now (0 where the device has no
+    # allocator of its own, a CPU). With ``free`` it separates memory this process took outside
+    # torch (CUDA context growth, NCCL buffers, compiled kernels): what ``free`` lost beyond it.
+    torch_allocated: int = 0
 
 
 class MemoryReader(ABC):
@@ -34,7 +43,7 @@ class MemoryReader(ABC):
 
     @abstractmethod
     def reset_peak(self) -> None:
-        """Start a new peak window (``peak_allocated`` counts from here)."""
+        """Start a new peak window (``peak`` counts from here)."""
 
     def release_cached(self) -> None:
         """Return cached but unused blocks to the device (a caching allocator's)."""

@@ -95,13 +95,13 @@ class Worker:
         self.memory = self.platform.memory_reader(self.device)
         # The GPU's free memory before this engine took any: what other processes hold is not
         # ours to size the KV cache from (worker/memory_profile.py).
-        self.free_bytes_at_start = None
+        self.memory_at_start = None
         if self.platform.sizes_kv_cache_by_profiling:
             # An engine shut down earlier in this process may still be garbage (cycles) or
             # blocks in torch's cache: neither is another process's, so free both first.
             gc.collect()
             self.memory.release_cached()
-            self.free_bytes_at_start = self.memory.snapshot().free
+            self.memory_at_start = self.memory.snapshot()
         # A vision-language config nests its language model's (a cached snapshot of one has
         # no ``get_text_config``).
         text_config = getattr(resolved.hf_config, "text_config", None) or resolved.hf_config
@@ -137,12 +137,14 @@ class Worker:
         # Every rank profiles the same step (collective_rpc), so TP collectives and pipeline
         # send/recv pair up as in a real step; the pool size is then the ranks' minimum.
         with self._pipeline_call(1):
-            activations = profile_activations(
+            profiled = profile_activations(
                 runner, self.memory, lambda: self.platform.synchronize(self.device),
-                sched.max_num_batched_tokens, sched.max_num_seqs, self.vocab_size)
-        plan = plan_kv_cache(self.memory.snapshot().total, self.free_bytes_at_start,
-                             cache.max_gpu_memory_utilization, weights, activations, per_block,
-                             runner.block_size, max_request_tokens)
+                sched.max_num_batched_tokens, sched.max_num_seqs, self.vocab_size,
+                self.memory_at_start)
+        plan = plan_kv_cache(self.memory_at_start.total, self.memory_at_start.free,
+                             cache.max_gpu_memory_utilization, weights,
+                             profiled.activation_bytes, per_block, runner.block_size,
+                             max_request_tokens, non_torch_bytes=profiled.non_torch_bytes)
         logger.info("worker %d: %s", self.rank, plan.describe())
         return plan.num_blocks
 
