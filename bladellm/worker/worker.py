@@ -167,11 +167,14 @@ class Worker:
         runner, self.model_runner = self.model_runner, None
         if runner is None:
             return
-        runner.kv_caches = []
+        runner.kv_caches = []  # freed now: nothing else holds them
         if runner.spec_bytes_per_block:
             runner.spec.proposer.kv_caches = []
         del runner
-        gc.collect()  # the model's modules hold reference cycles
+        # The model's modules hold reference cycles (weight loaders bound to their layers), so
+        # its weights go at the next collection: the next worker's start-up runs one. Not here:
+        # a serving process's shutdown must not spend its budget collecting a heap it is about
+        # to drop (engine/core_proc.py).
         self.memory.release_cached()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

@@ -200,7 +200,7 @@ def test_explicit_kv_size_is_checked_against_the_device(tiny_llama, monkeypatch)
 def test_worker_frees_the_cache_before_its_first_read_and_at_shutdown(tiny_llama, monkeypatch):
     """A second engine in one process: the first one's garbage and torch's cached blocks are
     freed before the new worker reads what is free, and shutting an engine down (its in-process
-    executor) lets go of its model and KV cache and empties torch's cache."""
+    executor) lets go of its model and KV cache (freed at once) and empties torch's cache."""
     import gc
     import types
     import weakref
@@ -222,8 +222,10 @@ def test_worker_frees_the_cache_before_its_first_read_and_at_shutdown(tiny_llama
     del runner
     reader.log.clear()
     executor.shutdown()
-    assert reader.log == ["gc", "release"]
-    assert model() is None and cache() is None and executor.worker.model_runner is None
+    assert reader.log == ["release"]  # no collection at shutdown: the next start-up runs one
+    assert cache() is None and executor.worker.model_runner is None
+    gc.collect()
+    assert model() is None  # nothing but its own cycles held it
     executor.shutdown()  # twice: nothing more to do
 
 
