@@ -6,7 +6,8 @@ Parts (``--part``), each its own process so that one's memory never weighs on th
   (bytes read + written per second; median of 20 after warm-up);
 - ``decode1``: bladellm at batch 1 (``--load_format dummy``, bf16): the median decode-step time of
   one request after its prefill, as tok/s, beside the HBM roofline = copy bandwidth / bytes one
-  decode step must read (every weight once + the KV cache of the context so far);
+  decode step must read (every weight once but the input embedding, of which it reads a row,
+  + the KV cache of the context so far);
 - ``batch``: bladellm, ``--batch`` requests of ``--prompt_len`` random tokens each producing
   ``--output_len`` tokens (ignore_eos), all submitted at once: output tok/s over the whole run
   (prefill included), plus TTFT of the batch;
@@ -87,12 +88,21 @@ def engine(tmp: str, args, max_num_seqs: int):
     return EngineCore(config, resolve_model(config.model, device=args.device))
 
 
-def weight_and_kv_bytes(core) -> tuple[int, int]:
-    """(weight bytes, KV-cache bytes per token) of the engine core's model."""
+def weight_and_kv_bytes(core) -> tuple[int, int, int]:
+    """(weight bytes, weight bytes a decode step reads, KV-cache bytes per token) of the engine
+    core's model. A step reads every weight once except the input embedding, of which it reads
+    one row per token (unless it is tied to the LM head, which reads it whole)."""
     from bladellm.platforms.cpu_defaults import model_weight_bytes
 
     runner = core.executor.worker.model_runner
-    return model_weight_bytes(runner.model), runner.bytes_per_block // runner.block_size
+    weights = model_weight_bytes(runner.model)
+    embed = getattr(getattr(runner.model, "model", None), "embed_tokens", None)
+    embed_w = getattr(embed, "weight", None)
+    head_w = getattr(getattr(runner.model, "lm_head", None), "weight", None)
+    read = weights
+    if embed_w is not None and head_w is not embed_w:
+        read -= embed_w.numel() * embed_w.element_size()
+    return weights, read, runner.bytes_per_block // runner.block_size
 
 
 def requests(n: int, prompt_len: int, output_len: int, vocab: int):
@@ -121,13 +131,15 @@ def decode1(args) -> dict:
                 t0 = time.perf_counter()
                 core.step()  # returns after the sampled id reached the host
                 times.append(time.perf_counter() - t0)
-        weights, kv_per_token = weight_and_kv_bytes(core)
+        weights, read_weights, kv_per_token = weight_and_kv_bytes(core)
     step_s = statistics.median(times[1:-1] or times)
-    # Bytes one decode step must read: every weight once, and the KV of the mean context.
+    # Bytes one decode step must read: every weight once but the input embedding (a row of
+    # it), and the KV of the mean context.
     context = args.prompt_len + args.output_len / 2
-    per_token = weights + kv_per_token * context
+    per_token = read_weights + kv_per_token * context
     row = {"part": "decode1", "tok_s": 1 / step_s, "step_ms": step_s * 1e3,
-           "weight_GB": weights / 1e9, "bytes_per_token_GB": per_token / 1e9,
+           "weight_GB": weights / 1e9, "read_weight_GB": read_weights / 1e9,
+           "bytes_per_token_GB": per_token / 1e9,
            "prompt_len": args.prompt_len, "output_len": args.output_len}
     if args.bandwidth_gbs:
         roof = args.bandwidth_gbs * 1e9 / per_token

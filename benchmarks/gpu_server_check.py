@@ -30,7 +30,11 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "count"], "additionalProperties": False}
 
 
-def start_server(model: str, device: str, log_lines: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, device: str, log_lines: list[str], log_path: str | None,
+                 ready_timeout: float) -> tuple[subprocess.Popen, str]:
+    """The server process and its URL once it logs that it is ready. Its output goes, line by
+    line as it comes, to ``log_lines`` and to ``log_path`` (so that a run cut off by the
+    session's timeout still leaves the log of a slow or stuck start)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "bladellm.entrypoints.cli.server", "--model", model,
          "--served_model_name", "tiny", "--host", "127.0.0.1", "--port", "0", "--device", device,
@@ -40,9 +44,13 @@ def start_server(model: str, device: str, log_lines: list[str]) -> tuple[subproc
     ready = threading.Event()
     url: list[str] = []
 
+    log_file = open(log_path, "w", buffering=1) if log_path else None  # line-buffered
+
     def drain() -> None:
         for line in proc.stdout:
             log_lines.append(line)
+            if log_file is not None:
+                log_file.write(line)
             m = READY.search(line)
             if m and not url:
                 url.append(m.group(1))
@@ -50,9 +58,10 @@ def start_server(model: str, device: str, log_lines: list[str]) -> tuple[subproc
         ready.set()
 
     threading.Thread(target=drain, daemon=True).start()
-    if not ready.wait(180) or not url:
+    if not ready.wait(ready_timeout) or not url:
         proc.kill()
-        raise RuntimeError("server did not become ready:\n" + "".join(log_lines[-40:]))
+        raise RuntimeError(f"server did not become ready in {ready_timeout:.0f} s:\n"
+                           + "".join(log_lines[-40:]))
     return proc, url[0]
 
 
@@ -123,7 +132,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out")
-    ap.add_argument("--log")
+    ap.add_argument("--log", help="the server's log, written as it runs")
+    ap.add_argument("--ready_timeout", type=float, default=35.0,
+                    help="seconds the server may take to start (a tiny model: it needs few)")
     args = ap.parse_args()
     import openai
 
@@ -136,9 +147,10 @@ def main() -> int:
         start = time.perf_counter()
         proc = None
         try:
-            proc, url = start_server(model, args.device, lines)
+            proc, url = start_server(model, args.device, lines, args.log,
+                                     args.ready_timeout)
             ready_s = time.perf_counter() - start
-            client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60,
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=20,
                                    max_retries=0)
             results = checks(client)
         except Exception as e:  # noqa: BLE001 - a failed start is the result
@@ -148,15 +160,13 @@ def main() -> int:
             if proc is not None:
                 proc.terminate()
                 try:
-                    proc.wait(20)
+                    proc.wait(5)
                 except subprocess.TimeoutExpired:
                     proc.kill()
     summary = {"device": args.device, "ready_s": ready_s, "checks": results,
                "ok": all(v is None for v in results.values())}
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
-    if args.log:
-        Path(args.log).write_text("".join(lines))
     return 0 if summary["ok"] else 1
 
 

@@ -36,7 +36,10 @@ class PagedAttentionBackend(AttentionBackend):
             out[n:].zero_()  # padding tokens (e.g. a CUDA-graph bucket) get a defined output
         self.kernels.paged_attention(out[:n], query[:n], k_cache, v_cache,
                                      metadata.block_tables, metadata.query_start_loc,
-                                     metadata.seq_lens, scale, **extra)
+                                     metadata.seq_lens, scale,
+                                     # host ints: no kernel set reads the device tensors back
+                                     max_query_len=metadata.max_query_len,
+                                     max_seq_len=metadata.max_seq_len, **extra)
         if metadata.tree is not None:
             # The compiled kernels take no custom mask: tree tokens (look_ahead) go through the
             # PyTorch path (attention/tree.py), overwriting the rows the causal kernel computed.

@@ -69,5 +69,7 @@ class Executor(ABC):
         self.collective_rpc("check_health")
 
     def shutdown(self) -> None:
-        """Stop the workers (no-op where they live in this process)."""
+        """Stop the workers; where they live in this process (``UniProcExecutor``), let go of
+        their model and KV cache and return the device memory, so that a later engine in this
+        process starts with it."""
 

@@ -47,6 +47,9 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: np.nd
     import torch
 
     # Built on the host (the grammar's matcher); on a GPU both go over in small async copies.
+    # The rows are checked here, on the host, so that no kernel set has to read them back.
+    if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= logits.shape[0]):
+        raise IndexError(f"apply_token_bitmask: a row is outside [0, {logits.shape[0]})")
     words = torch.from_numpy(np.ascontiguousarray(bitmask, np.int32))
     kernels.apply_token_bitmask(logits, rows.to(logits.device, non_blocking=True),
                                 words.to(logits.device, non_blocking=True))

@@ -389,7 +389,9 @@ class CompiledKernels(Kernels):
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         scale: float, *, sliding_window: int | None = None,
                         alibi_slopes: torch.Tensor | None = None,
-                        soft_cap: float | None = None) -> None:
+                        soft_cap: float | None = None, max_query_len: int | None = None,
+                        max_seq_len: int | None = None) -> None:
+        # The maxima are read on the host here anyway (the plan walks the host copies).
         features = dict(sliding_window=sliding_window, alibi_slopes=alibi_slopes,
                         soft_cap=soft_cap)
         prepared = self._attention_args(out, query, k_cache, v_cache, block_tables,

@@ -27,8 +27,14 @@ class Kernels:
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         scale: float, *, sliding_window: int | None = None,
                         alibi_slopes: torch.Tensor | None = None,
-                        soft_cap: float | None = None) -> None:
-        """``ref.paged_attention``, per-layer features included (every set takes them)."""
+                        soft_cap: float | None = None, max_query_len: int | None = None,
+                        max_seq_len: int | None = None) -> None:
+        """``ref.paged_attention``, per-layer features included (every set takes them).
+
+        ``max_query_len`` / ``max_seq_len``: the longest query and context of the batch as host
+        ints (``AttentionMetadata`` has them), for a set whose launch grid depends on them
+        (Triton: without them it reads ``query_start_loc`` back, a host sync in every layer).
+        They must be at least the true maxima; a host-side set needs neither and ignores them."""
         ref.paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc,
                             seq_lens, scale, sliding_window=sliding_window,
                             alibi_slopes=alibi_slopes, soft_cap=soft_cap)

@@ -277,23 +277,27 @@ def lora_sgmv(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tens
             out[tok, lo:hi] = (out[tok, lo:hi].float() + d).to(out.dtype)
 
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Structured output: ``logits[rows[i], t] = -inf`` for every token ``t`` that row ``i`` of
     the packed ``bitmask`` ([G, W] int32; bit ``t % 32`` of word ``t // 32`` set = allowed)
     bans, in place. Tokens at or past ``32 * W`` are banned; bits past the logits' width are
-    ignored; allowed logits are left as they are (not even -0.0 changes)."""
+    ignored; allowed logits are left as they are (not even -0.0 changes).
+
+    ``rows`` given on the host are checked here (an IndexError names the range); rows already
+    on an accelerator are not: reading them back would be a host sync in every constrained
+    step, so there the caller checks them on the host first (``guided.bitmask``)."""
     vocab = logits.shape[1]
     if len(rows) == 0:
         return
-    allowed = ((bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1).bool().flatten(1)[:, :vocab]
+    if rows.device.type == "cpu" and len(rows) and (
+            int(rows.min()) < 0 or int(rows.max()) >= logits.shape[0]):
+        raise IndexError(f"apply_token_bitmask: a row is outside [0, {logits.shape[0]})")
+    # Built where the bitmask lives (32 int32s: cheaper to make per call than to cache per device).
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
     if allowed.shape[1] < vocab:
         allowed = F.pad(allowed, (0, vocab - allowed.shape[1]))  # pads with False: banned
     rows = rows.to(device=logits.device, dtype=torch.int64)
-    if bool((rows < 0).any()) or bool((rows >= logits.shape[0]).any()):
-        raise IndexError(f"apply_token_bitmask: a row is outside [0, {logits.shape[0]})")
     logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
 
 

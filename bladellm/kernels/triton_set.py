@@ -23,12 +23,15 @@ class TritonKernels(Kernels):
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         scale: float, *, sliding_window: int | None = None,
                         alibi_slopes: torch.Tensor | None = None,
-                        soft_cap: float | None = None) -> None:
+                        soft_cap: float | None = None, max_query_len: int | None = None,
+                        max_seq_len: int | None = None) -> None:
         from bladellm.kernels.triton.attention import paged_attention
 
+        # The host maxima size the launch grid without reading the device tensors back.
         paged_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                         scale, sliding_window=sliding_window, alibi_slopes=alibi_slopes,
-                        soft_cap=soft_cap)
+                        soft_cap=soft_cap, max_query_len=max_query_len,
+                        max_seq_len=max_seq_len)
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

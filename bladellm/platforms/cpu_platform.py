@@ -35,7 +35,7 @@ class CpuMemoryReader(MemoryReader):
         free = mem_available_bytes(read_text("/proc/meminfo"))
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
         return MemorySnapshot(total=total, free=total if free is None else min(free, total),
-                              peak_allocated=peak_kib * 1024)
+                              peak=peak_kib * 1024)
 
     def reset_peak(self) -> None:
         pass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bladellm.platforms.interface import MemoryReader, MemorySnapshot, Platform
+from bladellm.platforms.interface import CopyFence, MemoryReader, MemorySnapshot, Platform
 
 if TYPE_CHECKING:
     import torch
@@ -16,7 +16,9 @@ GiB = 1 << 30
 
 class CudaMemoryReader(MemoryReader):
     """One GPU's memory through torch: ``mem_get_info`` (the driver's free / total, other
-    processes counted) and the caching allocator's peak."""
+    processes counted) and the caching allocator's peak. Blocks torch has cached but does not
+    use (``memory_reserved - memory_allocated``) count as free: this process can reuse them
+    (a previous engine's, after its shutdown, until ``release_cached``)."""
 
     def __init__(self, device: "torch.device") -> None:
         self.device = device
@@ -25,8 +27,13 @@ class CudaMemoryReader(MemoryReader):
         import torch
 
         free, total = torch.cuda.mem_get_info(self.device)
-        return MemorySnapshot(total=total, free=free,
-                              peak_allocated=torch.cuda.max_memory_allocated(self.device))
+        allocated = torch.cuda.memory_allocated(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - allocated
+        # The peak in reserved bytes, not allocated ones: the device gave the allocator all of
+        # them, fragmentation included (vLLM's profile reads the same).
+        return MemorySnapshot(total=total, free=min(total, free + max(0, cached)),
+                              peak=torch.cuda.max_memory_reserved(self.device),
+                              torch_allocated=allocated)
 
     def reset_peak(self) -> None:
         import torch
@@ -37,6 +44,25 @@ class CudaMemoryReader(MemoryReader):
         import torch
 
         torch.cuda.empty_cache()
+
+
+class CudaCopyFence(CopyFence):
+    """A CUDA event on the device's current stream (re-recorded each time)."""
+
+    def __init__(self, device: "torch.device") -> None:
+        self.device = device
+        self._event = None
+
+    def record(self) -> None:
+        import torch
+
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(self.device))
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
 
 
 class CudaPlatform(Platform):
@@ -79,6 +105,9 @@ class CudaPlatform(Platform):
         import torch
 
         torch.cuda.synchronize(device)
+
+    def copy_fence(self, device: "torch.device") -> CopyFence:
+        return CudaCopyFence(device)
 
     def set_device(self, device: "torch.device") -> None:
         import torch

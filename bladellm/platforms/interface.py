@@ -22,8 +22,17 @@ class MemorySnapshot:
     """Device memory as the platform reads it, in bytes."""
 
     total: int  # the device's (or, on a CPU, this process's: cgroup limit or physical) memory
-    free: int  # what the device (machine) has free right now, other processes counted
-    peak_allocated: int  # the most this process's allocator held since the last reset
+    # What the device (machine) has free right now, other processes counted, plus what this
+    # process's allocator caches without using (it can hand those out again).
+    free: int
+    # The most this process's allocator held since the last reset: on a GPU torch's reserved
+    # blocks (what the device actually gave it, fragmentation included); on a CPU the resident
+    # set.
+    peak: int
+    # Bytes torch's device allocator has handed out right now (0 where the device has no
+    # allocator of its own, a CPU). With ``free`` it separates memory this process took outside
+    # torch (CUDA context growth, NCCL buffers, compiled kernels): what ``free`` lost beyond it.
+    torch_allocated: int = 0
 
 
 class MemoryReader(ABC):
@@ -34,10 +43,22 @@ class MemoryReader(ABC):
 
     @abstractmethod
     def reset_peak(self) -> None:
-        """Start a new peak window (``peak_allocated`` counts from here)."""
+        """Start a new peak window (``peak`` counts from here)."""
 
     def release_cached(self) -> None:
         """Return cached but unused blocks to the device (a caching allocator's)."""
+
+
+class CopyFence:
+    """A point in a device's work queue the host can wait for: ``record`` marks it (after the
+    copies just queued), ``wait`` blocks the host until the device has passed it. On a device
+    whose copies finish before they return (the CPU) both are no-ops, as here."""
+
+    def record(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
 
 
 class Platform(ABC):
@@ -77,6 +98,11 @@ class Platform(ABC):
     @abstractmethod
     def describe(self, device: "torch.device") -> str:
         """One line for the start-up log: the device, its memory, the runtime."""
+
+    def copy_fence(self, device: "torch.device") -> CopyFence:
+        """A fence for host-to-``device`` copies (``worker/device_inputs.py`` waits on it before
+        it overwrites the pinned buffer those copies read)."""
+        return CopyFence()
 
     def set_device(self, device: "torch.device") -> None:
         """Make ``device`` this process's current device (before any allocation on it)."""

@@ -102,7 +102,9 @@ class ModelRunner:
                     self.dtype, time.perf_counter() - start, self.attn_backend.name)
         self.sampler = Sampler(kernels)
         # Each step's host-built inputs go to the device in one pass (pinned where possible).
-        self.stager = DeviceStager(device, platform_of(device).supports_pinned_memory)
+        platform = platform_of(device)
+        self.stager = DeviceStager(device, platform.supports_pinned_memory,
+                                   platform.copy_fence(device))
         sched = config.scheduler
         self.kv_cache_groups = kv_cache_groups(
             layer_windows(resolved.hf_config),

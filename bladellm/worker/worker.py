@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import random
 
@@ -94,8 +95,13 @@ class Worker:
         self.memory = self.platform.memory_reader(self.device)
         # The GPU's free memory before this engine took any: what other processes hold is not
         # ours to size the KV cache from (worker/memory_profile.py).
-        self.free_bytes_at_start = (self.memory.snapshot().free
-                                    if self.platform.sizes_kv_cache_by_profiling else None)
+        self.memory_at_start = None
+        if self.platform.sizes_kv_cache_by_profiling:
+            # An engine shut down earlier in this process may still be garbage (cycles) or
+            # blocks in torch's cache: neither is another process's, so free both first.
+            gc.collect()
+            self.memory.release_cached()
+            self.memory_at_start = self.memory.snapshot()
         # A vision-language config nests its language model's (a cached snapshot of one has
         # no ``get_text_config``).
         text_config = getattr(resolved.hf_config, "text_config", None) or resolved.hf_config
@@ -131,12 +137,14 @@ class Worker:
         # Every rank profiles the same step (collective_rpc), so TP collectives and pipeline
         # send/recv pair up as in a real step; the pool size is then the ranks' minimum.
         with self._pipeline_call(1):
-            activations = profile_activations(
+            profiled = profile_activations(
                 runner, self.memory, lambda: self.platform.synchronize(self.device),
-                sched.max_num_batched_tokens, sched.max_num_seqs, self.vocab_size)
-        plan = plan_kv_cache(self.memory.snapshot().total, self.free_bytes_at_start,
-                             cache.max_gpu_memory_utilization, weights, activations, per_block,
-                             runner.block_size, max_request_tokens)
+                sched.max_num_batched_tokens, sched.max_num_seqs, self.vocab_size,
+                self.memory_at_start)
+        plan = plan_kv_cache(self.memory_at_start.total, self.memory_at_start.free,
+                             cache.max_gpu_memory_utilization, weights,
+                             profiled.activation_bytes, per_block, runner.block_size,
+                             max_request_tokens, non_torch_bytes=profiled.non_torch_bytes)
         logger.info("worker %d: %s", self.rank, plan.describe())
         return plan.num_blocks
 
@@ -151,6 +159,23 @@ class Worker:
             raise RuntimeError("spec_forward_times: no sps draft model is loaded")
         return (time_token_forward(runner.model, self.device),
                 time_token_forward(runner.spec.proposer.model, self.device))
+
+    def shutdown(self) -> None:
+        """Let go of the model, the KV cache and the runner's buffers and hand the device
+        memory back (torch's cache included), so that another engine in this process can size
+        its own from what the device then has free. The worker serves no step after this."""
+        runner, self.model_runner = self.model_runner, None
+        if runner is None:
+            return
+        runner.kv_caches = []  # freed now: nothing else holds them
+        if runner.spec_bytes_per_block:
+            runner.spec.proposer.kv_caches = []
+        del runner
+        # The model's modules hold reference cycles (weight loaders bound to their layers), so
+        # its weights go at the next collection: the next worker's start-up runs one. Not here:
+        # a serving process's shutdown must not spend its budget collecting a heap it is about
+        # to drop (engine/core_proc.py).
+        self.memory.release_cached()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         runner = self.model_runner

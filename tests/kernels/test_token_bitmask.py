@@ -97,3 +97,24 @@ def test_numpy_entry_point_uses_the_packed_words():
     got = apply_token_bitmask(logits.clone(), rows, np.ascontiguousarray(bitmask.numpy()),
                               resolve_kernels("auto", "cpu"))
     assert _same(got, _expected(logits, rows, bitmask))
+
+
+def test_bitmask_on_another_device_stays_there():
+    """On a GPU the sampler's logits, rows and words are all on the device: the reference must
+    build its shifts there too, and must not read the rows back (the ``meta`` device has no
+    data: any host read or host tensor mixed in raises)."""
+    from bladellm.guided.bitmask import apply_token_bitmask
+
+    logits = torch.zeros(3, 100, device="meta")
+    got = apply_token_bitmask(logits, torch.tensor([0, 2]), np.zeros((2, 4), np.int32), Kernels())
+    assert got.device.type == "meta" and got.shape == (3, 100)
+    ref.apply_token_bitmask(logits, torch.tensor([0, 2], device="meta"),
+                            torch.zeros(2, 4, dtype=torch.int32, device="meta"))
+
+
+def test_entry_point_checks_rows_on_the_host():
+    from bladellm.guided.bitmask import apply_token_bitmask
+
+    with pytest.raises(IndexError):
+        apply_token_bitmask(torch.zeros(2, 64, device="meta"), torch.tensor([2]),
+                            np.zeros((1, 2), np.int32), Kernels())

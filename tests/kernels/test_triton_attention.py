@@ -139,3 +139,28 @@ def test_rejects_mismatched_heads_and_dtypes():
     with pytest.raises(ValueError, match="query's float dtype or be int8"):
         ta.paged_attention(torch.empty_like(b.query), b.query, b.k_cache.half(),
                            b.v_cache.half(), b.block_tables, b.query_start_loc, b.seq_lens, 0.25)
+
+
+def test_triton_set_passes_the_host_maxima(monkeypatch):
+    """``TritonKernels.paged_attention`` forwards ``max_query_len`` / ``max_seq_len`` (the
+    backend's host ints) to the kernel, which then reads nothing back to size its grid."""
+    from bladellm.kernels.triton_set import TritonKernels
+
+    b = _to_device(make_batch([1, 5, 3], [9, 12, 3], 4, 2, 16, 4, torch.float32, seed=5))
+    calls = []
+    real = ta.paged_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(ta, "paged_attention", spy)
+    got = torch.full(b.query.shape, float("nan"), dtype=b.query.dtype, device=DEVICE)
+    TritonKernels().paged_attention(got, b.query, b.k_cache, b.v_cache, b.block_tables,
+                                    b.query_start_loc, b.seq_lens, 0.3, max_query_len=5,
+                                    max_seq_len=12)
+    assert calls[0]["max_query_len"] == 5 and calls[0]["max_seq_len"] == 12
+    want = torch.empty_like(got)
+    ref.paged_attention(want, b.query, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc,
+                        b.seq_lens, 0.3)
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=0)

@@ -172,3 +172,23 @@ def test_decodes_at_block_boundaries(backend, dtype):
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.double(), dense_reference(q, full_k, full_v, md, 0.25),
                                atol=tol, rtol=tol)
+
+
+def test_backend_hands_the_kernels_the_host_maxima():
+    """The metadata's host ints reach the kernel set: a set that sizes its launch from them
+    (Triton) need not read ``query_start_loc`` / ``seq_lens`` back from the device per layer."""
+    seen = []
+
+    class Spy(Kernels):
+        def paged_attention(self, *args, **kwargs):
+            seen.append(kwargs)
+            super().paged_attention(*args, **kwargs)
+
+    q, k, v, cache, md, full_k, full_v = build_case([(1, 10), (5, 12), (2, 7)], 4, 2, 8, 4)
+    out = PagedAttentionBackend(Spy(), "torch").forward(q, k, v, cache, md, 0.35)
+    assert [(kw["max_query_len"], kw["max_seq_len"]) for kw in seen] == [(5, 12)]
+    assert all(type(kw["max_query_len"]) is int for kw in seen)
+    torch.testing.assert_close(out.double(), dense_reference(q, full_k, full_v, md, 0.35),
+                               atol=1e-5, rtol=1e-5)
+    KERNELS.paged_attention(out, q, cache[0], cache[1], md.block_tables, md.query_start_loc,
+                            md.seq_lens, 0.35, max_query_len=5, max_seq_len=12)  # accepted

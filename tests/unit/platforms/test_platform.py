@@ -115,7 +115,24 @@ def test_cpu_memory_reader():
     assert mem_available_bytes(meminfo) == 512 * 1024
     assert mem_available_bytes("MemTotal: 1 kB") is None
     snap = CpuPlatform().memory_reader(torch.device("cpu")).snapshot()
-    assert 0 < snap.free <= snap.total and snap.peak_allocated > 0
+    assert 0 < snap.free <= snap.total and snap.peak > 0
+
+
+def test_cuda_memory_reader_counts_torch_cached_blocks_as_free(monkeypatch):
+    """``mem_get_info`` does not see blocks torch caches but no tensor uses (a previous
+    engine's in this process): they are this process's to reuse, so they count as free."""
+    from bladellm.platforms.cuda import CudaMemoryReader
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 12 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 20 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 31 * gib)
+    snap = CudaMemoryReader(torch.device("cuda", 0)).snapshot()
+    assert snap.total == 80 * gib and snap.free == 28 * gib
+    # The peak in reserved bytes (what the device gave torch), the allocations as they are.
+    assert snap.peak == 31 * gib and snap.torch_allocated == 12 * gib
 
 
 def test_worker_logs_its_platform_and_runs_on_cpu(tiny_llama, caplog):

@@ -11,7 +11,8 @@ from bladellm.attention.backend import AttentionMetadata
 from bladellm.sample.draw import uniforms
 from bladellm.sample.generators import step_generator
 from bladellm.sample.metadata import SamplingMetadata
-from bladellm.worker.device_inputs import DeviceStager, _host_bytes
+from bladellm.worker import device_inputs
+from bladellm.worker.device_inputs import DeviceStager, _host_tensors
 from bladellm.worker.input_batch import StepInputs
 
 
@@ -44,7 +45,80 @@ def test_every_host_tensor_moves_and_numpy_stays():
     assert staged.sample_indices is step.sample_indices
     assert staged.sampling.generators is step.sampling.generators  # host generators
     assert step.input_ids.device.type == "cpu"  # the host step is left as it was
-    assert _host_bytes(step) == 64 * 9  # nine small host tensors, one cache line each
+    assert len(_host_tensors(step)) == 9
+
+
+def _hybrid_mrope_step() -> StepInputs:
+    """A step with what the flat walk missed: hybrid KV groups' (tables, slots) pairs in a
+    list, and M-RoPE's [3, T] positions (a strided view here)."""
+    step = _step()
+    step.positions = torch.arange(30).view(5, 6).t()[:3, :5]  # [3, 5], not contiguous
+    step.group_tables = [(torch.arange(40, dtype=torch.int32).view(1, 40) + 100 * g,
+                          torch.arange(5, dtype=torch.int64) + 1000 * g) for g in (1, 2)]
+    return step
+
+
+def _arena_holds(arena: torch.Tensor, host: list[torch.Tensor]) -> bool:
+    used = 0
+    for t in host:
+        nbytes = t.numel() * t.element_size()
+        if not torch.equal(arena[used:used + nbytes].view(t.dtype).view(t.shape), t):
+            return False
+        used += -(-nbytes // 64) * 64
+    return True
+
+
+class _LoggingFence(device_inputs.CopyFence):
+    def __init__(self, stager_ref: list) -> None:
+        self.log: list[str] = []
+        self.stager_ref = stager_ref
+        self.expected: list[torch.Tensor] = []
+
+    def wait(self) -> None:
+        self.log.append("wait")
+
+    def record(self) -> None:
+        # Recorded after the step's last copy: the arena already holds every tensor.
+        assert _arena_holds(self.stager_ref[0]._arena, self.expected)
+        self.log.append("record")
+
+
+def test_pinned_arena_holds_nested_group_tables_and_mrope_positions(monkeypatch):
+    """The arena path on a CPU (pinned memory swapped for plain): every host tensor, nested
+    ones included, gets a slot of the arena sized for all of them, and moves."""
+    monkeypatch.setattr(device_inputs, "_pinned_bytes",
+                        lambda n: torch.empty(n, dtype=torch.uint8))
+    step = _hybrid_mrope_step()
+    host = _host_tensors(step)
+    assert any(t is step.group_tables[1][0] for t in host)  # nested: counted and copied
+    assert len(host) == 13
+    ref: list = []
+    fence = _LoggingFence(ref)
+    stager = DeviceStager(torch.device("meta"), pin_memory=True, fence=fence)
+    ref.append(stager)
+    fence.expected = host
+    staged = stager.stage(step)
+    assert staged.positions.shape == (3, 5) and staged.positions.device.type == "meta"
+    assert all(t.device.type == "meta" for pair in staged.group_tables for t in pair)
+    assert isinstance(staged.group_tables[0], tuple)
+    assert _arena_holds(stager._arena, host)
+    assert step.group_tables[0][0].device.type == "cpu"  # the host step is left as it was
+    small = _step()  # a smaller next step reuses the arena, after waiting on the fence
+    fence.expected = _host_tensors(small)
+    arena = stager._arena
+    stager.stage(small)
+    assert stager._arena is arena
+    assert fence.log == ["wait", "record", "wait", "record"]
+
+
+def test_runner_platforms_hand_the_stager_a_fence():
+    from bladellm.platforms.cpu_platform import CpuPlatform
+    from bladellm.platforms.cuda import CudaCopyFence, CudaPlatform
+
+    fence = CpuPlatform().copy_fence(torch.device("cpu"))
+    fence.wait(), fence.record(), fence.wait()  # no-ops on a CPU
+    assert isinstance(CudaPlatform().copy_fence(torch.device("cuda", 0)), CudaCopyFence)
+    CudaCopyFence(torch.device("cuda", 0)).wait()  # nothing recorded yet: returns
 
 
 def test_seeded_uniforms_do_not_depend_on_the_batch():
@@ -75,8 +149,11 @@ def test_pinned_staging_on_cuda():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_llm_on_cuda_greedy_matches_cpu(tiny_llama):
-    """The same runner on both devices: fp32 greedy tokens identical, seeded sampling of a
-    request independent of its batch."""
+    """The same runner on both devices: fp32 greedy tokens identical. A seeded request's
+    uniforms do not depend on its batch; its tokens do not either on a CPU, and on a GPU only up
+    to floating-point rounding (the batch's shape changes the kernels' tiling, so a uniform
+    within rounding of a CDF boundary may pick the neighbour, docs/gpu.md): there the first
+    sampled token, drawn from a prefill, must agree."""
     from bladellm import LLM
     from bladellm.sampling_params import SamplingParams
 
@@ -92,7 +169,7 @@ def test_llm_on_cuda_greedy_matches_cpu(tiny_llama):
                                 ignore_eos=True)
         alone = llm.generate(prompts[:1], seeded)[0].outputs[0].token_ids
         batch = llm.generate(prompts, [seeded, greedy, greedy])[0].outputs[0].token_ids
-        assert alone == batch
+        assert alone == batch if device == "cpu" else alone[:1] == batch[:1]
         llm.shutdown()
     assert outs["cpu"] == outs["cuda"]
 

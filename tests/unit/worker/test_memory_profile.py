@@ -46,6 +46,15 @@ def test_too_little_for_one_request_names_the_flags():
     assert plan.num_blocks == 131072 // 16 + 1
 
 
+def test_memory_outside_torch_is_charged_before_the_kv_cache():
+    plan = plan_kv_cache(total_bytes=80 * GiB, free_bytes_at_start=79 * GiB, utilization=0.9,
+                         weight_bytes=16 * GiB, activation_bytes=4 * GiB,
+                         bytes_per_block=1 << 20, block_size=16, max_model_len=8192,
+                         non_torch_bytes=GiB)
+    assert plan.num_blocks == (int(0.9 * 80 * GiB) - 21 * GiB) // (1 << 20)
+    assert "outside torch 1.00 GiB" in plan.describe()
+
+
 def test_memory_held_by_another_process_is_an_error():
     with pytest.raises(KVCacheSizeError, match="only 10.00 GiB were free at start-up"):
         plan_kv_cache(total_bytes=80 * GiB, free_bytes_at_start=10 * GiB, utilization=0.9,
@@ -73,20 +82,30 @@ def test_profile_step_is_the_largest_step_the_scheduler_builds():
 
 class FakeReader(MemoryReader):
     """A device of ``total`` bytes whose allocator peaks ``activations`` over its base while a
-    forward runs (any forward: the test checks it ran one)."""
+    forward runs (any forward: the test checks it ran one). Once it has run, torch holds
+    ``weights`` and the process ``non_torch`` more outside torch, both gone from ``free``."""
 
-    def __init__(self, total: int, activations: int) -> None:
+    def __init__(self, total: int, activations: int, weights: int = 0,
+                 non_torch: int = 0) -> None:
         self.total, self.activations = total, activations
+        self.weights, self.non_torch = weights, non_torch
         self.base, self.scratch = 3 * GiB, 0
         self.resets = 0
         self.ran_forward = False
+        self.log: list[str] = []
 
     def snapshot(self) -> MemorySnapshot:
+        self.log.append("snapshot")
         peak = self.base + (self.scratch + self.activations if self.ran_forward else 0)
-        return MemorySnapshot(total=self.total, free=self.total, peak_allocated=peak)
+        held = self.weights + self.non_torch if self.ran_forward else 0
+        return MemorySnapshot(total=self.total, free=self.total - held, peak=peak,
+                              torch_allocated=self.weights if self.ran_forward else 0)
 
     def reset_peak(self) -> None:
         self.resets += 1
+
+    def release_cached(self) -> None:
+        self.log.append("release")
 
 
 class ProfilingCpu(CpuPlatform):
@@ -102,7 +121,7 @@ class ProfilingCpu(CpuPlatform):
 
 
 def test_worker_sizes_the_kv_cache_from_a_profiled_forward(tiny_llama, monkeypatch):
-    reader = FakeReader(total=8 * GiB, activations=GiB // 2)
+    reader = FakeReader(total=8 * GiB, activations=GiB // 2, weights=GiB, non_torch=GiB // 4)
     monkeypatch.setattr(worker_mod, "resolve_platform", lambda device: ProfilingCpu(reader))
     from bladellm.model.loader import resolve_model
 
@@ -124,13 +143,26 @@ def test_worker_sizes_the_kv_cache_from_a_profiled_forward(tiny_llama, monkeypat
         return out
 
     monkeypatch.setattr(runner, "execute_model", execute)
+    sampled = []
+    real_sampler = runner.sampler
+
+    def sampler(logits, md, **kw):
+        sampled.append((tuple(logits.shape), md.top_k, md.top_p, md.max_num_logprobs))
+        return real_sampler(logits, md, **kw)
+
+    monkeypatch.setattr(runner, "sampler", sampler)
     num_blocks = w.determine_num_blocks()
+    # After the forward, the sampler alone at its largest: top-p without top-k on every row.
+    shape, top_k, top_p, num_logprobs = sampled[-1]
+    assert shape == (4, w.vocab_size) and top_k is None and num_logprobs == 20
+    assert torch.all(top_p == 0.999) and len(sampled) == 2
     assert seen["tokens"] == 96 and all(len(ids) == 1 for ids in seen["sampled"])
     assert seen["logprobs"] == 4  # every profiled sequence asked for logprobs
     from bladellm.worker.worker import model_weight_bytes
 
     weights = model_weight_bytes(runner.model) + runner.packed_weight_bytes
-    expected = (int(0.5 * 8 * GiB) - weights - GiB // 2) // runner.bytes_per_block
+    # Outside torch: what free memory lost beyond torch's allocations since start-up.
+    expected = (int(0.5 * 8 * GiB) - weights - GiB // 2 - GiB // 4) // runner.bytes_per_block
     assert num_blocks == expected and reader.resets == 1
     # The runner is left as it was: no rows, no cache; the real cache then serves.
     assert runner.kv_caches == [] and not runner.input_batch.row_of
@@ -163,6 +195,38 @@ def test_explicit_kv_size_is_checked_against_the_device(tiny_llama, monkeypatch)
     w = worker_mod.Worker(cfg, resolve_model(cfg.model))
     with pytest.raises(KVCacheSizeError, match="--num_kv_blocks"):
         w.determine_num_blocks()
+
+
+def test_worker_frees_the_cache_before_its_first_read_and_at_shutdown(tiny_llama, monkeypatch):
+    """A second engine in one process: the first one's garbage and torch's cached blocks are
+    freed before the new worker reads what is free, and shutting an engine down (its in-process
+    executor) lets go of its model and KV cache (freed at once) and empties torch's cache."""
+    import gc
+    import types
+    import weakref
+
+    from bladellm.executor.uniproc import UniProcExecutor
+    from bladellm.model.loader import resolve_model
+
+    reader = FakeReader(total=8 * GiB, activations=0)
+    monkeypatch.setattr(worker_mod, "resolve_platform", lambda device: ProfilingCpu(reader))
+    monkeypatch.setattr(worker_mod, "gc", types.SimpleNamespace(
+        collect=lambda: (reader.log.append("gc"), gc.collect())[1]))
+    cfg = EngineConfig.from_kwargs(model=tiny_llama, dtype="float32", max_model_len=64,
+                                   max_gpu_memory_utilization=0.5)
+    executor = UniProcExecutor(cfg, resolve_model(cfg.model))
+    assert reader.log[:3] == ["gc", "release", "snapshot"]
+    runner = executor.worker.model_runner
+    runner.initialize_kv_cache(8)
+    model, cache = weakref.ref(runner.model), weakref.ref(runner.kv_caches[0])
+    del runner
+    reader.log.clear()
+    executor.shutdown()
+    assert reader.log == ["release"]  # no collection at shutdown: the next start-up runs one
+    assert cache() is None and executor.worker.model_runner is None
+    gc.collect()
+    assert model() is None  # nothing but its own cycles held it
+    executor.shutdown()  # twice: nothing more to do
 
 
 @pytest.mark.gpu
