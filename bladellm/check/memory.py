@@ -133,10 +133,11 @@ def rank_memory(config: EngineConfig, target: ResolvedModel,
 
 def _kv_cache_groups(config: EngineConfig, target: ResolvedModel):
     from bladellm.checkpoint.attention_layout import layer_windows
-    from bladellm.core.kv_groups import hybrid_kv_cache_enabled, kv_cache_groups
+    from bladellm.core.kv_groups import engine_kv_cache_groups
 
-    return kv_cache_groups(layer_windows(target.hf_config), hybrid_kv_cache_enabled(
-        config.cache.disable_hybrid_kv_cache, config.speculative.decode_algo))
+    return engine_kv_cache_groups(layer_windows(target.hf_config),
+                                  config.cache.disable_hybrid_kv_cache,
+                                  config.speculative.decode_algo)
 
 
 def _resolve_draft(config: EngineConfig, target: ResolvedModel) -> ResolvedModel | None:

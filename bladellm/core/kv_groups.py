@@ -23,9 +23,9 @@ global layers; Qwen2 with ``max_window_layers``) gets one group per kind and per
   it holds a block; Gemma 3 1B: 4 global + 22 local layers -> groups of 4, the last local
   group of 2).
 
-Groups are off (one group, every block kept: today's behaviour) with an sps draft model,
-which shares the block table and attends over the whole context, and with
-``--disable_hybrid_kv_cache``.
+Groups are off with ``--disable_hybrid_kv_cache`` (one group; the widest window when every
+layer has one), and with an sps draft model, which shares the block table and may attend over
+the whole context (one group, every block kept).
 """
 
 from __future__ import annotations
@@ -84,6 +84,12 @@ def kv_cache_groups(layer_windows: Sequence[int | None], hybrid: bool = True) ->
         for window in order for i in range(0, len(kinds[window]), size)))
 
 
-def hybrid_kv_cache_enabled(disable_flag: bool, decode_algo: str) -> bool:
-    """Whether a model with mixed layers gets one group per kind (module docstring)."""
-    return not disable_flag and decode_algo != "sps"
+def engine_kv_cache_groups(layer_windows: Sequence[int | None], disable_hybrid: bool,
+                           decode_algo: str) -> KVCacheGroups:
+    """The groups the engine, the runner and ``blade_llm_check`` use. Under sps every block is
+    kept (one group, no window): the draft shares the single block table and may attend wider
+    than the target (a global draft of a windowed target), so no block may be freed under it.
+    Otherwise one group per kind unless ``--disable_hybrid_kv_cache``."""
+    if decode_algo == "sps":
+        return KVCacheGroups((KVCacheGroup(None, tuple(range(len(layer_windows)))),))
+    return kv_cache_groups(layer_windows, not disable_hybrid)

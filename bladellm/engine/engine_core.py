@@ -15,7 +15,7 @@ from collections.abc import Collection
 from bladellm.config import EngineConfig
 from bladellm.core import spec_decode
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
-from bladellm.core.kv_groups import hybrid_kv_cache_enabled, kv_cache_groups
+from bladellm.core.kv_groups import engine_kv_cache_groups
 from bladellm.core.scheduler import Scheduler
 from bladellm.executor import WorkerDiedError, get_executor_class
 from bladellm.executor.base import DoneStep, StepHandle
@@ -67,8 +67,9 @@ class EngineCore:
     def _kv_group_windows(config: EngineConfig, resolved: ResolvedModel) -> list[int | None]:
         """The window (None: global) of each KV cache group (core/kv_groups.py); the runner
         lays its KV tensors out from the same groups."""
-        return kv_cache_groups(layer_windows(resolved.hf_config), hybrid_kv_cache_enabled(
-            config.cache.disable_hybrid_kv_cache, config.speculative.decode_algo)).windows
+        return engine_kv_cache_groups(layer_windows(resolved.hf_config),
+                                      config.cache.disable_hybrid_kv_cache,
+                                      config.speculative.decode_algo).windows
 
     def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
         self.config = config

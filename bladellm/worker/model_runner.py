@@ -20,7 +20,7 @@ from bladellm.attention.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from bladellm.config import EngineConfig
 from bladellm.checkpoint.attention_layout import layer_windows
 from bladellm.checkpoint.locate import ResolvedModel
-from bladellm.core.kv_groups import KVCacheGroups, hybrid_kv_cache_enabled, kv_cache_groups
+from bladellm.core.kv_groups import KVCacheGroups, engine_kv_cache_groups
 from bladellm.distributed.parallel_state import get_pp_group
 from bladellm.distributed.partition import pipeline_stages
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
@@ -106,10 +106,9 @@ class ModelRunner:
         self.stager = DeviceStager(device, platform.supports_pinned_memory,
                                    platform.copy_fence(device))
         sched = config.scheduler
-        self.kv_cache_groups = kv_cache_groups(
-            layer_windows(resolved.hf_config),
-            hybrid_kv_cache_enabled(config.cache.disable_hybrid_kv_cache,
-                                    config.speculative.decode_algo))
+        self.kv_cache_groups = engine_kv_cache_groups(
+            layer_windows(resolved.hf_config), config.cache.disable_hybrid_kv_cache,
+            config.speculative.decode_algo)
         self.input_batch = InputBatch(sched.max_num_seqs, self.max_model_len,
                                       sched.max_num_batched_tokens, self.block_size,
                                       self.kv_cache_groups.num_groups)

@@ -80,10 +80,10 @@ def test_greedy_identical_with_decodes_on_long_shared_prefixes(tiny_model_factor
     shared_requests = []
     plain = CompiledKernels.paged_attention
 
-    def spy(self, out, query, k_cache, v_cache, tables, starts, lens, scale):
+    def spy(self, out, query, k_cache, v_cache, tables, starts, lens, scale, **kwargs):
         plan = self.attention_plan(query, k_cache, v_cache, tables, starts, lens)
         shared_requests.append(plan["shared_requests"])
-        return plain(self, out, query, k_cache, v_cache, tables, starts, lens, scale)
+        return plain(self, out, query, k_cache, v_cache, tables, starts, lens, scale, **kwargs)
 
     monkeypatch.setattr(CompiledKernels, "paged_attention", spy)
     # The compiled decoder stack calls the same attention kernel from C, out of the spy's

@@ -221,7 +221,9 @@ def test_dtype_flag_is_the_served_dtype(tiny_llama, tmp_path):
     assert manifest["dtype"] == "bfloat16"
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["dtype"] == "bfloat16", config.get("dtype")
-    assert resolve_dtype(AutoConfig.from_pretrained(out), "auto", "cuda") == torch.bfloat16
+    # A torch.device names the platform without asking for a GPU (a bare "cuda" would).
+    assert resolve_dtype(AutoConfig.from_pretrained(out), "auto",
+                         torch.device("cuda")) == torch.bfloat16
 
 
 def test_help_describes_pipeline_stages():

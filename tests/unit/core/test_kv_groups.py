@@ -9,7 +9,7 @@ import pytest
 from bladellm.config import CacheConfig, SchedulerConfig
 from bladellm.core.block_pool import NULL_BLOCK_ID
 from bladellm.core.kv_cache_manager import KVCacheManager
-from bladellm.core.kv_groups import hybrid_kv_cache_enabled, kv_cache_groups
+from bladellm.core.kv_groups import engine_kv_cache_groups, kv_cache_groups
 from bladellm.core.scheduler import Scheduler
 from sched_utils import make_request
 
@@ -22,11 +22,15 @@ def test_one_kind_of_layer_is_one_group_of_every_layer():
         groups = kv_cache_groups(windows)
         assert groups.windows == [want] and groups.num_slots == len(windows)
         assert groups.groups[0].layers == tuple(range(len(windows)))
-    # Hybrid off (an sps draft, --disable_hybrid_kv_cache): one group, every block kept.
+    # Hybrid off (--disable_hybrid_kv_cache): one group, every block kept with a global layer.
     assert kv_cache_groups([8, None, 8, None], hybrid=False).windows == [None]
     assert kv_cache_groups([8, 16], hybrid=False).windows == [16]  # the widest frees
-    assert not hybrid_kv_cache_enabled(False, "sps") and not hybrid_kv_cache_enabled(True,
-                                                                                      "normal")
+    assert engine_kv_cache_groups([8, None], True, "normal").windows == [None]
+    assert engine_kv_cache_groups([8, None], False, "normal").windows == [None, 8]
+    # sps: the draft shares the one table and may attend wider: nothing freed, windows or not.
+    for windows in ([8, 8], [8, None]):
+        sps = engine_kv_cache_groups(windows, False, "sps")
+        assert sps.windows == [None] and sps.groups[0].layers == (0, 1)
 
 
 def test_mixed_layers_get_a_group_per_kind_and_run_of_slots():
