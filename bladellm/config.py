@@ -138,7 +138,8 @@ class ModelConfig:
                           "By default, steps of a few tokens (decodes) of Llama layout models "
                           "on the compiled CPU kernels run the whole decoder stack as one "
                           "compiled call: the CPU's counterpart of CUDA graph capture, with "
-                          "bit identical results and without the Python of every layer."})
+                          "bit identical results and without the Python of every layer. On a "
+                          "GPU it also turns CUDA graphs off (as vLLM's --enforce-eager)."})
     disable_cuda_graph: bool = field(
         default=False,
         metadata={"help": "GPU (--device cuda): run every step eagerly instead of replaying "

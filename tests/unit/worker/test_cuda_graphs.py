@@ -229,3 +229,14 @@ def test_capture_and_replay_match_eager_forward_on_cuda():
     torch.testing.assert_close(out, expect)
     with pytest.raises(RuntimeError, match="another KV cache"):
         graphs.run(key, step, forward, [])
+
+
+def test_cli_takes_the_size_list():
+    from bladellm.entrypoints.cli.args import parse_args
+
+    engine, _ = parse_args(["--device", "cuda", "--cuda_graph_batch_sizes", "1", "2", "4",
+                            "--cuda_graph_max_batch_size", "8"])
+    assert engine.model.cuda_graph_batch_sizes == [1, 2, 4]
+    assert engine.model.cuda_graph_max_batch_size == 8
+    engine, _ = parse_args(["--disable_cuda_graph"])
+    assert engine.model.disable_cuda_graph
