@@ -269,6 +269,9 @@ class StepGraphs:
         torch.cuda.synchronize()
         return _Captured(graph, output)
 
+    # Start-up calls these outside the step's inference mode: without it the warm-up and the
+    # capture would record autograd state (and the measure count it).
+    @torch.inference_mode()
     def capture(self, forward: Forward, kv_caches: list[torch.Tensor],
                 max_num_tokens: int) -> None:
         """Capture every key (largest first: the smaller graphs reuse its pool memory) whose
@@ -292,6 +295,7 @@ class StepGraphs:
         logger.info("CUDA graphs: %d captured in %.1f s (sizes %s, query lengths %s)",
                     len(self.graphs), time.perf_counter() - start, self.sizes, self.query_lens)
 
+    @torch.inference_mode()
     def measure(self, forward: Forward, max_num_tokens: int,
                 reserved: Callable[[], int]) -> int:
         """Bytes the graphs will hold while serving, measured on the scratch KV cache of the

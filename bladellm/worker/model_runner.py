@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -140,10 +141,14 @@ class ModelRunner:
         # captured after the KV cache exists.
         self.graphs = make_step_graphs(config, device, self.model, self._graph_buffers)
 
-    def _graph_buffers(self, max_reqs: int, max_tokens: int) -> StaticStepBuffers:
-        return StaticStepBuffers(max_reqs, max_tokens, self.input_batch.max_blocks_per_req,
-                                 self.kv_cache_groups.num_groups - 1, self.block_size,
-                                 self.max_model_len, self.device)
+    @property
+    def _graph_buffers(self):
+        """Makes the graphs' static buffers (max requests, max tokens); holds no reference to
+        the runner, so that dropping it frees the KV cache at once."""
+        return partial(StaticStepBuffers, table_width=self.input_batch.max_blocks_per_req,
+                       num_extra_groups=self.kv_cache_groups.num_groups - 1,
+                       block_size=self.block_size, max_model_len=self.max_model_len,
+                       device=self.device)
 
     def use_padded_eager_steps(self, sizes: list[int] | None = None) -> None:
         """Internal (tests): run graphable steps padded through the graphs' static buffers,
