@@ -83,6 +83,19 @@ def test_padded_decode_steps_match_with_lora(tiny_llama, tmp_path):
     assert [base[i] != plain[i] for i in (1, 3, 5, 7)].count(True) > 0  # the adapter acted
 
 
+def test_padded_decode_steps_match_with_hybrid_kv_groups(tiny_model_factory):
+    """Qwen2 with a global and a sliding-window layer: a KV cache group each, whose own block
+    tables and slot mappings are padded too (and the window frees blocks under the tables)."""
+    model_dir = tiny_model_factory("qwen2", use_sliding_window=True, sliding_window=8,
+                                   max_window_layers=1)
+    prompts = _prompts(384)[:10]
+    base, _, _ = _generate(model_dir, prompts, padded=False, num_kv_blocks=56)
+    padded, _, graphs = _generate(model_dir, prompts, padded=True, num_kv_blocks=56)
+    assert graphs.buffers.groups  # the second group's buffers were used
+    _check_padded_steps_ran(graphs)
+    assert padded == base
+
+
 def test_padded_sps_verification_steps_match(tiny_llama):
     prompts = _prompts(384)[:8]
     kwargs = dict(decode_algo="sps", draft_model=tiny_llama, gamma=3, spec_policy="always",
