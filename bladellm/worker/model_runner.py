@@ -305,18 +305,23 @@ class ModelRunner:
                 attach_grammar_bitmask(inputs, sched.grammar_bitmask)
             out = self.sampler(logits, inputs.sampling, inplace=True)  # logits unused below
             self.input_batch.record_sampled(inputs, out.sampled_token_ids)
-        return DeferredOutput(lambda: self._host_output(inputs, out, prompt_lps))
+        # Read now: by ``result()`` the next step may have changed the batch's rows.
+        num_logprobs = (None if out is None or out.logprobs is None else
+                        [self.input_batch.sampling.params[row].logprobs
+                         for row in inputs.sample_rows.tolist()])
+        return DeferredOutput(lambda: self._host_output(inputs, out, prompt_lps, num_logprobs))
 
     def _host_output(self, inputs: StepInputs, out: SamplerOutput | None,
-                     prompt_lps: dict[str, Logprobs]) -> ModelRunnerOutput:
+                     prompt_lps: dict[str, Logprobs],
+                     num_logprobs: list[int | None] | None) -> ModelRunnerOutput:
         """The step's sampled ids and logprobs, read to the host (waits for the device)."""
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, Logprobs] = {}
         if out is not None:
             for i, token in zip(inputs.sample_indices.tolist(), out.sampled_token_ids.tolist()):
                 sampled[i] = [token]
-            if out.logprobs is not None:
-                logprobs = self._logprobs(inputs, out)
+            if num_logprobs is not None:
+                logprobs = self._logprobs(inputs, out, num_logprobs)
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs, prompt_logprobs=prompt_lps)
 
@@ -365,15 +370,15 @@ class ModelRunner:
                 ib.sampling.stop_prompt_logprobs(row)
         return result
 
-    def _logprobs(self, inputs: StepInputs, out: SamplerOutput) -> dict[str, Logprobs]:
-        """Each request's own share (1 + its ``logprobs``) of the step's widest top-k."""
+    def _logprobs(self, inputs: StepInputs, out: SamplerOutput,
+                  num_logprobs: list[int | None]) -> dict[str, Logprobs]:
+        """Each request's own share (1 + its ``logprobs``, ``num_logprobs`` by sampled row)
+        of the step's widest top-k."""
         ids, lps = out.logprobs_token_ids.tolist(), out.logprobs.tolist()
         ranks = out.sampled_ranks.tolist()
-        params = self.input_batch.sampling.params
         result: dict[str, Logprobs] = {}
-        for s, i in enumerate(inputs.sample_indices.tolist()):
+        for s, (i, num) in enumerate(zip(inputs.sample_indices.tolist(), num_logprobs)):
             req_id = inputs.req_ids[i]
-            num = params[self.input_batch.row_of[req_id]].logprobs
             if num is not None:
                 k = 1 + num
                 result[req_id] = Logprobs([ids[s][:k]], [lps[s][:k]], [ranks[s]])
