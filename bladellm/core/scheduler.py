@@ -543,6 +543,14 @@ class Scheduler:
             if not grants:
                 del self._in_flight[req_id]
 
+    def runner_knows_all(self, req_ids: Iterable[str]) -> None:
+        """The runner was sent these requests in full (a failed step's re-runs): their next
+        diffs start after every token known now."""
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is not None and req_id in self._runner_num_tokens:
+                self._runner_num_tokens[req_id] = req.num_tokens
+
     def discard_grants(self, sched: SchedulerOutput, req_ids: Collection[str]) -> None:
         """--async_scheduling: drop ``req_ids``' grants in ``sched`` (published, not applied)
         because the step before it failed: its input tokens came from that step's sampled ids.

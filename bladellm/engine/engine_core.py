@@ -300,6 +300,11 @@ class EngineCore:
         tokens. ``in_later_steps``: requests of finished micro-batches published after it."""
         logger.error("step failed; re-running its %d requests to find the culprit:\n%s",
                      len(sched.num_scheduled_tokens), "".join(traceback.format_exception(exc)))
-        return StepIsolation(self.scheduler, self.executor.execute_model,
-                             self.executor.drop_requests,
-                             fatal=(WorkerDiedError,)).recover(sched, exc, in_later_steps)
+        out = StepIsolation(self.scheduler, self.executor.execute_model,
+                            self.executor.drop_requests,
+                            fatal=(WorkerDiedError,)).recover(sched, exc, in_later_steps)
+        # The re-runs sent the requests in full, with every token known now (under
+        # --async_scheduling more than when the step was scheduled).
+        self.scheduler.runner_knows_all(r for r in sched.num_scheduled_tokens
+                                        if r not in in_later_steps)
+        return out
