@@ -212,6 +212,7 @@ class Scheduler:
                 i += 1
                 continue
             samples = start + num_new >= known
+            pending = start + num_new > req.num_tokens  # runs on its in-flight token
             spec = spec_decode.NO_GRANT
             if samples and (
                     granted is None or req.request_id in granted):
@@ -234,8 +235,7 @@ class Scheduler:
                     out.scheduled_spec_tree[req.request_id] = spec.tree
             out.scheduled_cached_reqs.append(CachedRequestData(
                 req.request_id, req.all_token_ids[self._runner_num_tokens[req.request_id]:],
-                new_blocks[0], start, tuple(new_blocks[1:]),
-                pending_token=start + num_new > req.num_tokens))
+                new_blocks[0], start, tuple(new_blocks[1:]), pending_token=pending))
             self._runner_num_tokens[req.request_id] = req.num_tokens
             self._in_flight.setdefault(req.request_id, deque()).append((num_new, samples))
             out.num_scheduled_tokens[req.request_id] = num_new
@@ -314,7 +314,8 @@ class Scheduler:
         self.waiting.prepend([req])
 
     def _forget_grant(self, req_id: str) -> None:
-        """A grant of a preempted request was taken back before its step was published."""
+        """One in-flight step of a preempted request is back (its output ignored), or its
+        grant was taken back before the step was published."""
         left = self._stale.get(req_id, 0) - 1
         if left > 0:
             self._stale[req_id] = left
