@@ -32,6 +32,7 @@ class DeviceRunner:
     num_prompt: dict[str, int] = field(default_factory=dict)
     num_sampling_steps: dict[str, int] = field(default_factory=dict)
     num_pending_rows: int = 0
+    pending_req_ids: set[str] = field(default_factory=set)
 
     def execute(self, so) -> ModelRunnerOutput:
         for r in so.finished_req_ids | so.preempted_req_ids:
@@ -63,6 +64,7 @@ class DeviceRunner:
             else:
                 sampled.append([])
         self.num_pending_rows += len(pending)
+        self.pending_req_ids |= pending
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
 
@@ -180,6 +182,34 @@ def test_requests_needing_their_token_on_the_host_do_not_overlap(params):
     _add(sched, 2, **params)
     tokens, _ = run(sched, runner, overlap=True)
     assert runner.num_pending_rows == 0
+    assert len(tokens["r0"]) == 5
+
+
+class _AnyGrammar:
+    """A grammar that accepts everything: the mask of its next step follows each token."""
+
+    error = None
+
+    def is_ready(self) -> bool:
+        return True
+
+    def accept_tokens(self, token_ids: list[int]) -> int:
+        return len(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def test_request_with_a_grammar_does_not_overlap():
+    sched, runner = _scheduler(True), DeviceRunner()
+    _add(sched, 2)
+    sched.requests["r0"].grammar = _AnyGrammar()
+    tokens, _ = run(sched, runner, overlap=True)
+    assert runner.num_pending_rows > 0  # r1 overlaps
+    assert runner.pending_req_ids == {"r1"}
     assert len(tokens["r0"]) == 5
 
 
