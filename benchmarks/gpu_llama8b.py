@@ -11,7 +11,15 @@ Parts (``--part``), each its own process so that one's memory never weighs on th
 - ``batch``: bladellm, ``--batch`` requests of ``--prompt_len`` random tokens each producing
   ``--output_len`` tokens (ignore_eos), all submitted at once: output tok/s over the whole run
   (prefill included), plus TTFT of the batch;
-- ``hf``: transformers' ``generate`` on the same workload (greedy, dynamic cache), same device.
+- ``hf``: transformers' ``generate`` on the same workload (greedy, dynamic cache), same device;
+- ``steps``: ``decode1`` then ``batch`` on one engine (``--max_num_seqs`` = ``--batch``), so
+  that a second set of both costs one start-up: ``gpu_session.sh`` runs it with
+  ``--disable_cuda_graph`` beside the ``decode1`` and ``batch`` parts, which replay CUDA graphs.
+
+bladellm parts replay CUDA graphs for decode steps (the default, docs/gpu.md) unless
+``--disable_cuda_graph``; each row says which (``cuda_graph``), and ``batch`` rows carry the
+median decode-step time once every request is decoding (``decode_step_ms``), the number the
+graphs change.
 
 Each part prints one line and appends a JSON row to ``--out``.
 
@@ -83,7 +91,9 @@ def engine(tmp: str, args, max_num_seqs: int):
     config = EngineConfig.from_kwargs(
         model=tmp, load_format="dummy", dtype="bfloat16", device=args.device,
         max_model_len=max_len, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(8192, args.prompt_len), enforce_eager=True,
+        max_num_batched_tokens=max(8192, args.prompt_len),
+        # On a CPU trial: every layer eagerly, as before graphs existed (no compiled stack).
+        enforce_eager=args.device == "cpu", disable_cuda_graph=args.disable_cuda_graph,
         **({"kv_cache_memory": "2GiB"} if args.device == "cpu" else {}))
     return EngineCore(config, resolve_model(config.model, device=args.device))
 
@@ -117,9 +127,18 @@ def requests(n: int, prompt_len: int, output_len: int, vocab: int):
             for i in range(n)]
 
 
-def decode1(args) -> dict:
+def graphs_row(core) -> dict:
+    """Whether the engine's decode steps replayed CUDA graphs, and how many steps did."""
+    graphs = core.executor.worker.model_runner.graphs
+    if graphs is None:
+        return {"cuda_graph": "off"}
+    return {"cuda_graph": "on", "graph_steps": sum(graphs.num_steps.values()),
+            "graph_sizes": len(graphs.graphs)}
+
+
+def decode1(args, core=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        core = engine(tmp, args, max_num_seqs=1)
+        core = core or engine(tmp, args, max_num_seqs=1)
         vocab = model_config(args.num_layers, args.hidden).vocab_size
         for warm in (True, False):
             (req,) = requests(1, args.prompt_len, args.output_len, vocab)
@@ -132,6 +151,7 @@ def decode1(args) -> dict:
                 core.step()  # returns after the sampled id reached the host
                 times.append(time.perf_counter() - t0)
         weights, read_weights, kv_per_token = weight_and_kv_bytes(core)
+        graphs = graphs_row(core)
     step_s = statistics.median(times[1:-1] or times)
     # Bytes one decode step must read: every weight once but the input embedding (a row of
     # it), and the KV of the mean context.
@@ -140,16 +160,16 @@ def decode1(args) -> dict:
     row = {"part": "decode1", "tok_s": 1 / step_s, "step_ms": step_s * 1e3,
            "weight_GB": weights / 1e9, "read_weight_GB": read_weights / 1e9,
            "bytes_per_token_GB": per_token / 1e9,
-           "prompt_len": args.prompt_len, "output_len": args.output_len}
+           "prompt_len": args.prompt_len, "output_len": args.output_len, **graphs}
     if args.bandwidth_gbs:
         roof = args.bandwidth_gbs * 1e9 / per_token
         row.update(roofline_tok_s=roof, fraction_of_roofline=row["tok_s"] / roof)
     return row
 
 
-def batch(args) -> dict:
+def batch(args, core=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        core = engine(tmp, args, max_num_seqs=args.batch)
+        core = core or engine(tmp, args, max_num_seqs=args.batch)
         vocab = model_config(args.num_layers, args.hidden).vocab_size
         for r in requests(2, 16, 4, vocab):  # warm-up (compilation, allocator)
             r.request_id = "warm" + r.request_id
@@ -162,17 +182,33 @@ def batch(args) -> dict:
             core.add_request(r)
         first = {}
         produced = 0
+        decode_steps = []  # seconds of steps taken once every request had its first token
         while core.has_unfinished_requests():
+            t0 = time.perf_counter()
+            all_decoding = len(first) == len(reqs)
             out = core.step()
             now = time.perf_counter() - start
+            if all_decoding:
+                decode_steps.append(time.perf_counter() - t0)
             for o in getattr(out, "outputs", []) or []:
                 produced += len(o.new_token_ids)
                 first.setdefault(o.request_id, now)
         elapsed = time.perf_counter() - start
+        graphs = graphs_row(core)
     return {"part": "batch", "engine": "bladellm", "batch": args.batch,
             "prompt_len": args.prompt_len, "output_len": args.output_len,
             "output_tokens": produced, "output_tok_s": produced / elapsed, "elapsed_s": elapsed,
-            "ttft_median_s": statistics.median(first.values()) if first else None}
+            "ttft_median_s": statistics.median(first.values()) if first else None,
+            "decode_step_ms": (statistics.median(decode_steps) * 1e3 if decode_steps
+                               else None), **graphs}
+
+
+def steps(args) -> list[dict]:
+    """``decode1`` and ``batch`` on one engine (one start-up)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        core = engine(tmp, args, max_num_seqs=args.batch)
+        one = decode1(args, core)
+        return [one, batch(args, core)]
 
 
 @torch.no_grad()
@@ -204,7 +240,10 @@ def hf(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=("bandwidth", "decode1", "batch", "hf"), required=True)
+    ap.add_argument("--part", choices=("bandwidth", "decode1", "batch", "hf", "steps"),
+                    required=True)
+    ap.add_argument("--disable_cuda_graph", action="store_true",
+                    help="bladellm parts: every step eagerly (the engine flag)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt_len", type=int, default=1024)
@@ -215,15 +254,17 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=None, help="a small stand-in shape (trials)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    row = {"bandwidth": lambda: bandwidth(args.device), "decode1": lambda: decode1(args),
-           "batch": lambda: batch(args), "hf": lambda: hf(args)}[args.part]()
-    row["device"] = (torch.cuda.get_device_name() if args.device.startswith("cuda")
-                     else args.device)
-    print("llama8b " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                for k, v in row.items()), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    rows = {"bandwidth": lambda: bandwidth(args.device), "decode1": lambda: decode1(args),
+            "batch": lambda: batch(args), "hf": lambda: hf(args),
+            "steps": lambda: steps(args)}[args.part]()
+    for row in rows if isinstance(rows, list) else [rows]:
+        row["device"] = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+                         else args.device)
+        print("llama8b " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                    for k, v in row.items()), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # One device-machine call that proves the engine on a lent NVIDIA GPU (docs/gpu.md). Before it,
 # here: `bash benchmarks/prepare_gpu_wheels.sh` (the packages the GPU machine lacks, into .whl/);
-# then ONE call of the device tool, naming .whl in carry, with timeout_s about 500 (the parts'
-# timeouts add up to about 7.5 minutes with set-up; a session's device budget leaves no rerun):
+# then ONE call of the device tool, naming .whl in carry, with timeout_s about 540 (the parts'
+# timeouts add up to about 8.2 minutes with set-up; a session's device budget leaves no rerun):
 #     bash benchmarks/gpu_session.sh
 # Parts, in this order so that a run cut off still reports the most, each under its own timeout
-# (the defaults add up to under 8 minutes):
+# (the defaults add up to about 8 minutes: 475 s, eager_steps and the graph tests adding 40 s):
 #   1. the Triton kernel tests on CUDA           5. the server on --device cuda vs the openai client
 #   2. the gpu-marked tests                      6. Llama-3.1-8B shape, bf16, random weights:
 #   3. greedy parity vs transformers (fp32, bf16)    copy bandwidth, batch-1 decode vs the HBM
 #   4. (the server, see 5)                           roofline, batch 64 x 1k prompts vs transformers
+#                                                    (CUDA graphs on), then both again on one
+#                                                    engine with --disable_cuda_graph
 # Writes under $OUT (or ./gpu-out), 7 files: env.txt, session.log (everything), summary.jsonl
 # (one row per part: rc, seconds), parity.json, server.json, server_log.txt, llama8b.jsonl.
 # `--with-quant-gemm` adds benchmarks/triton_quant_gemm.py (its flags in $BENCH_ARGS) at the end.
@@ -61,8 +63,8 @@ PYTEST="python3 -m pytest -q -p no:cacheprovider -rfE"
 part triton_tests 90 $PYTEST tests/kernels/test_triton_attention.py \
   tests/kernels/test_triton_elementwise.py tests/kernels/test_triton_sampling.py \
   tests/kernels/test_triton_quant.py
-part gpu_tests 60 $PYTEST -m gpu tests/unit/platforms/test_platform.py tests/unit/worker \
-  tests/unit/check/test_check.py
+part gpu_tests 65 $PYTEST -m gpu tests/unit/platforms/test_platform.py tests/unit/worker \
+  tests/unit/check/test_check.py tests/e2e/test_cuda_graphs_e2e.py
 part parity 60 python3 benchmarks/gpu_parity.py --device cuda --out "$OUT/parity.json"
 part server 50 python3 benchmarks/gpu_server_check.py --device cuda --out "$OUT/server.json" \
   --log "$OUT/server_log.txt"
@@ -72,6 +74,10 @@ BW=$(python3 -c "import json,sys; rows=[json.loads(l) for l in open(sys.argv[1])
 part decode1 55 $L8 --part decode1 --prompt_len 128 --output_len 128 ${BW:+--bandwidth_gbs $BW}
 part batch64 65 $L8 --part batch --batch 64 --prompt_len 1024 --output_len 128
 part hf_batch64 40 $L8 --part hf --batch 64 --prompt_len 1024 --output_len 128
+# The same two workloads eagerly (--disable_cuda_graph), on one engine: the graphs' effect on
+# decode_step_ms (batch 64) and step_ms (batch 1).
+part eager_steps 35 $L8 --part steps --disable_cuda_graph --batch 64 --prompt_len 1024 \
+  --output_len 128
 if [ "${1:-}" = "--with-quant-gemm" ]; then
   part quant_gemm 100 python3 benchmarks/triton_quant_gemm.py --out "$OUT/quant_gemm.jsonl" ${BENCH_ARGS:-}
 fi

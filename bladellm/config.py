@@ -138,7 +138,25 @@ class ModelConfig:
                           "By default, steps of a few tokens (decodes) of Llama layout models "
                           "on the compiled CPU kernels run the whole decoder stack as one "
                           "compiled call: the CPU's counterpart of CUDA graph capture, with "
-                          "bit identical results and without the Python of every layer."})
+                          "bit identical results and without the Python of every layer. On a "
+                          "GPU it also turns CUDA graphs off (as vLLM's --enforce-eager)."})
+    disable_cuda_graph: bool = field(
+        default=False,
+        metadata={"help": "GPU (--device cuda): run every step eagerly instead of replaying "
+                          "the CUDA graphs captured at start-up for decode steps "
+                          "(docs/gpu.md, CUDA graphs). --enforce_eager disables them too."})
+    cuda_graph_max_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "GPU (--device cuda): largest decode batch (requests) given a CUDA "
+                          "graph; larger steps run eagerly. Default: --max_num_seqs, at most "
+                          "512. Refused on a CPU."})
+    cuda_graph_batch_sizes: list[int] | None = field(
+        default=None,
+        metadata={"help": "GPU (--device cuda): the decode batch sizes (requests) to capture, "
+                          "e.g. 1 2 4 8 16 32 64; a step is padded to the nearest size at or "
+                          "above its own. Default: 1 2 4 8 16 24 ... 256, then steps of 16, "
+                          "up to --cuda_graph_max_batch_size (which is added when not in the "
+                          "list). Refused on a CPU."})
     kernels: str = field(
         default="auto",
         metadata={"help": "Kernel set every layer runs on, chosen once per worker with its "
@@ -198,6 +216,34 @@ class ModelConfig:
                f"unknown format {self.load_format!r}")
         _check(self.quantization in _QUANTIZATION, "quantization",
                f"must be one of {', '.join(_QUANTIZATION)}, got {self.quantization!r}")
+        _check(self.cuda_graph_max_batch_size is None or self.cuda_graph_max_batch_size > 0,
+               "cuda_graph_max_batch_size",
+               f"must be positive, got {self.cuda_graph_max_batch_size}")
+        sizes = self.cuda_graph_batch_sizes
+        if sizes is not None:
+            _check(len(sizes) > 0 and all(s > 0 for s in sizes), "cuda_graph_batch_sizes",
+                   f"must be positive batch sizes, got {sizes}")
+            _check(len(set(sizes)) == len(sizes), "cuda_graph_batch_sizes",
+                   f"lists a size twice: {sizes}")
+            cap = self.cuda_graph_max_batch_size
+            _check(cap is None or max(sizes) <= cap, "cuda_graph_batch_sizes",
+                   f"{max(sizes)} is above --cuda_graph_max_batch_size {cap}")
+        _check(not (self.disable_cuda_graph and self.sets_cuda_graph_sizes),
+               "disable_cuda_graph", "cannot be combined with --cuda_graph_batch_sizes or "
+               "--cuda_graph_max_batch_size (they would be ignored)")
+
+    @property
+    def sets_cuda_graph_sizes(self) -> bool:
+        """--cuda_graph_batch_sizes or --cuda_graph_max_batch_size given: GPU-only knobs that
+        must not be accepted and ignored where no graph is captured."""
+        return self.cuda_graph_batch_sizes is not None \
+            or self.cuda_graph_max_batch_size is not None
+
+    @property
+    def cuda_graph_size_flag(self) -> str:
+        """The graph size flag given (for error messages)."""
+        return ("cuda_graph_batch_sizes" if self.cuda_graph_batch_sizes is not None
+                else "cuda_graph_max_batch_size")
 
 
 KV_CACHE_QUANTS = ("no_quant", "int8")
@@ -808,6 +854,13 @@ class EngineConfig:
         _check(self.device != "cpu" or not self.sets_gpu_memory_utilization,
                "max_gpu_memory_utilization",
                "applies to GPU devices; on CPU size the KV cache with --kv_cache_memory")
+        # Likewise the CUDA graph sizes (--device auto resolving to a CPU: the runner refuses
+        # them, worker/cuda_graphs.py).
+        _check(self.device != "cpu" or not self.model.sets_cuda_graph_sizes,
+               self.model.cuda_graph_size_flag, "CUDA graphs are captured on GPU devices only "
+               "(--device cuda); drop --cuda_graph_batch_sizes / --cuda_graph_max_batch_size "
+               "on --device cpu")
+        self._check_cuda_graph_sizes()
         _check_attn_kernels("draft.attn_cls", self.draft.attn_cls, self.model.kernels)
         spec = self.speculative
         if spec.decode_algo == "sps":
@@ -844,6 +897,17 @@ class EngineConfig:
                or self.model.served_model_name not in self.lora.named_modules, "lora_modules",
                f"{self.model.served_model_name!r} is the base model's served name "
                "(--served_model_name); an adapter under it could never be selected")
+
+    def _check_cuda_graph_sizes(self) -> None:
+        """A listed size no step can reach would be captured and never replayed."""
+        model, sched = self.model, self.scheduler
+        if model.cuda_graph_batch_sizes is None:
+            return
+        reach = min(sched.max_num_seqs, sched.max_num_batched_tokens)
+        _check(max(model.cuda_graph_batch_sizes) <= reach, "cuda_graph_batch_sizes",
+               f"{max(model.cuda_graph_batch_sizes)} is above the largest decode batch "
+               f"{reach} (--max_num_seqs {sched.max_num_seqs}, --max_num_batched_tokens "
+               f"{sched.max_num_batched_tokens})")
 
     @property
     def sets_gpu_memory_utilization(self) -> bool:

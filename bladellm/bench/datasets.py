@@ -115,7 +115,10 @@ class PromptMaker:
         self.rng = rng
         self._vocab_ids: list[int] = []
         if tokenizer is not None:
+            # Added tokens too: a model's placeholders (LLaVA's ``<image>``) are often added
+            # without being "special", and one in random text is a second image placeholder.
             special = set(getattr(tokenizer, "all_special_ids", []) or [])
+            special |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
             size = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size
             # Skip partial-UTF-8 byte tokens: they decode to U+FFFD, which re-encodes longer.
             ids = list(range(size))

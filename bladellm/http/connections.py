@@ -22,7 +22,7 @@ import json
 import logging
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,36 @@ class ConnectionLimits:
                 raise ValueError(f"--http_{name}: must be > 0, got {getattr(self, name)}")
         if self.max_connections < 1:
             raise ValueError(f"--max_connections: must be >= 1, got {self.max_connections}")
+
+
+@dataclass
+class ConnectionFlags:
+    """The four connection flags, shared by ``blade_llm_server``'s and ``blade_llm_router``'s
+    configs (both inherit them, so the flags, defaults and help are one definition)."""
+
+    http_header_timeout: float = field(
+        default=30.0,
+        metadata={"help": "Seconds a connection has to send a request's line and headers "
+                          "(from its opening, or from the first byte of its next request); "
+                          "slower ones are closed."})
+    http_body_timeout: float = field(
+        default=60.0,
+        metadata={"help": "Seconds a request body may pause between two reads before the "
+                          "connection is closed."})
+    http_keep_alive_timeout: float = field(
+        default=5.0,
+        metadata={"help": "Seconds an idle kept-alive client connection stays open."})
+    max_connections: int = field(
+        default=4096,
+        metadata={"help": "Most open client connections; the next one gets HTTP 503 and is "
+                          "closed. Lowered at start-up to fit the open-file limit (whose soft "
+                          "value is raised to the hard one)."})
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        """The four flags, validated (ValueError naming the flag)."""
+        return ConnectionLimits(self.http_header_timeout, self.http_body_timeout,
+                                self.http_keep_alive_timeout, self.max_connections)
 
 
 def _busy_response(retry_after: int) -> bytes:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from bladellm.config import parse_size, parse_size_flag
-from bladellm.http.connections import ConnectionLimits
+from bladellm.http.connections import ConnectionFlags
 
 POLICIES = ("round_robin", "least_tokens", "prefix_affinity")
 # The knobs of the prefix_affinity policy only.
@@ -20,7 +20,7 @@ def _check(cond: bool, name: str, msg: str) -> None:
 
 
 @dataclass
-class RouterConfig:
+class RouterConfig(ConnectionFlags):  # + the connection flags (http/connections.py)
     instances: list[str] = field(
         default_factory=list,
         metadata={"help": "Base URLs of the OpenAI-compatible instances, e.g. "
@@ -81,24 +81,6 @@ class RouterConfig:
         metadata={"help": "Largest request body the router accepts (e.g. 32MiB, 1048576), as "
                           "the server's flag of that name; larger ones get HTTP 413 before "
                           "the router buffers them."})
-    # Connection hygiene, as blade_llm_server's flags of the same names (http/connections.py).
-    http_header_timeout: float = field(
-        default=30.0,
-        metadata={"help": "Seconds a connection has to send a request's line and headers "
-                          "(from its opening, or from the first byte of its next request); "
-                          "slower ones are closed."})
-    http_body_timeout: float = field(
-        default=60.0,
-        metadata={"help": "Seconds a request body may pause between two reads before the "
-                          "connection is closed."})
-    http_keep_alive_timeout: float = field(
-        default=5.0,
-        metadata={"help": "Seconds an idle kept-alive client connection stays open."})
-    max_connections: int = field(
-        default=4096,
-        metadata={"help": "Most open client connections; the next one gets HTTP 503 and is "
-                          "closed. Lowered at start-up to fit the open-file limit (whose soft "
-                          "value is raised to the hard one)."})
     log_level: str = field(default="info", metadata={"help": "Log level."})
 
     def __post_init__(self) -> None:
@@ -142,7 +124,3 @@ class RouterConfig:
     def max_body_bytes(self) -> int:
         return parse_size(self.max_request_body_bytes)
 
-    @property
-    def connection_limits(self) -> ConnectionLimits:
-        return ConnectionLimits(self.http_header_timeout, self.http_body_timeout,
-                                self.http_keep_alive_timeout, self.max_connections)

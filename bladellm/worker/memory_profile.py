@@ -20,6 +20,7 @@ reads memory through the platform's ``MemoryReader``, which tests fake.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from bladellm.platforms.interface import MemoryReader, MemorySnapshot
 from bladellm.sample.metadata import SamplingMetadata
 from bladellm.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 GiB = 1 << 30
 PROFILE_LOGPROBS = 20  # the most a request may ask for (sampling_params._MAX_LOGPROBS)
 
@@ -127,6 +129,14 @@ class ProfiledMemory:
     non_torch_bytes: int  # taken by this process since start-up outside torch's allocator
 
 
+def _reserved_now(reader: MemoryReader) -> int:
+    """The allocator's reserved bytes, its unused cache released (a peak window just reset
+    reads what is reserved now)."""
+    reader.release_cached()
+    reader.reset_peak()
+    return reader.snapshot().peak
+
+
 def profile_sampler(sampler, num_rows: int, vocab_size: int, device: torch.device) -> None:
     """The sampler's most memory-hungry step on ``num_rows`` rows: top-p 0.999 without top-k
     sorts whole rows (sample/draw.py) with float64 ``[R, V]`` temporaries, and all-zero logits
@@ -154,14 +164,22 @@ def profile_activations(runner, reader: MemoryReader, synchronize: Callable[[], 
     reader.release_cached()
     reader.reset_peak()
     base = reader.snapshot().peak
-    runner.initialize_kv_cache(num_blocks)
+    runner.initialize_kv_cache(num_blocks, capture_graphs=False)
     scratch = num_blocks * (runner.bytes_per_block + runner.spec_bytes_per_block)
+    graph_bytes = 0
     try:
         runner.execute_model(sched)
         profile_sampler(runner.sampler, len(sched.scheduled_new_reqs), vocab_size,
                         runner.device)
         synchronize()
         peak = reader.snapshot().peak
+        graphs = getattr(runner, "graphs", None)
+        if graphs is not None and graphs.capture_enabled:
+            # Held while serving, beside any step's activations: counted on top of the peak.
+            graph_bytes = graphs.measure(runner._forward, max_num_batched_tokens,
+                                         lambda: _reserved_now(reader))
+            logger.info("CUDA graphs: %.0f MiB (static inputs and the largest graph's pool) "
+                        "counted with the activations", graph_bytes / (1 << 20))
     finally:
         runner.drop_requests([r.req_id for r in sched.scheduled_new_reqs])
         runner.kv_caches = []  # the scratch cache goes; the real one is sized next
@@ -173,5 +191,5 @@ def profile_activations(runner, reader: MemoryReader, synchronize: Callable[[], 
     # as free on both sides: MemorySnapshot.free).
     non_torch = ((at_start.free - now.free)
                  - (now.torch_allocated - at_start.torch_allocated))
-    return ProfiledMemory(activation_bytes=max(0, peak - base - scratch),
+    return ProfiledMemory(activation_bytes=max(0, peak - base - scratch) + graph_bytes,
                           non_torch_bytes=max(0, non_torch))

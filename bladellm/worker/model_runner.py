@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -38,6 +39,7 @@ from bladellm.platforms.select import platform_of
 from bladellm.sample.logprobs import prompt_logprobs
 from bladellm.sample.sampler import Sampler, SamplerOutput
 from bladellm.worker.device_inputs import DeviceStager
+from bladellm.worker.cuda_graphs import StaticStepBuffers, make_step_graphs
 from bladellm.worker.encoder_cache import EncoderCache
 from bladellm.worker.input_batch import InputBatch, StepInputs
 from bladellm.worker.mrope_positions import MRopePositions
@@ -136,6 +138,28 @@ class ModelRunner:
         if not config.model.enforce_eager:
             # After prepacking and LoRA wrapping, which decide what the compiled stack may read.
             attach_compiled_stack(self.model, kernels)
+        # CUDA graphs of decode / fixed-length verification steps (worker/cuda_graphs.py),
+        # captured after the KV cache exists.
+        self.graphs = make_step_graphs(config, device, self.model, self._graph_buffers)
+
+    @property
+    def _graph_buffers(self):
+        """Makes the graphs' static buffers (max requests, max tokens); holds no reference to
+        the runner, so that dropping it frees the KV cache at once."""
+        return partial(StaticStepBuffers, table_width=self.input_batch.max_blocks_per_req,
+                       num_extra_groups=self.kv_cache_groups.num_groups - 1,
+                       block_size=self.block_size, max_model_len=self.max_model_len,
+                       device=self.device)
+
+    def use_padded_eager_steps(self, sizes: list[int] | None = None) -> None:
+        """Internal (tests): run graphable steps padded through the graphs' static buffers,
+        eagerly, on any device; ``sizes`` overrides the batch sizes. The CPU check of the
+        padding a CUDA graph replays."""
+        graphs = make_step_graphs(self.config, self.device, self.model, self._graph_buffers,
+                                  eager_padding=True)
+        if sizes is not None:
+            graphs.sizes = sorted(sizes)
+        self.graphs = graphs
 
     def _make_spec_decoder(self, resolved: ResolvedModel):
         """--decode_algo sps / look_ahead: the proposer and the verification step."""
@@ -223,7 +247,8 @@ class ModelRunner:
         """Block ids a full-length request can hold (every group's table)."""
         return self.kv_cache_groups.num_groups * -(-self.max_model_len // self.block_size)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
+        """``capture_graphs`` False: a scratch cache (memory profiling), no graph kept on it."""
         slots = sorted({slot for _, slot in self.layer_placement})
         tensors = dict(zip(slots, allocate_kv_caches(
             len(slots), num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
@@ -231,6 +256,9 @@ class ModelRunner:
         self.kv_caches = [tensors[slot] for _, slot in self.layer_placement]
         if self.spec_bytes_per_block:
             self.spec.proposer.initialize_kv_cache(num_blocks)
+        if capture_graphs and self.graphs is not None and self.graphs.capture_enabled:
+            self.graphs.capture(self._forward, self.kv_caches,
+                                self.config.scheduler.max_num_batched_tokens)
 
     def set_eos_token_ids(self, eos_token_ids: list[int]) -> None:
         """The model's EOS ids, once at start-up (``EngineCore.set_eos_token_ids``): banned
@@ -277,14 +305,9 @@ class ModelRunner:
             self.spec.lay_out(sched, inputs)
         inputs = self.stager.stage(inputs)
         self.input_batch.fill_pending(inputs)  # --async_scheduling: tokens still on the device
-        ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=self.kv_caches,
-                             layer_attn_metadata=self._layer_attn_metadata(inputs))
-        if self.lora is not None:
-            ctx.lora = self.lora.prepare_step(inputs.token_lora_ids,
-                                              self.input_batch.active_lora_ids())
-        embeds = self._image_embeds(inputs) if self.encoder_cache is not None else None
-        hidden = (self.model(inputs.input_ids, inputs.positions, ctx) if embeds is None
-                  else self.model(inputs.input_ids, inputs.positions, ctx, embeds))
+        key = self.graphs.key_of(inputs) if self.graphs is not None else None
+        hidden = (self._forward(inputs) if key is None
+                  else self.graphs.run(key, inputs, self._forward, self.kv_caches))
         if hidden is None:  # a pipeline stage before the last: it sent its activations on
             return DeferredOutput.ready(ModelRunnerOutput(
                 req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]))
@@ -324,6 +347,18 @@ class ModelRunner:
                 logprobs = self._logprobs(inputs, out, num_logprobs)
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs, prompt_logprobs=prompt_lps)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The model on the step's (or a padded step's) flat inputs: hidden states, or None on
+        a pipeline stage before the last."""
+        ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=self.kv_caches,
+                             layer_attn_metadata=self._layer_attn_metadata(inputs))
+        if self.lora is not None:
+            ctx.lora = self.lora.prepare_step(inputs.token_lora_ids,
+                                              self.input_batch.active_lora_ids())
+        embeds = self._image_embeds(inputs) if self.encoder_cache is not None else None
+        return (self.model(inputs.input_ids, inputs.positions, ctx) if embeds is None
+                else self.model(inputs.input_ids, inputs.positions, ctx, embeds))
 
     def _layer_attn_metadata(self, inputs: StepInputs) -> list | None:
         """Hybrid KV cache groups: each layer's metadata, its group's block tables and slot

@@ -107,6 +107,33 @@ def test_compiled_matches_twin(compiled, layout, dtype, T):
     _check(got, ref.fused_moe(x, w13, w2, w, ids))
 
 
+@pytest.mark.parametrize("H,I", [(101, 70), (64, 32), (130, 97)])
+def test_fp32_panels_one_row_path_is_the_batch_path_bit_for_bit(compiled, monkeypatch, H, I):
+    """fp32 panels: an expert with one row runs moe.cpp's own GEMV (batch-1 decode), more rows
+    bl_linear_panel; a token's output must not depend on which one ran it (odd H and I: a
+    last panel only partly filled, odd K), and both match the twin."""
+    monkeypatch.setattr(compiled, "moe_panels_fp32", True)
+    E, k, T = 7, 3, 5
+    x = randn(T, H, seed=21)
+    w13, w2 = experts(E, H, I, torch.float32, seed=9)
+    w, ids = route(1, E, k, H, seed=4)
+    w, ids = w.expand(T, k).contiguous(), ids.expand(T, k).contiguous()  # T rows per expert
+    packed = compiled.pack_moe_weights(w13, w2)
+    assert packed is not None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch = compiled.fused_moe(x, w13, w2, w, ids, packed)
+        singles = [compiled.fused_moe(x[t:t + 1], w13, w2, w[t:t + 1], ids[t:t + 1], packed)
+                   for t in range(T)]
+    finally:
+        torch.set_num_threads(threads)
+    for t in range(T):
+        assert torch.equal(singles[t][0], batch[t]), t
+        _check(singles[t], ref.fused_moe(x[t:t + 1], w13, w2, w[t:t + 1], ids[t:t + 1]))
+    _check(batch, ref.fused_moe(x, w13, w2, w, ids))
+
+
 def test_compiled_takes_foreign_ids_and_large_batches(compiled):
     E, H, I = 4, 32, 16
     x = randn(40, H)

@@ -77,6 +77,9 @@ def test_greedy_identical_to_transformers(llava_dir):
     check_same(run(llm, CASES), hf_greedy(llava_dir, CASES))
     runner = llm.engine.core.executor.worker.model_runner
     assert len(runner.encoder_cache) == 0  # every entry freed with its requests
+    # vision_feature_layer -2 of 2: the tower's last layer is not built (it would run for
+    # nothing), and the tokens above are still transformers' own.
+    assert len(runner.model.vision_tower.encoder.layers) == 1
 
 
 def test_chunked_prefill_and_preemption_through_images(llava_dir):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from bladellm.config import parse_size, parse_size_flag
 from bladellm.entrypoints.openai.reasoning import REASONING_PARSERS
-from bladellm.http.connections import ConnectionLimits
+from bladellm.http.connections import ConnectionFlags, ConnectionLimits
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -19,7 +19,7 @@ def _check(cond: bool, name: str, msg: str) -> None:
 
 
 @dataclass
-class ServerConfig:
+class ServerConfig(ConnectionFlags):  # + the connection flags (http/connections.py)
     host: str = field(
         default="0.0.0.0", metadata={"help": "Address to listen on (0.0.0.0: all interfaces)."})
     port: int = field(
@@ -37,23 +37,6 @@ class ServerConfig:
         metadata={"help": "Most prompts one /v1/completions request may carry (a list of "
                           "texts or of token-id lists); more get HTTP 400 before the body is "
                           "parsed."})
-    http_header_timeout: float = field(
-        default=30.0,
-        metadata={"help": "Seconds a connection has to send a request's line and headers "
-                          "(from its opening, or from the first byte of its next request); "
-                          "slower ones are closed."})
-    http_body_timeout: float = field(
-        default=60.0,
-        metadata={"help": "Seconds a request body may pause between two reads before the "
-                          "connection is closed."})
-    http_keep_alive_timeout: float = field(
-        default=5.0,
-        metadata={"help": "Seconds an idle kept-alive connection stays open."})
-    max_connections: int = field(
-        default=4096,
-        metadata={"help": "Most open client connections; the next one gets HTTP 503 and is "
-                          "closed. Lowered at start-up to fit the open-file limit (whose soft "
-                          "value is raised to the hard one)."})
     disable_docs: bool = field(
         default=False,
         metadata={"help": "Do not serve /docs, /redoc and /openapi.json (they stay open "
@@ -158,7 +141,7 @@ class ServerConfig:
         return logging.DEBUG if self.log_level == "trace" else getattr(logging, self.log_level.upper())
 
     @property
-    def connection_limits(self) -> ConnectionLimits:
+    def connection_limits(self) -> ConnectionLimits:  # with --retry_after
         return ConnectionLimits(self.http_header_timeout, self.http_body_timeout,
                                 self.http_keep_alive_timeout, self.max_connections,
                                 self.retry_after)

@@ -84,7 +84,16 @@ class LlavaForConditionalGeneration(nn.Module):
         self.vision_tower = AutoModel.from_config(_real_config(hf_config.vision_config)).to(
             dtype).eval()
         layer = hf_config.vision_feature_layer
-        self.feature_layers = [layer] if isinstance(layer, int) else list(layer)
+        num_layers = hf_config.vision_config.num_hidden_layers
+        # hidden_states[i] is layer i's output (0: the embeddings): negative indices made
+        # positive, so that the layers past the deepest one read can be dropped (LLaVA-1.5
+        # reads the second to last: its last layer would run for nothing on every image).
+        self.feature_layers = [i if i >= 0 else num_layers + 1 + i
+                               for i in ([layer] if isinstance(layer, int) else list(layer))]
+        self.num_tower_layers = max(self.feature_layers)
+        encoder = self.vision_tower.encoder if hasattr(self.vision_tower, "encoder") else \
+            self.vision_tower.vision_model.encoder
+        encoder.layers = encoder.layers[:self.num_tower_layers]
         strategy = hf_config.vision_feature_select_strategy
         if strategy not in ("default", "full"):
             raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported")
@@ -151,6 +160,8 @@ class LlavaForConditionalGeneration(nn.Module):
             name = "vision_tower." + name[len("vision_tower.vision_model."):]
         param = own.get(name)
         if param is None:
+            if self._dropped_tower_layer(name):
+                return
             if name.startswith(("vision_tower.", "multi_modal_projector.")):
                 raise ValueError(f"checkpoint tensor {name} matches no parameter of the "
                                  f"vision tower or projector")
@@ -161,6 +172,14 @@ class LlavaForConditionalGeneration(nn.Module):
         with torch.no_grad():
             param.copy_(tensor)
         loaded.add(name)
+
+    def _dropped_tower_layer(self, name: str) -> bool:
+        """A tensor of a tower layer past the deepest feature layer (not built)."""
+        for prefix in ("vision_tower.encoder.layers.", "vision_tower.vision_model.encoder.layers."):
+            if name.startswith(prefix):
+                index = name[len(prefix):].split(".", 1)[0]
+                return index.isdigit() and int(index) >= self.num_tower_layers
+        return False
 
 
 __all__ = ["LlavaForConditionalGeneration"]

@@ -25,6 +25,21 @@ def test_random_prompts_have_exact_token_counts(tokenizer):
     assert len({r.prompt_len for r in reqs}) > 5
 
 
+def test_random_prompts_never_hold_added_tokens(tokenizer):
+    """A model's placeholder (LLaVA's ``<image>``, added but not special) in random text would
+    be a second image placeholder: the request is refused (HTTP 400) and the bench counts an
+    error that the engine did not make."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_tokens(["<image>"])
+    image = tok.convert_tokens_to_ids("<image>")
+    assert image not in tok.all_special_ids
+    cfg = DatasetConfig("random", num_prompts=200, input_len_range=(30, 60), seed=0)
+    reqs = build_dataset(cfg, tok)
+    assert not any(image in tok.encode(r.prompt, add_special_tokens=False) for r in reqs)
+
+
 def test_random_words_without_tokenizer_and_seed_determinism():
     cfg = DatasetConfig("random", num_prompts=5, input_len_range=(10, 10), seed=1)
     a = build_dataset(cfg)
