@@ -135,3 +135,21 @@ def test_abort_between_steps_frees_blocks(tiny_llama):
         engine.core.scheduler.check_invariants()
     finally:
         llm.shutdown()
+
+
+def test_pending_tokens_reach_the_cuda_graph_buffers(tiny_llama, pending_rows):
+    """Decode steps padded through the CUDA graphs' static buffers (the CPU check of what a
+    graph replays, worker/cuda_graphs.py): the pending tokens are written before the copy into
+    them, so the outputs still equal the synchronous engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    sync_ids, _, _ = _run(tiny_llama, False, params)
+    llm = LLM(model=tiny_llama, async_scheduling=True, **STRESS)
+    try:
+        runner = llm.engine.core.executor.worker.model_runner
+        runner.use_padded_eager_steps([1, 3, 5, 8])
+        outs = llm.generate(_prompts(llm.engine.model_info.vocab_size), params, use_tqdm=False)
+        assert runner.graphs.num_padded_reqs > 0 and pending_rows[0] > 0
+        assert [o.outputs[0].token_ids for o in outs] == sync_ids
+        assert llm.engine.core.scheduler.get_stats().num_used_blocks == 0
+    finally:
+        llm.shutdown()
