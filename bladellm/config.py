@@ -351,6 +351,14 @@ class SchedulerConfig:
                           "never passed by one of priority q that arrived more than "
                           "(its priority - q) x this many seconds after it (the starvation "
                           "bound). A huge value gives strict priority (vLLM's rule)."})
+    async_scheduling: bool = field(
+        default=False,
+        metadata={"help": "Schedule and prepare step n + 1 while step n runs: a decode row "
+                          "takes its input token from step n's sampled ids on the device, and "
+                          "stop checks apply when those ids reach the host, one step late "
+                          "(docs/scheduler.md). Requests with a grammar or repetition/"
+                          "presence/frequency penalties wait for their last token instead. "
+                          "Not with --decode_algo sps/look_ahead or a world size > 1."})
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
@@ -868,6 +876,16 @@ class EngineConfig:
             _check(not spec.enabled, "decode_algo",
                    f"--decode_algo {spec.decode_algo} is not supported with "
                    "--tensor_parallel_size or --pipeline_parallel_size > 1 yet")
+        if self.scheduler.async_scheduling:
+            # The next step's input token is gathered from the previous step's sampled ids on
+            # the sampling rank; other ranks never hold them, and a verification step needs its
+            # proposals (made from the accepted tokens) before it is scheduled.
+            _check(self.parallel.world_size == 1, "async_scheduling",
+                   "is not supported with --tensor_parallel_size or --pipeline_parallel_size "
+                   "> 1 yet (pipeline parallelism already overlaps its micro-batches)")
+            _check(not spec.enabled, "async_scheduling",
+                   f"cannot be combined with --decode_algo {spec.decode_algo}: a verification "
+                   "step needs the previous step's accepted tokens to propose from")
         # Adapters for layers of other stages would have to be split per stage (not built).
         _check(not (self.lora.enable_lora and self.parallel.pipeline_parallel_size > 1),
                "enable_lora", "cannot be combined with --pipeline_parallel_size > 1 yet")

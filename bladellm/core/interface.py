@@ -55,6 +55,9 @@ class CachedRequestData:
     num_computed_tokens: int
     # Blocks appended to the tables of KV cache groups 1, 2, ... (empty with one group).
     new_group_block_ids: tuple[list[int], ...] = ()
+    # --async_scheduling: the last scheduled token is the one its previous step samples, not
+    # in ``new_token_ids`` yet: the runner takes it from that step's sampled ids (on the device).
+    pending_token: bool = False
 
 
 @dataclass

@@ -23,6 +23,17 @@ urgent first and preempts the least urgent, and in step 3 a waiting request that
 or a sequence slot preempts running requests with a larger key (taking back their grant if
 they were scheduled this step).
 
+``--async_scheduling``: the engine schedules step n + 1 before step n's output is applied.
+Each scheduled request keeps a FIFO of its unapplied grants (``_in_flight``: tokens, whether the
+step samples); grants start after them (``_scheduled_end``), and a step that samples counts one
+placeholder token (``_num_placeholders``) whose id the runner takes from that step's sampled ids.
+``update_from_output`` applies grants in order, so ``num_computed_tokens`` and ``num_tokens``
+keep their meaning (applied, known). A request goes one step ahead at most, and not when its
+in-flight token is known to be its last (``max_tokens``, the context length) or its next step
+needs that token on the host (a grammar's mask, penalties): ``_may_overlap``. A request that
+turns out finished (EOS, a stop token) when its ids arrive is freed then; the output of a step
+already scheduled for it is dropped. Without the flag a request in flight waits for its output.
+
 Progress guarantee: the pool holds at least one ``max_model_len`` request (checked at
 construction), and the first running request (oldest, or most urgent) only ever preempts ones
 after it, so it always advances.
@@ -33,6 +44,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 
 from bladellm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
@@ -100,6 +112,11 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []  # sent by the next update_from_output
         self._runner_num_tokens: dict[str, int] = {}  # tokens the runner knows, per request
         self._queued_time: dict[str, float] = {}  # until the first output carries it
+        # Grants whose output is not applied yet, oldest first: (tokens, whether it samples).
+        self._in_flight: dict[str, deque[tuple[int, bool]]] = {}
+        # Preempted with steps still in flight (their outputs are ignored): how many. Such a
+        # request is resumed only once they are back, or a stale output would count.
+        self._stale: dict[str, int] = {}
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -170,7 +187,8 @@ class Scheduler:
     def schedule(self, skip: Collection[str] = (),
                  max_num_reqs: int | None = None) -> SchedulerOutput:
         """The next step. Pipeline parallelism: ``skip`` are requests in a step still in flight
-        (they wait for its token), ``max_num_reqs`` caps this micro-batch's requests."""
+        (they wait for its token), ``max_num_reqs`` caps this micro-batch's requests. (A request
+        with a grant not applied yet waits anyway, unless ``_may_overlap``.)"""
         self._expire_queued()
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
@@ -181,15 +199,22 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and room > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new > 0 and req.request_id not in skip:
-                num_new = encoder.cut(req, req.num_computed_tokens, num_new,
-                                      just_admitted=False)
-            if num_new <= 0 or req.request_id in skip:
+            if req.request_id in skip or (req.request_id in self._in_flight
+                                          and not self._may_overlap(req)):
                 i += 1
                 continue
+            start = self._scheduled_end(req)
+            known = req.num_tokens + self._num_placeholders(req)
+            num_new = min(known - start, budget)
+            if num_new > 0:
+                num_new = encoder.cut(req, start, num_new, just_admitted=False)
+            if num_new <= 0:
+                i += 1
+                continue
+            samples = start + num_new >= known
+            pending = start + num_new > req.num_tokens  # runs on its in-flight token
             spec = spec_decode.NO_GRANT
-            if num_new == req.num_tokens - req.num_computed_tokens and (
+            if samples and (
                     granted is None or req.request_id in granted):
                 spec = spec_decode.grant(req, budget - num_new, self.max_model_len)
                 if req.grammar is not None and spec.num_tokens:
@@ -198,8 +223,8 @@ class Scheduler:
                         spec_decode.evidence(req, spec.num_tokens, 0)  # estimate goes
                     spec = cut
             new_blocks = self._allocate_or_preempt(
-                req, num_new + spec.num_tokens + self._lookahead(req, num_new + spec.num_tokens),
-                out.preempted_req_ids)
+                req, start - req.num_computed_tokens + num_new + spec.num_tokens
+                + self._lookahead(req, num_new + spec.num_tokens), out.preempted_req_ids)
             if new_blocks is None:
                 break  # ``req`` was the newest and preempted itself
             if spec.num_tokens:
@@ -210,8 +235,9 @@ class Scheduler:
                     out.scheduled_spec_tree[req.request_id] = spec.tree
             out.scheduled_cached_reqs.append(CachedRequestData(
                 req.request_id, req.all_token_ids[self._runner_num_tokens[req.request_id]:],
-                new_blocks[0], req.num_computed_tokens, tuple(new_blocks[1:])))
+                new_blocks[0], start, tuple(new_blocks[1:]), pending_token=pending))
             self._runner_num_tokens[req.request_id] = req.num_tokens
+            self._in_flight.setdefault(req.request_id, deque()).append((num_new, samples))
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
             room -= 1
@@ -227,6 +253,30 @@ class Scheduler:
                 [self.requests[r] for r, n in out.num_scheduled_tokens.items()
                  if self.requests[r].num_computed_tokens + n >= self.requests[r].num_tokens])
         return out
+
+    def _scheduled_end(self, req: Request) -> int:
+        """Tokens computed once the request's grants in flight are applied."""
+        return req.num_computed_tokens + sum(n for n, _ in self._in_flight.get(req.request_id, ()))
+
+    def _num_placeholders(self, req: Request) -> int:
+        """Tokens its steps in flight sample: known to the device, not yet to us."""
+        return sum(samples for _, samples in self._in_flight.get(req.request_id, ()))
+
+    def _may_overlap(self, req: Request) -> bool:
+        """--async_scheduling: whether a request with a step in flight may be scheduled again
+        now (its input token then comes from that step's sampled ids on the device). Not when
+        that step's token is known to be its last, nor when its next step needs the token on
+        the host: a grammar's mask, penalties over the output tokens. One step ahead at most."""
+        if not self.config.async_scheduling or len(self._in_flight[req.request_id]) > 1:
+            return False
+        pending = self._num_placeholders(req)
+        if (req.num_output_tokens + pending >= req.max_tokens
+                or req.num_tokens + pending >= self.max_model_len):
+            return False
+        params = req.sampling_params
+        return req.grammar is None and not (params.repetition_penalty != 1.0
+                                            or params.presence_penalty != 0.0
+                                            or params.frequency_penalty != 0.0)
 
     def _allocate_or_preempt(self, req: Request, num_new: int,
                              preempted: set[str]) -> list[list[int]] | None:
@@ -258,7 +308,19 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._runner_num_tokens.pop(req.request_id, None)
+        num_in_flight = len(self._in_flight.pop(req.request_id, ()))
+        if num_in_flight:
+            self._stale[req.request_id] = num_in_flight
         self.waiting.prepend([req])
+
+    def _forget_grant(self, req_id: str) -> None:
+        """One in-flight step of a preempted request is back (its output ignored), or its
+        grant was taken back before the step was published."""
+        left = self._stale.get(req_id, 0) - 1
+        if left > 0:
+            self._stale[req_id] = left
+        else:
+            self._stale.pop(req_id, None)
 
     def _make_room(self, req: Request, num_tokens: int, hit_blocks: list[list[int]], room: int,
                    out: SchedulerOutput) -> tuple[int, int] | None:
@@ -292,6 +354,7 @@ class Scheduler:
             out.preempted_req_ids.add(victim.request_id)
             granted = out.num_scheduled_tokens.pop(victim.request_id, 0)
             if granted:
+                self._forget_grant(victim.request_id)
                 num_granted, num_reqs = num_granted + granted, num_reqs + 1
                 out.scheduled_cached_reqs = [c for c in out.scheduled_cached_reqs
                                              if c.req_id != victim.request_id]
@@ -315,7 +378,7 @@ class Scheduler:
         while self.waiting and budget > 0 and (
                 self.priority or (room > 0 and len(self.running) < max_num_seqs)):
             req = self.waiting.peek()
-            if (req.request_id in skip
+            if (req.request_id in skip or req.request_id in self._stale
                     # Preempted while a step of it is still in flight: resumed once that
                     # step's (ignored) result is back, or the stale result would count.
                     or req.request_id in out.preempted_req_ids  # just now, for another
@@ -354,6 +417,8 @@ class Scheduler:
             if req.lora_id:
                 running_loras.add(req.lora_id)
             self._runner_num_tokens[req.request_id] = req.num_tokens
+            self._in_flight[req.request_id] = deque([(num_new, num_hit + num_new
+                                                      >= req.num_tokens)])
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
             room -= 1
@@ -420,8 +485,12 @@ class Scheduler:
         verified = False
         for req_id, num_scheduled in sched.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted since it was scheduled
+            if req is None:
+                continue  # finished or aborted since it was scheduled
+            if req.status != RequestStatus.RUNNING:
+                self._forget_grant(req_id)  # preempted since: its output is stale
+                continue
+            self._pop_grant(req_id)
             error = out.errored.get(req_id)
             error_kind = ErrorKind.FAILED
             new_tokens: list[int] = []
@@ -468,6 +537,39 @@ class Scheduler:
             outputs[-1].error, outputs[-1].error_kind = out.errored[req_id], ErrorKind.FAILED
         return outputs
 
+    def _pop_grant(self, req_id: str) -> None:
+        grants = self._in_flight.get(req_id)
+        if grants:
+            grants.popleft()
+            if not grants:
+                del self._in_flight[req_id]
+
+    def runner_knows_all(self, req_ids: Iterable[str]) -> None:
+        """The runner was sent these requests in full (a failed step's re-runs): their next
+        diffs start after every token known now."""
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is not None and req_id in self._runner_num_tokens:
+                self._runner_num_tokens[req_id] = req.num_tokens
+
+    def discard_grants(self, sched: SchedulerOutput, req_ids: Collection[str]) -> None:
+        """--async_scheduling: drop ``req_ids``' grants in ``sched`` (published, not applied)
+        because the step before it failed: its input tokens came from that step's sampled ids.
+        Their output in ``sched`` is ignored and they are scheduled again from the state the
+        failed step's recovery leaves them in (the runner re-learns them in full)."""
+        for req_id in req_ids:
+            if sched.num_scheduled_tokens.pop(req_id, None) is None:
+                continue
+            grants = self._in_flight.get(req_id)
+            if grants:
+                grants.pop()
+                if not grants:
+                    del self._in_flight[req_id]
+            elif req_id in self._stale:
+                self._forget_grant(req_id)
+        sched.scheduled_cached_reqs = [c for c in sched.scheduled_cached_reqs
+                                       if c.req_id in sched.num_scheduled_tokens]
+
     def _record_spec(self, req: Request, num_proposed: int, num_accepted: int) -> None:
         spec_decode.record(req, num_proposed, num_accepted)
         self.spec_policy.record(num_proposed, num_accepted)
@@ -503,6 +605,8 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         self.requests.pop(req.request_id, None)
         self._runner_num_tokens.pop(req.request_id, None)
+        self._in_flight.pop(req.request_id, None)
+        self._stale.pop(req.request_id, None)
         self._finished_req_ids.add(req.request_id)
 
     def _make_output(self, req: Request, new_token_ids: list[int],
@@ -556,6 +660,8 @@ class Scheduler:
         _require(not running & waiting, "a request is both running and waiting")
         _require(running | waiting == set(self.requests), "queues and request map disagree")
         _require(set(kv.req_to_blocks) == running, "a request holds blocks but is not running")
+        _require(set(self._in_flight) <= running, "a grant in flight for a request not running")
+        _require(set(self._stale) <= waiting, "a stale grant for a request not waiting")
         _require(len(self.running) <= self.config.max_num_seqs, "more running than max_num_seqs")
         _require(not self.priority or all(a.schedule_key < b.schedule_key for a, b
                                           in zip(self.running, self.running[1:])),

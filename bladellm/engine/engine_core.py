@@ -102,8 +102,12 @@ class EngineCore:
                 _log_draft_outlook(self.scheduler.spec_policy.draft_break_even())
             self.guided = GuidedRequests(config, resolved, self.scheduler)
             self.prompt_logprobs = PromptLogprobs()
-            # Published steps not finished yet (pipeline parallelism), oldest first.
+            # Published steps not finished yet (pipeline parallelism, --async_scheduling), oldest
+            # first, and how many may be: the pipeline depth, or 2 when step n + 1 is scheduled
+            # and launched while step n runs (docs/scheduler.md).
             self.batch_queue: deque[tuple[SchedulerOutput, StepHandle | Exception]] = deque()
+            self.overlap = config.scheduler.async_scheduling
+            self.max_in_flight = 2 if self.overlap else self.executor.max_concurrent_batches
         except BaseException:
             self.executor.shutdown()  # no worker process outlives a failed start
             raise
@@ -155,7 +159,7 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         lora_failures, loading = self._sync_loras() if self.lora_enabled else ([], False)
         failed = self.guided.fail_broken_grammars()
-        if self.executor.max_concurrent_batches > 1:
+        if self.max_in_flight > 1:
             sched, runner_out = self._pipelined_step()
         else:
             sched = self.scheduler.schedule()
@@ -193,13 +197,19 @@ class EngineCore:
         them, so a full batch is split over the stages instead of filling the first micro-batch
         and leaving the others empty. Stage ``s`` runs micro-batch ``i`` while stage ``s - 1``
         runs ``i + 1``; every rank runs them in publication order.
+
+        --async_scheduling: the same loop at depth 2 over one whole batch: step n + 1 is
+        scheduled (its requests in flight on a placeholder for step n's token) and launched
+        before step n's sampled ids are read and applied.
         """
-        depth = self.executor.max_concurrent_batches
+        depth = self.max_in_flight
         while len(self.batch_queue) < depth:
+            if self.batch_queue and isinstance(self.batch_queue[-1][1], Exception):
+                break  # failed before it ran: the tokens its requests wait for are not coming
             in_flight = {r for sched, _ in self.batch_queue for r in sched.num_scheduled_tokens}
             unfinished = self.scheduler.num_running + self.scheduler.num_waiting
-            sched = self.scheduler.schedule(skip=in_flight,
-                                            max_num_reqs=max(1, -(-unfinished // depth)))
+            sched = (self.scheduler.schedule() if self.overlap else self.scheduler.schedule(
+                skip=in_flight, max_num_reqs=max(1, -(-unfinished // depth))))
             if sched.is_empty and self.batch_queue and not (
                     sched.finished_req_ids or sched.preempted_req_ids):
                 break  # nothing new to run (or to tell the workers): wait for the oldest
@@ -232,6 +242,11 @@ class EngineCore:
             # this one finish first (their results wait in the queue, applied in order after
             # this one's), then isolate the culprit synchronously.
             self._finish_in_flight()
+            if self.overlap:
+                # Later steps ran this one's requests on its (failed) sampled ids or KV: their
+                # output for those is dropped; recovery re-runs them from their state before it.
+                for later_sched, _ in self.batch_queue:
+                    self.scheduler.discard_grants(later_sched, sched.num_scheduled_tokens)
             later = {r for s, _ in self.batch_queue for r in s.num_scheduled_tokens}
             return self._fail_step(sched, exc, in_later_steps=later)
 
@@ -285,6 +300,11 @@ class EngineCore:
         tokens. ``in_later_steps``: requests of finished micro-batches published after it."""
         logger.error("step failed; re-running its %d requests to find the culprit:\n%s",
                      len(sched.num_scheduled_tokens), "".join(traceback.format_exception(exc)))
-        return StepIsolation(self.scheduler, self.executor.execute_model,
-                             self.executor.drop_requests,
-                             fatal=(WorkerDiedError,)).recover(sched, exc, in_later_steps)
+        out = StepIsolation(self.scheduler, self.executor.execute_model,
+                            self.executor.drop_requests,
+                            fatal=(WorkerDiedError,)).recover(sched, exc, in_later_steps)
+        # The re-runs sent the requests in full, with every token known now (under
+        # --async_scheduling more than when the step was scheduled).
+        self.scheduler.runner_knows_all(r for r in sched.num_scheduled_tokens
+                                        if r not in in_later_steps)
+        return out

@@ -6,7 +6,7 @@ from typing import Any
 
 from bladellm.config import EngineConfig
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
-from bladellm.executor.base import Executor
+from bladellm.executor.base import Executor, StepHandle
 from bladellm.checkpoint.locate import ResolvedModel
 from bladellm.worker.worker import Worker
 
@@ -21,6 +21,12 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)
+
+    def execute_model_async(self, sched: SchedulerOutput) -> StepHandle:
+        """Launch the step (on a CPU it runs to the end here); the handle's ``result()`` reads
+        its sampled ids, so the engine can schedule and launch the next step first
+        (--async_scheduling)."""
+        return self.worker.execute_model_async(sched)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

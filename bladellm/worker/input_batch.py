@@ -13,6 +13,14 @@ Hybrid KV cache groups (core/kv_groups.py): each group after the first has its o
 per row (``group_block_tables``, the same length as ``block_table``, group 0's) and gets its own
 slot mapping and block tables each step (``StepInputs.group_tables``).
 
+``--async_scheduling`` (docs/scheduler.md): a step may be scheduled before the previous one's
+sampled ids reach the host. A row whose last scheduled token is such a pending token
+(``CachedRequestData.pending_token``) has it at position ``num_tokens[row]``, one past what the
+host knows; ``prepare`` lists those positions (``StepInputs.pending``) and ``fill_pending``
+writes them into the staged input ids from the sampled-id tensor of the step that sampled each
+(``record_sampled``), a gather on the device with no host round-trip. The host copy arrives
+later as an ordinary ``new_token_ids`` diff.
+
 Every request contributes ``q >= 1`` query tokens to the flat batch (prefill chunk, one decode
 token, or 1 + k to verify); it samples when the step reaches the end of its known tokens.
 """
@@ -44,6 +52,11 @@ class StepInputs:
     token_lora_ids: np.ndarray | None = None  # [T] each token's LoRA adapter (0: base model)
     # KV cache groups 1, 2, ...: (block_tables, slot_mapping) of each, as attn_metadata's.
     group_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # Batch row of each request that samples (aligned with sample_indices).
+    sample_rows: np.ndarray | None = None
+    # --async_scheduling: (step number, index into that step's sampled ids, flat token index)
+    # of each pending input token, grouped by the step that sampled it (one in a steady state).
+    pending: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
 
 
 class InputBatch:
@@ -77,6 +90,13 @@ class InputBatch:
         self._group_buffers = [(np.zeros(R * B, np.int32), np.zeros(T, np.int64))
                                for _ in range(num_kv_groups - 1)]
         self._arange = np.arange(max(T, max_model_len) + 1, dtype=np.int64)
+        # --async_scheduling: rows whose last token this step is pending (set by ``apply``), and
+        # where each row's latest sampled id is: the step that sampled it, its index there.
+        self.pending = np.zeros(R, np.bool_)
+        self.sampled_step = np.full(R, -1, np.int64)
+        self.sampled_index = np.zeros(R, np.int64)
+        self._sampled: dict[int, torch.Tensor] = {}  # step number -> its sampled ids
+        self._step_no = 0
 
     # ---- applying the scheduler's diffs ---------------------------------------------------------
     def apply(self, sched: SchedulerOutput) -> None:
@@ -84,8 +104,10 @@ class InputBatch:
             self.remove(req_id)
         for new in sched.scheduled_new_reqs:
             self.add(new)
+        self.pending[:] = False
         for diff in sched.scheduled_cached_reqs:
             row = self.row_of[diff.req_id]
+            self.pending[row] = diff.pending_token
             if diff.new_token_ids:
                 n = int(self.num_tokens[row])
                 self.token_ids[row, n:n + len(diff.new_token_ids)] = diff.new_token_ids
@@ -124,6 +146,8 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.sampling.clear_row(row)
+            self.pending[row] = False
+            self.sampled_step[row] = -1
             self.lora_ids[row] = 0
             self._free_rows.append(row)
 
@@ -178,12 +202,17 @@ class InputBatch:
                 np.take(table[:, :width], rows, axis=0, out=g_tables)
                 group_tables.append((torch.from_numpy(g_tables), torch.from_numpy(g_slots)))
 
-        # A request samples when this step reaches the end of its known tokens.
-        sample_indices = np.flatnonzero(seq_lens >= self.num_tokens[rows])
+        # A request samples when this step reaches the end of its known tokens (a pending one
+        # counts: the device knows it).
+        pending_rows = self.pending[rows]
+        has_pending = bool(pending_rows.any())
+        known = self.num_tokens[rows] + pending_rows if has_pending else self.num_tokens[rows]
+        sample_indices = np.flatnonzero(seq_lens >= known)
         sampling = None
         if len(sample_indices):
-            sampling = self.sampling.metadata(rows[sample_indices], self.token_ids,
-                                              self.num_tokens, self.num_prompt_tokens)
+            sampling = self.sampling.metadata(
+                rows[sample_indices], self.token_ids, self.num_tokens, self.num_prompt_tokens,
+                row_num_tokens=known[sample_indices] if has_pending else None)
         metadata = AttentionMetadata(
             num_reqs=n, num_actual_tokens=T, max_query_len=int(q_lens.max()),
             max_seq_len=max_seq_len, query_start_loc=torch.from_numpy(qsl),
@@ -195,4 +224,42 @@ class InputBatch:
             positions=torch.from_numpy(positions), attn_metadata=metadata,
             sample_indices=sample_indices,
             logits_indices=torch.from_numpy(qsl[1:][sample_indices].astype(np.int64) - 1),
-            sampling=sampling, token_lora_ids=self.lora_ids[tok_rows], group_tables=group_tables)
+            sampling=sampling, token_lora_ids=self.lora_ids[tok_rows], group_tables=group_tables,
+            sample_rows=rows[sample_indices],
+            pending=self._pending_sources(rows, qsl) if has_pending else None)
+
+    # ---- async scheduling: pending tokens from the device ---------------------------------------
+    def _pending_sources(self, rows: np.ndarray,
+                         qsl: np.ndarray) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Where each pending input token comes from (a pending token is a row's last)."""
+        idx = np.flatnonzero(self.pending[rows])
+        steps = self.sampled_step[rows[idx]]
+        sources = []
+        for step in np.unique(steps).tolist():
+            if step not in self._sampled:
+                raise RuntimeError(f"a pending input token of step {step}, whose sampled ids "
+                                   f"are gone (rows {rows[idx[steps == step]].tolist()})")
+            sel = idx[steps == step]
+            sources.append((step, torch.from_numpy(self.sampled_index[rows[sel]]),
+                            torch.from_numpy(qsl[sel + 1].astype(np.int64) - 1)))
+        return sources
+
+    def fill_pending(self, inputs: StepInputs) -> None:
+        """Write the pending input tokens into ``inputs.input_ids`` (staged: on the device)
+        from the sampled ids of the steps that sampled them."""
+        for step, src, dst in inputs.pending or ():
+            inputs.input_ids[dst] = self._sampled[step][src]
+
+    def record_sampled(self, inputs: StepInputs, sampled_ids: torch.Tensor) -> None:
+        """This step's sampled ids ([S], on the device, aligned with ``inputs.sample_rows``),
+        kept for later steps' pending tokens. Older steps' ids are let go once no row's latest
+        sampled id is in them."""
+        self._step_no += 1
+        rows = inputs.sample_rows
+        self.sampled_step[rows] = self._step_no
+        self.sampled_index[rows] = self._arange[:len(rows)]
+        self._sampled[self._step_no] = sampled_ids
+        if len(self._sampled) > 2:
+            live = set(np.unique(self.sampled_step).tolist())
+            for step in [s for s in self._sampled if s not in live]:
+                del self._sampled[step]

@@ -44,6 +44,7 @@ from bladellm.worker.encoder_cache import EncoderCache
 from bladellm.worker.input_batch import InputBatch, StepInputs
 from bladellm.worker.mrope_positions import MRopePositions
 from bladellm.worker.sampling_rows import attach_grammar_bitmask
+from bladellm.worker.step_output import DeferredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -276,8 +277,12 @@ class ModelRunner:
             self.spec.drop(req_ids)
 
     # ---- one step -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(sched).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, sched: SchedulerOutput) -> DeferredOutput:
+        """Launch the step; its ``result()`` reads the sampled ids to the host."""
         if self.encoder_cache is not None:
             self.encoder_cache.remove_requests(sched.finished_req_ids | sched.preempted_req_ids)
             for new in sched.scheduled_new_reqs:
@@ -290,7 +295,7 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.drop(sched.finished_req_ids | sched.preempted_req_ids)
         if sched.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return DeferredOutput.ready(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
         if self.spec is not None:
             self.spec.write_proposals(sched)
         inputs = self.input_batch.prepare(sched)
@@ -299,32 +304,47 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.lay_out(sched, inputs)
         inputs = self.stager.stage(inputs)
+        self.input_batch.fill_pending(inputs)  # --async_scheduling: tokens still on the device
         key = self.graphs.key_of(inputs) if self.graphs is not None else None
         hidden = (self._forward(inputs) if key is None
                   else self.graphs.run(key, inputs, self._forward, self.kv_caches))
         if hidden is None:  # a pipeline stage before the last: it sent its activations on
-            return ModelRunnerOutput(req_ids=inputs.req_ids,
-                                     sampled_token_ids=[[] for _ in inputs.req_ids])
+            return DeferredOutput.ready(ModelRunnerOutput(
+                req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]))
         # Every TP rank computes them (the LM head's collectives need each); the driver's count.
         prompt_lps = (self._prompt_logprobs(hidden, inputs)
                       if self.input_batch.sampling.num_prompt_logprobs_rows else {})
         if self.spec is not None:
             out = self.spec.verify(self.model, hidden, sched, inputs)
             out.prompt_logprobs = prompt_lps
-            return out
-        sampled: list[list[int]] = [[] for _ in inputs.req_ids]
-        logprobs: dict[str, Logprobs] = {}
+            return DeferredOutput.ready(out)
+        out = None
         if inputs.sampling is not None:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             if not self.is_driver:
-                return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled)
+                return DeferredOutput.ready(ModelRunnerOutput(
+                    req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]))
             if sched.grammar_bitmask is not None:
                 attach_grammar_bitmask(inputs, sched.grammar_bitmask)
             out = self.sampler(logits, inputs.sampling, inplace=True)  # logits unused below
+            self.input_batch.record_sampled(inputs, out.sampled_token_ids)
+        # Read now: by ``result()`` the next step may have changed the batch's rows.
+        num_logprobs = (None if out is None or out.logprobs is None else
+                        [self.input_batch.sampling.params[row].logprobs
+                         for row in inputs.sample_rows.tolist()])
+        return DeferredOutput(lambda: self._host_output(inputs, out, prompt_lps, num_logprobs))
+
+    def _host_output(self, inputs: StepInputs, out: SamplerOutput | None,
+                     prompt_lps: dict[str, Logprobs],
+                     num_logprobs: list[int | None] | None) -> ModelRunnerOutput:
+        """The step's sampled ids and logprobs, read to the host (waits for the device)."""
+        sampled: list[list[int]] = [[] for _ in inputs.req_ids]
+        logprobs: dict[str, Logprobs] = {}
+        if out is not None:
             for i, token in zip(inputs.sample_indices.tolist(), out.sampled_token_ids.tolist()):
                 sampled[i] = [token]
-            if out.logprobs is not None:
-                logprobs = self._logprobs(inputs, out)
+            if num_logprobs is not None:
+                logprobs = self._logprobs(inputs, out, num_logprobs)
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled,
                                  logprobs=logprobs, prompt_logprobs=prompt_lps)
 
@@ -385,15 +405,15 @@ class ModelRunner:
                 ib.sampling.stop_prompt_logprobs(row)
         return result
 
-    def _logprobs(self, inputs: StepInputs, out: SamplerOutput) -> dict[str, Logprobs]:
-        """Each request's own share (1 + its ``logprobs``) of the step's widest top-k."""
+    def _logprobs(self, inputs: StepInputs, out: SamplerOutput,
+                  num_logprobs: list[int | None]) -> dict[str, Logprobs]:
+        """Each request's own share (1 + its ``logprobs``, ``num_logprobs`` by sampled row)
+        of the step's widest top-k."""
         ids, lps = out.logprobs_token_ids.tolist(), out.logprobs.tolist()
         ranks = out.sampled_ranks.tolist()
-        params = self.input_batch.sampling.params
         result: dict[str, Logprobs] = {}
-        for s, i in enumerate(inputs.sample_indices.tolist()):
+        for s, (i, num) in enumerate(zip(inputs.sample_indices.tolist(), num_logprobs)):
             req_id = inputs.req_ids[i]
-            num = params[self.input_batch.row_of[req_id]].logprobs
             if num is not None:
                 k = 1 + num
                 result[req_id] = Logprobs([ids[s][:k]], [lps[s][:k]], [ranks[s]])

@@ -23,6 +23,7 @@ from bladellm.platforms.threads import configure_engine_threads
 from bladellm.worker.memory_profile import plan_kv_cache, profile_activations
 from bladellm.worker.model_runner import ModelRunner
 from bladellm.worker.standalone_forwards import embed_prompts, time_token_forward
+from bladellm.worker.step_output import DeferredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,11 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         with self._pipeline_call(0 if sched.is_empty else 1):
             return self.model_runner.execute_model(sched)
+
+    def execute_model_async(self, sched: SchedulerOutput) -> DeferredOutput:
+        """Launch a step in this process (world size 1: no pipeline channel); ``result()``
+        reads its sampled ids (``--async_scheduling`` calls it after launching the next)."""
+        return self.model_runner.execute_model_async(sched)
 
     def set_eos_token_ids(self, eos_token_ids: list[int]) -> None:
         self.model_runner.set_eos_token_ids(eos_token_ids)

@@ -91,13 +91,17 @@ def test_request_preempted_while_in_flight_is_held_back():
     admitted again only once that step's (ignored) result is back, or the stale result would
     count for the resumed request."""
     sched = make_scheduler(num_blocks=64)
+    runner = FakeRunner(sched)
     _add(sched, 2)
-    sched.schedule()  # both running
+    first = sched.schedule()  # both running
+    out = runner.execute(first)
     victim = sched.running[-1]
     sched._preempt(victim)  # noqa: SLF001 - as a later micro-batch's allocation would
     sched.running.remove(victim)
     held = sched.schedule(skip={victim.request_id})
     assert victim.request_id not in held.num_scheduled_tokens
     assert sched.waiting[0] is victim
+    assert victim.request_id not in sched.schedule().num_scheduled_tokens  # still in flight
+    sched.update_from_output(first, out)  # its step is back (its result ignored)
     admitted = sched.schedule()
     assert victim.request_id in admitted.num_scheduled_tokens
