@@ -14,8 +14,9 @@ nothing samples return without any host sync, so the host could start the next s
 overwrite the arena) while the device still reads the last one's copies. ``stage`` therefore
 records a fence (the platform's ``CopyFence``: a CUDA event; a no-op on a CPU) after its last
 copy and waits on it before it writes the arena again. The wait costs nothing where the step
-ended by reading sampled ids (the copies are long done). An overlapped scheduler that stages step
-n + 1 while step n runs would want two arenas, alternated, so that this wait does not serialize.
+ended by reading sampled ids (the copies are long done). Under ``--async_scheduling`` step n + 1
+is staged while step n runs: the wait covers step n's copies only (queued behind step n - 1,
+whose ids were read), not its forward, so one arena serves (reasoned; not yet timed on a GPU).
 
 The arena's size and its contents come from one walk of the step (``_host_tensors``): the same
 list of host tensors is summed, reserved and then copied, so nested containers (the hybrid KV
