@@ -33,6 +33,11 @@ CASES = {
 }
 
 
+# Local and global layers mixed: a KV cache group per kind and run (core/kv_groups.py), so a
+# request of max_model_len needs more block ids than STRESS's pool; still small enough to preempt.
+POOL = {"gemma2": dict(num_kv_blocks=60), "gemma3": dict(num_kv_blocks=60)}
+
+
 def _make(tmp_path, family: str, overrides: dict) -> str:
     if family == "opt":
         return make_family_model(tmp_path, family, **overrides)
@@ -45,7 +50,8 @@ def test_two_stages_greedy_identical_to_transformers(tmp_path, case):
     family, overrides, tp = CASES[case]
     path = _make(tmp_path, family, overrides)
     prompts = _prompts(transformers.AutoConfig.from_pretrained(path).vocab_size)[:8]
-    llm = LLM(model=path, pipeline_parallel_size=2, tensor_parallel_size=tp, **STRESS)
+    llm = LLM(model=path, pipeline_parallel_size=2, tensor_parallel_size=tp,
+              **{**STRESS, **POOL.get(family, {})})
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                             use_tqdm=False)
@@ -80,7 +86,7 @@ def test_split_two_stages_serves_the_transformers_tokens(tmp_path, family, overr
     assert not any(n.startswith(layer2) for n in names[0])
     assert any(n.startswith(layer2) for n in names[1])
     prompts = _prompts(transformers.AutoConfig.from_pretrained(src).vocab_size)[:8]
-    llm = LLM(model=out, pipeline_parallel_size=2, **STRESS)
+    llm = LLM(model=out, pipeline_parallel_size=2, **{**STRESS, **POOL.get(family, {})})
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                             use_tqdm=False)
