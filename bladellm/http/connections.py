@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import resource
@@ -206,8 +207,11 @@ class RateLimitedErrors:
         held = self._held.pop(key, 0)
         more = f" ({held} more like it in the last {self.interval:g} s)" if held else ""
         exc = context.get("exception")
+        # Running out of descriptors under a connection flood is a condition, not a bug: its
+        # message says all there is, and a traceback per kind would only add log volume.
+        exhausted = isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE)
         logger.error("%s%s: %s", key, more, exc if exc is not None else context,
-                     exc_info=exc if last is None else None)
+                     exc_info=exc if last is None and not exhausted else None)
 
 
 class CountedNotes:

@@ -192,6 +192,15 @@ def test_loop_errors_are_logged_once_per_interval(caplog):
     assert len(lines) == 3, lines
     assert "999 more like it" in lines[1]
     assert "another kind" in lines[2]
+    # Descriptor exhaustion: the message only. Another error's first report keeps its traceback.
+    assert all(r.exc_info is None for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("ERROR"):
+        try:
+            raise RuntimeError("a bug")
+        except RuntimeError as bug:
+            handler(None, {"message": "a third kind", "exception": bug})
+    assert caplog.records[0].exc_info is not None
 
 
 def test_flags_are_validated():
