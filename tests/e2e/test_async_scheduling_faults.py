@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_reliability_step import inject_decode_fault
 
 from bladellm import LLM, SamplingParams
 from bladellm.worker.model_runner import ModelRunner
-from bladellm.worker.sampling_rows import SamplingRows
 from bladellm.worker.step_output import DeferredOutput
 
 NUM = 12
@@ -54,18 +54,7 @@ def _check(outs, reference, error: str, llm) -> None:
 def test_fault_at_launch(llms, monkeypatch):
     sync, overlap = llms
     reference = sync.generate(_prompts(), _params(), use_tqdm=False)
-    original = SamplingRows._fill_per_row
-    marker = 1000 + CULPRIT
-
-    def faulty(self, md, rows, token_ids, counts, num_prompt_tokens):
-        for i, row in enumerate(rows):
-            params = self.params[int(row)]
-            if params is not None and params.seed == marker and \
-                    counts[i] - num_prompt_tokens[int(row)] >= 3:
-                raise RuntimeError("injected fault")
-        return original(self, md, rows, token_ids, counts, num_prompt_tokens)
-
-    monkeypatch.setattr(SamplingRows, "_fill_per_row", faulty)
+    inject_decode_fault(monkeypatch, seed=1000 + CULPRIT)
     _check(overlap.generate(_prompts(), _params(), use_tqdm=False), reference,
            "injected fault", overlap)
 

@@ -47,6 +47,22 @@ def _blocks_all_back(llm) -> None:
     assert scheduler.kv_cache_manager.pool.num_used_blocks == 0
 
 
+def inject_decode_fault(monkeypatch, seed: int, after: int = 3) -> None:
+    """The runner raises while filling the sampling rows of the request with ``seed`` once it
+    has ``after`` output tokens (a decode step, not its first)."""
+    original = SamplingRows._fill_per_row
+
+    def faulty(self, md, rows, token_ids, counts, num_prompt_tokens):
+        for i, row in enumerate(rows):
+            params = self.params[int(row)]
+            if params is not None and params.seed == seed and \
+                    counts[i] - num_prompt_tokens[int(row)] >= after:
+                raise RuntimeError("injected fault")
+        return original(self, md, rows, token_ids, counts, num_prompt_tokens)
+
+    monkeypatch.setattr(SamplingRows, "_fill_per_row", faulty)
+
+
 def test_fault_in_a_new_request_fails_it_alone(llm):
     reference = llm.generate(_prompts(), _params(), use_tqdm=False)
     assert all(o.error is None for o in reference)
@@ -63,18 +79,7 @@ def test_fault_in_a_running_request_fails_it_alone(llm, monkeypatch):
     """The culprit breaks a decode step (no longer a new request): the first re-run, without
     the step's new requests, fails too, and bisection over all of them finds it."""
     reference = llm.generate(_prompts(), _params(), use_tqdm=False)
-    original = SamplingRows._fill_per_row
-    marker = 1000 + CULPRIT
-
-    def faulty(self, md, rows, token_ids, counts, num_prompt_tokens):
-        for i, row in enumerate(rows):
-            params = self.params[int(row)]
-            if params is not None and params.seed == marker and \
-                    counts[i] - num_prompt_tokens[int(row)] >= 3:
-                raise RuntimeError("injected fault")
-        return original(self, md, rows, token_ids, counts, num_prompt_tokens)
-
-    monkeypatch.setattr(SamplingRows, "_fill_per_row", faulty)
+    inject_decode_fault(monkeypatch, seed=1000 + CULPRIT)
     outs = llm.generate(_prompts(), _params(), use_tqdm=False)
     _check_result(outs, reference, "injected fault")
     assert len(outs[CULPRIT].outputs[0].token_ids) == 3  # its tokens before the fault
