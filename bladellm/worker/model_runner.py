@@ -327,7 +327,8 @@ class ModelRunner:
             if sched.grammar_bitmask is not None:
                 attach_grammar_bitmask(inputs, sched.grammar_bitmask)
             out = self.sampler(logits, inputs.sampling, inplace=True)  # logits unused below
-            self.input_batch.record_sampled(inputs, out.sampled_token_ids)
+            if self.config.scheduler.async_scheduling:  # kept for the next step's pending rows
+                self.input_batch.record_sampled(inputs, out.sampled_token_ids)
         # Read now: by ``result()`` the next step may have changed the batch's rows.
         num_logprobs = (None if out is None or out.logprobs is None else
                         [self.input_batch.sampling.params[row].logprobs
