@@ -104,4 +104,6 @@ class ModelRunnerOutput:
     # the target (correction or bonus). Proposals for the next step, per request:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # a chain to verify
     spec_tree_sizes: dict[str, int] = field(default_factory=dict)  # look_ahead tree query tokens
+    # Wall seconds of this step's runner phases on the driver (core/step_phases.RUNNER_PHASES).
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 

@@ -78,3 +78,5 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     num_spec_accepted_tokens: int = 0
     # sps: request-steps whose draft did not run, by reason ("cost", "length"; cumulative).
     num_spec_declined: dict[str, int] = msgspec.field(default_factory=dict)
+    # Cumulative wall seconds per step phase (core/step_phases.py; filled by the engine core).
+    step_seconds: dict[str, float] = msgspec.field(default_factory=dict)

@@ -297,12 +297,14 @@ class AsyncLLM:
     def _dispatch(self, outputs) -> None:
         if outputs.scheduler_stats is not None:
             self._latest_stats = outputs.scheduler_stats
+        start = time.perf_counter()
         processed = self.output_processor.process_outputs(outputs.outputs, time.time())
         for request_id, out in processed.request_outputs.items():
             self._not_started.discard(request_id)
             queue = self._queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(out)
+        processed.iteration.output_processing_seconds = time.perf_counter() - start
         if processed.reqs_to_abort:
             self._send_in_background(self.client.abort_requests(processed.reqs_to_abort))
         for stat_logger in self.stat_loggers:

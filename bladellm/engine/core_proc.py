@@ -26,6 +26,7 @@ import zmq
 
 from bladellm.config import EngineConfig
 from bladellm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from bladellm.platforms.heap import freeze_startup_heap
 from bladellm.platforms.signals import unblock_stop_signals
 
 # The API process imports this module to start the core (core_client), before it imports
@@ -118,6 +119,7 @@ def run_engine_core_proc(config: EngineConfig, input_addr: str, output_addr: str
     # A PUSH socket whose peer is gone blocks in send forever: wait at most this long, then
     # look whether the API process is still there (_send).
     out.setsockopt(zmq.SNDTIMEO, DEAD_POLL_MS)
+    freeze_startup_heap()
     try:
         _busy_loop(core, inp, out, parent)
     except _Orphaned:
@@ -201,6 +203,7 @@ def _busy_loop(core: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> 
                 core.executor.check_health()  # a worker that died while idle: report dead now
                 continue
         extra = []
+        start = time.perf_counter()
         while inp.poll(0):
             kind, payload = inp.recv_multipart()
             if kind == Msg.ADD:
@@ -214,11 +217,14 @@ def _busy_loop(core: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> 
                       parent_pid)
             elif kind == Msg.SHUTDOWN:
                 return
+        core.phases.since("recv", start)
         if core.has_unfinished_requests():
             outputs = core.step()
             if extra:
                 outputs.outputs = extra + outputs.outputs
+            start = time.perf_counter()
             _send(out, encoder.encode(outputs), parent_pid)
+            core.phases.since("send", start)  # reported with the next step's stats
         elif extra:
             _send(out, encoder.encode(EngineCoreOutputs(
                 outputs=extra, scheduler_stats=core.scheduler.get_stats(), timestamp=time.time())),

@@ -17,6 +17,7 @@ from bladellm.core import spec_decode
 from bladellm.core.interface import ModelRunnerOutput, SchedulerOutput
 from bladellm.core.kv_groups import engine_kv_cache_groups
 from bladellm.core.scheduler import Scheduler
+from bladellm.core.step_phases import PhaseClock
 from bladellm.executor import WorkerDiedError, get_executor_class
 from bladellm.executor.base import DoneStep, StepHandle
 from bladellm.engine.guided import GuidedRequests
@@ -102,6 +103,7 @@ class EngineCore:
                 _log_draft_outlook(self.scheduler.spec_policy.draft_break_even())
             self.guided = GuidedRequests(config, resolved, self.scheduler)
             self.prompt_logprobs = PromptLogprobs()
+            self.phases = PhaseClock()  # where the steps' time goes (core/step_phases.py)
             # Published steps not finished yet (pipeline parallelism, --async_scheduling), oldest
             # first, and how many may be: the pipeline depth, or 2 when step n + 1 is scheduled
             # and launched while step n runs (docs/scheduler.md).
@@ -157,10 +159,15 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> EngineCoreOutputs:
+        clock = self.phases
+        start = time.perf_counter()
         lora_failures, loading = self._sync_loras() if self.lora_enabled else ([], False)
         failed = self.guided.fail_broken_grammars()
         if self.max_in_flight > 1:
+            scheduling = clock.seconds.get("schedule", 0.0)
             sched, runner_out = self._pipelined_step()
+            scheduling = clock.seconds.get("schedule", 0.0) - scheduling  # timed inside
+            start = self._count_execute(runner_out, start + scheduling)
         else:
             sched = self.scheduler.schedule()
             sched.grammar_bitmask = self.guided.start_bitmask(sched)
@@ -168,7 +175,9 @@ class EngineCore:
                 if loading:
                     time.sleep(0.002)  # only requests waiting for an adapter load: don't spin
                 self.guided.wait_for_compiling()  # only grammar-waiting requests: don't spin
+            start = clock.since("schedule", start)
             runner_out = self._execute(sched)
+            start = self._count_execute(runner_out, start)
         self._gather_prompt_logprobs(runner_out)
         outputs = (lora_failures + failed
                    + self.scheduler.update_from_output(sched, runner_out))
@@ -178,7 +187,17 @@ class EngineCore:
             self.scheduler.check_invariants()
         stats = self.scheduler.get_stats()
         self.guided.fill_stats(stats)
+        clock.since("update", start)
+        stats.step_seconds = clock.snapshot()
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.time())
+
+    def _count_execute(self, runner_out: ModelRunnerOutput, start: float) -> float:
+        """The runner's phases, and the rest of the executor's round trip since ``start``."""
+        now = time.perf_counter()
+        runner = sum(runner_out.phase_seconds.values())
+        self.phases.add_all(runner_out.phase_seconds)
+        self.phases.add("executor", max(0.0, now - start - runner))
+        return now
 
     def _gather_prompt_logprobs(self, runner_out: ModelRunnerOutput) -> None:
         """Before the scheduler advances: a chunk's prompt logprobs start after the request's
@@ -208,8 +227,10 @@ class EngineCore:
                 break  # failed before it ran: the tokens its requests wait for are not coming
             in_flight = {r for sched, _ in self.batch_queue for r in sched.num_scheduled_tokens}
             unfinished = self.scheduler.num_running + self.scheduler.num_waiting
+            start = time.perf_counter()
             sched = (self.scheduler.schedule() if self.overlap else self.scheduler.schedule(
                 skip=in_flight, max_num_reqs=max(1, -(-unfinished // depth))))
+            self.phases.since("schedule", start)
             if sched.is_empty and self.batch_queue and not (
                     sched.finished_req_ids or sched.preempted_req_ids):
                 break  # nothing new to run (or to tell the workers): wait for the oldest

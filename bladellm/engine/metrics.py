@@ -20,6 +20,7 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)  # seconds between tokens
     num_prompt_tokens: int = 0  # prompts whose first token arrived in this batch
     num_generation_tokens: int = 0
+    output_processing_seconds: float = 0.0  # the front end's work on this batch of outputs
 
 
 @dataclass

@@ -49,6 +49,7 @@ from bladellm.http.handlers import from_exception, install_handlers
 from bladellm.http.connections import (
     RateLimitedErrors, effective_max_connections, raise_open_file_limit, uvicorn_limits)
 from bladellm.http.listen import bind_socket, open_listener_warning
+from bladellm.platforms.heap import freeze_startup_heap
 from bladellm.platforms.signals import caused_by_interrupt
 
 logger = logging.getLogger("bladellm.server")
@@ -244,6 +245,8 @@ class _Server(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         self._loop.set_exception_handler(RateLimitedErrors())  # e.g. accept() out of files
         await super().startup(sockets)
+        if self.started:
+            freeze_startup_heap()  # GC passes here stall the event loop every stream waits on
         if self.started and sockets:
             host, port = sockets[0].getsockname()[:2]
             host = f"[{host}]" if ":" in host else host

@@ -283,6 +283,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model_async(self, sched: SchedulerOutput) -> DeferredOutput:
         """Launch the step; its ``result()`` reads the sampled ids to the host."""
+        start = time.perf_counter()
         if self.encoder_cache is not None:
             self.encoder_cache.remove_requests(sched.finished_req_ids | sched.preempted_req_ids)
             for new in sched.scheduled_new_reqs:
@@ -305,22 +306,32 @@ class ModelRunner:
             self.spec.lay_out(sched, inputs)
         inputs = self.stager.stage(inputs)
         self.input_batch.fill_pending(inputs)  # --async_scheduling: tokens still on the device
+        phases: dict[str, float] = {}  # core/step_phases.py
+        now = time.perf_counter()
+        phases["prepare"], start = now - start, now
         key = self.graphs.key_of(inputs) if self.graphs is not None else None
         hidden = (self._forward(inputs) if key is None
                   else self.graphs.run(key, inputs, self._forward, self.kv_caches))
+        now = time.perf_counter()
+        phases["forward"], start = now - start, now
         if hidden is None:  # a pipeline stage before the last: it sent its activations on
             return DeferredOutput.ready(ModelRunnerOutput(
-                req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]))
+                req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids],
+                phase_seconds=phases))
         # Every TP rank computes them (the LM head's collectives need each); the driver's count.
         prompt_lps = (self._prompt_logprobs(hidden, inputs)
                       if self.input_batch.sampling.num_prompt_logprobs_rows else {})
-        if self.spec is not None:
+        if self.spec is not None:  # the verification's LM head and sampling count as "sample"
             out = self.spec.verify(self.model, hidden, sched, inputs)
             out.prompt_logprobs = prompt_lps
+            phases["sample"] = time.perf_counter() - start
+            out.phase_seconds = phases
             return DeferredOutput.ready(out)
         out = None
         if inputs.sampling is not None:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            now = time.perf_counter()
+            phases["logits"], start = now - start, now
             if not self.is_driver:
                 return DeferredOutput.ready(ModelRunnerOutput(
                     req_ids=inputs.req_ids, sampled_token_ids=[[] for _ in inputs.req_ids]))
@@ -333,12 +344,17 @@ class ModelRunner:
         num_logprobs = (None if out is None or out.logprobs is None else
                         [self.input_batch.sampling.params[row].logprobs
                          for row in inputs.sample_rows.tolist()])
-        return DeferredOutput(lambda: self._host_output(inputs, out, prompt_lps, num_logprobs))
+        phases["sample"] = time.perf_counter() - start
+        return DeferredOutput(
+            lambda: self._host_output(inputs, out, prompt_lps, num_logprobs, phases))
 
     def _host_output(self, inputs: StepInputs, out: SamplerOutput | None,
                      prompt_lps: dict[str, Logprobs],
-                     num_logprobs: list[int | None] | None) -> ModelRunnerOutput:
-        """The step's sampled ids and logprobs, read to the host (waits for the device)."""
+                     num_logprobs: list[int | None] | None,
+                     phases: dict[str, float]) -> ModelRunnerOutput:
+        """The step's sampled ids and logprobs, read to the host (waits for the device);
+        the wait and the read count in ``phases["sample"]``."""
+        start = time.perf_counter()
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, Logprobs] = {}
         if out is not None:
@@ -346,8 +362,10 @@ class ModelRunner:
                 sampled[i] = [token]
             if num_logprobs is not None:
                 logprobs = self._logprobs(inputs, out, num_logprobs)
+        phases["sample"] += time.perf_counter() - start
         return ModelRunnerOutput(req_ids=inputs.req_ids, sampled_token_ids=sampled,
-                                 logprobs=logprobs, prompt_logprobs=prompt_lps)
+                                 logprobs=logprobs, prompt_logprobs=prompt_lps,
+                                 phase_seconds=phases)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on the step's (or a padded step's) flat inputs: hidden states, or None on

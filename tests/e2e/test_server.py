@@ -309,6 +309,30 @@ async def test_disconnect_while_waiting_for_a_full_response_aborts(server):
 # ------------------------------------------------------- vLLM extras (issue 15, item 7)
 
 
+async def test_metrics_split_the_steps_by_phase(server, client):
+    """Every phase of a served step is timed and published; the runner's phases add up to
+    less than the steps' wall time, the front end's output work is counted too."""
+    before = await _metrics(server)
+    await client.completions.create(model="tiny", prompt="hello", max_tokens=8,
+                                    extra_body={"ignore_eos": True})
+    after = await _metrics(server)
+    steps = (_metric(after, "bladellm_engine_steps_total")
+             - _metric(before, "bladellm_engine_steps_total"))
+    assert steps >= 8  # a prefill, then a decode step per further token (and other tests')
+    grew = {}
+    for phase in ("recv", "schedule", "prepare", "forward", "logits", "sample", "executor",
+                  "update", "send"):
+        name = f'bladellm_engine_step_phase_seconds_total{{phase="{phase}"}}'
+        grew[phase] = _metric(after, name) - _metric(before, name)
+    # The send of a step is reported with the next step's stats: at least the prefill's.
+    assert all(grew[p] > 0 for p in ("recv", "schedule", "prepare", "forward", "logits",
+                                     "sample", "update", "send")), grew
+    assert grew["executor"] >= 0
+    assert (_metric(after, "bladellm_api_output_processing_seconds_total")
+            > _metric(before, "bladellm_api_output_processing_seconds_total"))
+    assert _metric(after, "process_cpu_seconds_total") > 0
+
+
 async def test_tokenize_and_detokenize_match_the_engine(server, client):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     msgs = [{"role": "user", "content": "hello"}]

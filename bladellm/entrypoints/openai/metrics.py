@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from bladellm.core.step_phases import PHASES
 from bladellm.engine.messages import SchedulerStats
 from bladellm.engine.metrics import FinishedRequestStats, IterationStats
 
@@ -131,6 +133,22 @@ class PrometheusStatLogger:
             "plain decoding faster; length: too few tokens left).", labelnames=("reason",))
         for reason in ("cost", "length"):
             self.spec_declined.labels(reason=reason)
+        # Where the engine's steps spend their time, and how many steps ran
+        # (core/step_phases.py; benchmarks/step_split.py divides one by the other).
+        self.step_phase_seconds = self._metric(
+            Counter, "engine_step_phase_seconds", (),
+            "Wall seconds of the engine core's steps by phase (recv, schedule, prepare, "
+            "forward, logits, sample, executor, update, send).", labelnames=("phase",))
+        for phase in PHASES:
+            self.step_phase_seconds.labels(phase=phase)
+        self.engine_steps = self._metric(Counter, "engine_steps", (),
+                                         "Engine steps that ran a batch.")
+        self.output_processing_seconds = self._metric(
+            Counter, "api_output_processing_seconds", (),
+            "Seconds the API process spent turning the engine's outputs into responses "
+            "(detokenization, stop strings, logprobs), on its event loop.")
+        # The API process's own CPU time, memory and open files (process_* metrics).
+        ProcessCollector(registry=self.registry)
         self.finished = self._metric(Counter, "request_success", None,
                                      "Finished requests by finish reason.",
                                      labelnames=("finished_reason",))
@@ -163,6 +181,8 @@ class PrometheusStatLogger:
             self.ttft.observe(value)
         for value in iteration.inter_token_latencies:
             self.tbt.observe(value)
+        if iteration.output_processing_seconds:
+            self.output_processing_seconds.inc(iteration.output_processing_seconds)
         if iteration.num_prompt_tokens:
             self.prompt_tokens.inc(iteration.num_prompt_tokens)
         if iteration.num_generation_tokens:
@@ -192,6 +212,15 @@ class PrometheusStatLogger:
             delta = now - before if now >= before else now
             if delta > 0:
                 counter.inc(delta)
+        before = last.num_steps if last is not None else 0
+        steps = stats.num_steps - before if stats.num_steps >= before else stats.num_steps
+        if steps > 0:
+            self.engine_steps.inc(steps)
+        for phase, now in stats.step_seconds.items():
+            before = last.step_seconds.get(phase, 0.0) if last is not None else 0.0
+            delta = now - before if now >= before else now
+            if delta > 0:
+                self.step_phase_seconds.labels(phase=phase).inc(delta)
         for reason, now in stats.num_spec_declined.items():
             before = last.num_spec_declined.get(reason, 0) if last is not None else 0
             delta = now - before if now >= before else now

@@ -63,3 +63,26 @@ def test_each_logger_has_its_own_registry():
     a, b = PrometheusStatLogger(), PrometheusStatLogger()  # no duplicate-registration error
     a.record(None, IterationStats(num_prompt_tokens=5), [])
     assert _values(b)["bladellm_prompt_tokens_total"] == 0
+
+
+def test_step_phase_totals_become_counters_per_phase():
+    m = PrometheusStatLogger()
+    m.record(SchedulerStats(num_steps=10, step_seconds={"forward": 0.5, "schedule": 0.01}),
+             IterationStats(output_processing_seconds=0.002), [])
+    m.record(SchedulerStats(num_steps=30, step_seconds={"forward": 1.5, "schedule": 0.03,
+                                                        "send": 0.004}),
+             IterationStats(output_processing_seconds=0.003), [])
+    v = _values(m)
+    assert v["bladellm_engine_steps_total"] == 30
+    assert v["bladellm_engine_step_phase_seconds_total[('phase', 'forward')]"] == 1.5
+    assert v["bladellm_engine_step_phase_seconds_total[('phase', 'schedule')]"] == 0.03
+    assert v["bladellm_engine_step_phase_seconds_total[('phase', 'send')]"] == 0.004
+    # Every phase is published from the start, at 0 until it runs.
+    assert v["bladellm_engine_step_phase_seconds_total[('phase', 'executor')]"] == 0
+    assert abs(v["bladellm_api_output_processing_seconds_total"] - 0.005) < 1e-12
+    # A restarted core counts from its new zero.
+    m.record(SchedulerStats(num_steps=2, step_seconds={"forward": 0.25}), IterationStats(), [])
+    v = _values(m)
+    assert v["bladellm_engine_steps_total"] == 32
+    assert v["bladellm_engine_step_phase_seconds_total[('phase', 'forward')]"] == 1.75
+    assert "process_cpu_seconds_total" in v  # the API process's own CPU time
