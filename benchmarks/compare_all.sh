@@ -9,8 +9,10 @@
 #
 # Environment: PARTS ["offline serve tbt"], MODELS ["llama88m demo"], DATASETS ["random shared"],
 # DTYPES [bfloat16] (add float32 where the CPU has native bf16: both are published),
-# RATES [1,2,4,8,inf], NUM_PROMPTS [32] (serving, per rate), OFFLINE_PROMPTS [128],
-# TBT_PROMPTS [16].
+# PEERS [vllm, plus llamacpp where its venv is installed], RATES [1,2,4,8,inf],
+# NUM_PROMPTS [32] (serving, per rate), OFFLINE_PROMPTS [128], OFFLINE_ROUNDS [2] (the offline
+# engines alternate this many times), TBT_PROMPTS [16].
+# At the end it prints the bladellm-vs-vLLM table (benchmarks/cpu_table.py) into table.md.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -20,6 +22,11 @@ DTYPES=${DTYPES:-bfloat16}
 MODELS=${MODELS:-llama88m demo}
 DATASETS=${DATASETS:-random shared}
 PYTHON=${PYTHON:-python}
+PEERS_DIR=${PEERS_DIR:-/opt/peers}
+if [ -z "${PEERS:-}" ]; then
+    PEERS=vllm
+    [ -x "$PEERS_DIR/llamacpp/bin/python" ] && PEERS="vllm llamacpp"
+fi
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # Every published number states the machine: CPU model and ISA flags, versions, commit.
@@ -52,7 +59,8 @@ for model in $MODELS; do
     if [[ " $PARTS " == *" offline "* ]]; then
         echo "=== offline $tag ==="
         "$PYTHON" "$ROOT/benchmarks/offline_throughput.py" --model_dir "$dir" --dtype "$dtype" \
-            --engines bladellm,vllm,llamacpp --num_prompts "${OFFLINE_PROMPTS:-128}" \
+            --engines "bladellm,${PEERS// /,}" --num_prompts "${OFFLINE_PROMPTS:-128}" \
+            --rounds "${OFFLINE_ROUNDS:-2}" \
             ${gguf:+--gguf "$gguf"} --quiet --output_json "$OUT/offline-$tag.json" \
             | tee "$OUT/offline-$tag.log"
     fi
@@ -65,13 +73,13 @@ for model in $MODELS; do
             else
                 ds=(DATASET=random INPUT_LEN=128,128 BENCH_ARGS=)
             fi
-            env "${ds[@]}" GGUF="$gguf" SERVERS="bladellm vllm llamacpp" VLLM_BIND_ALL=1 \
+            env "${ds[@]}" GGUF="$gguf" SERVERS="bladellm $PEERS" VLLM_BIND_ALL=1 \
                 DTYPE="$dtype" RATES="${RATES:-1,2,4,8,inf}" NUM_PROMPTS="${NUM_PROMPTS:-32}" \
                 OUTPUT_LEN=64,64 SLO=ttft:1000,tpot:100 bash "$ROOT/benchmarks/compare.sh" \
                 "$dir" "$OUT/serve-$tag-$dataset"
         done
     fi
-    if [[ " $PARTS " == *" tbt "* ]] && [ "$model" = llama88m ]; then
+    if [[ " $PARTS " == *" tbt "* ]] && [ "$model" = llama88m ] && [[ " $PEERS " == *" llamacpp "* ]]; then
         # One request at a time: time between tokens of a single stream, same dtype for both.
         echo "=== tbt $tag ==="
         env DATASET=random INPUT_LEN=128,128 OUTPUT_LEN=128,128 SERVERS="bladellm llamacpp" \
@@ -80,4 +88,5 @@ for model in $MODELS; do
     fi
 done
 done
+"$PYTHON" "$ROOT/benchmarks/cpu_table.py" "$OUT" | tee "$OUT/table.md"
 echo "results in $OUT"

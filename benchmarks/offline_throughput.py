@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="dummy: random weights made by the engine (bladellm only); the model "
                          "dir holds config.json and a small tokenizer")
     ap.add_argument("--kv_cache_memory", default="4GiB")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the engines this many times, alternating; ratios of the means")
     ap.add_argument("--output_json", default=None)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
@@ -278,19 +280,23 @@ def main(argv: list[str] | None = None) -> None:
     prompts, out_lens = make_workload(args.num_prompts, in_range, out_range, vocab, args.seed)
     results = []
     engines = args.engines.split(",")
-    if "bladellm" in engines:
-        results.append(run_bladellm(model_dir, args.dtype, prompts, out_lens, args))
-        print(json.dumps(results[-1]), flush=True)
-        gc.collect()
-    if "transformers" in engines:
-        for bs in (int(x) for x in args.hf_batch_size.split(",")):
-            results.append(run_transformers(model_dir, args.dtype, prompts, out_lens, bs,
-                                            args.quiet))
+    for rnd in range(args.rounds):  # engines alternate: machine drift hits both alike
+        if "bladellm" in engines:
+            results.append(run_bladellm(model_dir, args.dtype, prompts, out_lens, args))
+            results[-1]["round"] = rnd
             print(json.dumps(results[-1]), flush=True)
-    for engine in ("vllm", "llamacpp"):
-        if engine in engines:
-            results.append(run_peer(engine, model_dir, args.dtype, prompts, out_lens, args))
-            print(json.dumps(results[-1]), flush=True)
+            gc.collect()
+        if "transformers" in engines:
+            for bs in (int(x) for x in args.hf_batch_size.split(",")):
+                results.append(run_transformers(model_dir, args.dtype, prompts, out_lens, bs,
+                                                args.quiet))
+                results[-1]["round"] = rnd
+                print(json.dumps(results[-1]), flush=True)
+        for engine in ("vllm", "llamacpp"):
+            if engine in engines:
+                results.append(run_peer(engine, model_dir, args.dtype, prompts, out_lens, args))
+                results[-1]["round"] = rnd
+                print(json.dumps(results[-1]), flush=True)
 
     import transformers
     report = {
@@ -302,14 +308,20 @@ def main(argv: list[str] | None = None) -> None:
         "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
         "results": results,
     }
-    blade = [r for r in results if r["engine"] == "bladellm"]
-    for r in results:
-        if blade and r is not blade[0]:
-            r["bladellm_ratio"] = blade[0]["output_tok_s"] / r["output_tok_s"]
-    print("\n| engine | output tok/s | elapsed s | bladellm / engine |\n|---|---|---|---|")
-    for r in results:
-        ratio = f"{r['bladellm_ratio']:.2f}x" if "bladellm_ratio" in r else ""
-        print(f"| {r['engine']} | {r['output_tok_s']:.1f} | {r['elapsed_s']:.1f} | {ratio} |")
+    # Per engine: the mean over the rounds; ratios of means.
+    means: dict[str, float] = {}
+    for name in dict.fromkeys(r["engine"] for r in results):
+        runs = [r["output_tok_s"] for r in results if r["engine"] == name]
+        means[name] = sum(runs) / len(runs)
+    report["mean_output_tok_s"] = means
+    if "bladellm" in means:
+        report["bladellm_ratio"] = {name: means["bladellm"] / tok_s
+                                    for name, tok_s in means.items() if name != "bladellm"}
+    print("\n| engine | output tok/s (each round) | mean | bladellm / engine |\n|---|---|---|---|")
+    for name, mean in means.items():
+        runs = " / ".join(f"{r['output_tok_s']:.1f}" for r in results if r["engine"] == name)
+        ratio = report.get("bladellm_ratio", {}).get(name)
+        print(f"| {name} | {runs} | {mean:.1f} | {f'{ratio:.2f}x' if ratio else ''} |")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))
 
