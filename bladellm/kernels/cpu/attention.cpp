@@ -222,24 +222,43 @@ static void run_rows_pairs(const PagedAttentionArgs& a, const WorkItem& w, const
       }
       for (int t = std::max(0, kt - first_pos); t < g.tokens; ++t) {
         const int valid = std::min(n, first_pos + t - kt + 1);  // causal: keys <= position
+        const int pos = first_pos + t;
+        RowFeat rf[4];
         if constexpr (kFeat) {
-          const int pos = first_pos + t;
           const int lo = f.window > 0 ? pos - f.window + 1 : -0x7fffffff;
           if (lo > kt + n - 1) break;  // this and every later row: the tile precedes the window
-          for (int h = 0; h < g.G; ++h) {
-            const int m = g.row(hh, t, h);
-            const float slope =
-                f.slopes != nullptr ? f.slopes[(w.head_begin + hh) * g.G + h] : 0.0f;
-            const RowFeat rf{kt, pos, lo, slope * 1.4426950408889634f, f.cap2};
-            row_pairs<DC, true>(query_row<bf16_t>(a, w, g, hh, t, h), qscale,
-                                sc.acc.data() + m * g.d, sc.row_max[m], sc.row_sum[m], kp, vp,
-                                valid, g.d, &rf);
+          for (int h = 0; h < std::min(4, g.G); ++h) rf[h] = {kt, pos, lo, 0.0f, f.cap2};
+        }
+        if constexpr (DC != 0) {  // the token's query heads, up to four at a time
+          for (int h0 = 0; h0 < g.G; h0 += 4) {
+            const int R = std::min(4, g.G - h0), m = g.row(hh, t, h0);
+            if constexpr (kFeat)
+              for (int r = 0; r < R; ++r)
+                rf[r].slope2 = f.slopes != nullptr
+                                   ? f.slopes[(w.head_begin + hh) * g.G + h0 + r] *
+                                         1.4426950408889634f
+                                   : 0.0f;
+            const bf16_t* q = query_row<bf16_t>(a, w, g, hh, t, h0);
+            float* acc = sc.acc.data() + m * g.d;
+            float* mx = sc.row_max.data() + m;
+            float* sm = sc.row_sum.data() + m;
+            switch (R) {
+              case 1: rows_pairs<DC, 1, kFeat>(q, a.q_stride_head, qscale, acc, mx, sm, kp, vp, valid, rf); break;
+              case 2: rows_pairs<DC, 2, kFeat>(q, a.q_stride_head, qscale, acc, mx, sm, kp, vp, valid, rf); break;
+              case 3: rows_pairs<DC, 3, kFeat>(q, a.q_stride_head, qscale, acc, mx, sm, kp, vp, valid, rf); break;
+              default: rows_pairs<DC, 4, kFeat>(q, a.q_stride_head, qscale, acc, mx, sm, kp, vp, valid, rf); break;
+            }
           }
         } else {
           for (int h = 0; h < g.G; ++h) {
             const int m = g.row(hh, t, h);
-            row_pairs<DC>(query_row<bf16_t>(a, w, g, hh, t, h), qscale, sc.acc.data() + m * g.d,
-                          sc.row_max[m], sc.row_sum[m], kp, vp, valid, g.d);
+            if constexpr (kFeat)
+              rf[0].slope2 = f.slopes != nullptr ? f.slopes[(w.head_begin + hh) * g.G + h] *
+                                                       1.4426950408889634f
+                                                 : 0.0f;
+            row_pairs<DC, kFeat>(query_row<bf16_t>(a, w, g, hh, t, h), qscale,
+                                 sc.acc.data() + m * g.d, sc.row_max[m], sc.row_sum[m], kp, vp,
+                                 valid, g.d, rf);
           }
         }
       }

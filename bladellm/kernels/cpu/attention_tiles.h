@@ -392,6 +392,75 @@ static inline void row_pairs(const bf16_t* q, float qscale, float* acc, float& r
   row_update<DC, kFeat>(transpose_sum(part) * qscale, acc, row_max, row_sum, vp, n, dim, rf);
 }
 
+// R rows of one token (query heads sharing a kv head: one position, one causal limit n)
+// against one key tile, K and V read in place: each K row feeds R dots and each widened V
+// vector R FMAs, where row_pairs reloads (and rewidens) them per row. Rows are consecutive:
+// query row r at q + r * q_stride, results at acc + r * DC, row_max[r], row_sum[r].
+template <int DC, int R, bool kFeat = false>
+static inline void rows_pairs(const bf16_t* q, int64_t q_stride, float qscale, float* acc,
+                              float* row_max, float* row_sum, const bf16_t* const* kp,
+                              const bf16_t* const* vp, int n, const RowFeat* rf = nullptr) {
+  static_assert(DC % 32 == 0, "whole pairs of vectors");
+  constexpr int NQ = DC / 32, NV = DC / VLEN;
+  __m512i qv[R][NQ];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NQ; ++i)
+      qv[r][i] = _mm512_loadu_si512(static_cast<const void*>(q + r * q_stride + 32 * i));
+  vfloat part[R][VLEN];
+  for (int j = 0; j < n; ++j) {
+    __m512i kv[NQ];
+    for (int i = 0; i < NQ; ++i) kv[i] = _mm512_loadu_si512(static_cast<const void*>(kp[j] + 32 * i));
+    for (int r = 0; r < R; ++r) {
+      vfloat s{};
+      for (int i = 0; i < NQ; ++i) s = dpbf16(s, qv[r][i], kv[i]);
+      part[r][j] = s;
+    }
+  }
+  float pj[R][VLEN];
+  float alpha[R];
+  for (int r = 0; r < R; ++r) {
+    for (int j = n; j < VLEN; ++j) part[r][j] = vfloat{};
+    vfloat s = transpose_sum(part[r]) * qscale;
+    if constexpr (kFeat) {
+      vint key;
+      for (int j = 0; j < VLEN; ++j) key[j] = rf[r].kt + j;
+      if (rf[r].cap2 != 0.0f) s = soft_cap(s, rf[r].cap2);
+      s += splat(rf[r].slope2) * __builtin_convertvector(key - rf[r].pos, vfloat);
+      s = key >= rf[r].lo ? s : splat(-__builtin_inff());
+    }
+    if (n < VLEN) {
+      vint lane;
+      for (int j = 0; j < VLEN; ++j) lane[j] = j;
+      s = lane < n ? s : splat(-__builtin_inff());
+    }
+    const float new_max = std::max(row_max[r], hmax(s));
+    if (kFeat && new_max == -__builtin_inff()) {  // every key of the tile before the window
+      alpha[r] = 1.0f;
+      storeu(pj[r], vfloat{});
+      continue;
+    }
+    alpha[r] = std::exp2(row_max[r] - new_max);  // 0 on the first tile (max was -inf)
+    const vfloat p = exp2_neg(s - new_max);
+    row_sum[r] = row_sum[r] * alpha[r] + hsum(p);
+    row_max[r] = new_max;
+    storeu(pj[r], p);
+  }
+  // Column chunks that keep R x CH accumulators in registers.
+  constexpr int CH = R * NV <= 24 ? NV : 4;
+  for (int c0 = 0; c0 < NV; c0 += CH) {
+    vfloat o[R][CH];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CH; ++c) o[r][c] = loadu(acc + r * DC + (c0 + c) * VLEN) * alpha[r];
+    for (int j = 0; j < n; ++j)
+      for (int c = 0; c < CH; ++c) {
+        const vfloat v = loadu(vp[j] + (c0 + c) * VLEN);
+        for (int r = 0; r < R; ++r) o[r][c] += splat(pj[r][j]) * v;
+      }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CH; ++c) storeu(acc + r * DC + (c0 + c) * VLEN, o[r][c]);
+  }
+}
+
 // The K/V tile of keys [kt, kt + n) for every kv head of the item, for lanes_pairs: K rows
 // copied to sc.kb [head][VLEN][d], V rows interleaved by key pairs into sc.vb
 // [head][VLEN/2][d] (lane (jp, c) = (v[2jp][c], v[2jp + 1][c])), zero past n.
