@@ -3,7 +3,8 @@ query heads, 3 KV heads, head_dim 64, KV block 16), µs per call.
 
 Cases: 32 decodes at context 200 (row_step, G = 3), one 256-token prefill chunk and eight
 128-token chunks with no cached context (lanes_step), one decode at context 2048 (key
-partitions when threads > 1). Each number is the median over ``--reps`` calls after warm-up;
+partitions when threads > 1), and speculative verifications of 2, 3 and 5 tokens (6, 9 and 15
+rows per kv head: either side of the rows / lanes threshold). Each number is the median over ``--reps`` calls after warm-up;
 ``--clock cpu`` (the default, with ``--threads 1``) times the calling thread's CPU time, which
 a neighbour on a shared machine does not inflate.
 
@@ -36,6 +37,9 @@ CASES = {
     "prefill 1 x 256": ([256], [256]),
     "prefill 8 x 128": ([128] * 8, [128] * 8),
     "decode 1 x ctx 2048": ([1], [2048]),
+    "verify 32 x 2 @ 200": ([2] * 32, [200] * 32),
+    "verify 32 x 3 @ 200": ([3] * 32, [200] * 32),
+    "verify 32 x 5 @ 200": ([5] * 32, [200] * 32),
 }
 
 

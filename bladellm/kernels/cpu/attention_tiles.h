@@ -502,6 +502,15 @@ static inline void load_pair_tile(const PagedAttentionArgs& a, const int32_t* ta
   }
 }
 
+// Two probabilities per lane rounded to bf16 (to nearest even, as vcvtne2ps2bf16 rounds; p is
+// finite, >= 0 and 0 or normal) as a pair: lo in the low half. Integer ops rather than
+// vcvtne2ps2bf16 + vpermw: as fast here, and SIMDe (the emulated test build) lacks the former.
+static inline __m512i pair_bf16(vfloat lo, vfloat hi) {
+  const vuint a = bit_cast<vuint>(lo), b = bit_cast<vuint>(hi);
+  const vuint ra = a + 0x7fffu + ((a >> 16) & 1u), rb = b + 0x7fffu + ((b >> 16) & 1u);
+  return (__m512i)((ra >> 16) | (rb & 0xffff0000u));
+}
+
 // The lanes' queries as bf16 pairs: lane l of qT2[c2] = (q_l[2 c2], q_l[2 c2 + 1]).
 static inline void put_lane_query(uint32_t* qT2, int lane, const bf16_t* q, int d) {
   for (int c2 = 0; c2 < d / 2; ++c2) std::memcpy(qT2 + c2 * VLEN + lane, q + 2 * c2, 4);
@@ -525,13 +534,8 @@ static inline void lanes_pairs(const bf16_t* kt_, const uint32_t* vt_, int n, in
   const vfloat alpha =
       lanes_softmax<kFeat>(s, n, kt, lane_max, lane_sum, pos, lo, slope2, cap2);
   // P as bf16 pairs per lane: (p[2jp], p[2jp + 1]), the layout of vt_'s lanes.
-  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
-                                         1, 16, 0);
   __m512i p[VLEN / 2];
-  for (int jp = 0; jp < VLEN / 2; ++jp)
-    p[jp] = _mm512_permutexvar_epi16(
-        inter, (__m512i)_mm512_cvtne2ps_pbh((__m512)s[2 * jp + 1], (__m512)s[2 * jp]));
+  for (int jp = 0; jp < VLEN / 2; ++jp) p[jp] = pair_bf16(s[2 * jp], s[2 * jp + 1]);
   // Eight columns at a time: eight independent chains of VLEN/2 pair steps.
   for (int c = 0; c < d; c += 8) {
     vfloat r[8];
