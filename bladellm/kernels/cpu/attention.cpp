@@ -5,9 +5,9 @@
 // the tile's tokens x the query heads of those kv heads; each K/V tile of VLEN keys is loaded
 // (widened from bf16, or dequantized from int8 rows with their per-row scale) once per kv head
 // for all the rows sharing it, then folded into the rows by row_step or lanes_step
-// (attention_tiles.h). Decodes take all kv heads in one item: a
-// key's rows for every head are adjacent in the cache, so the item streams whole blocks instead
-// of picking 128-byte rows out of them (decode is bound by memory latency more than compute).
+// (attention_tiles.h); bf16 on AVX512-BF16 skips the fp32 tile (the pair path, run_*_pairs).
+// Decodes take all kv heads in one item: a key's rows for every head are adjacent in the
+// cache, so the item streams whole blocks instead of picking 128-byte rows out of them (decode is bound by memory latency more than compute).
 // Per row: fp32 scores, online softmax in base 2 (running max, running sum, rescale), fp32
 // accumulator, one rounding at the end.
 #include <omp.h>

@@ -4,6 +4,8 @@
 //    fewer than VLEN/2 rows per kv head: decodes with small GQA groups.
 //  - lanes_step: VLEN query rows in the lanes, keys broadcast. No horizontal reductions, a
 //    vectorised softmax: much faster for prefill chunks (docs/kernels.md).
+// bf16 query and cache on AVX512-BF16 take the pair path instead (rows_pairs / row_pairs /
+// lanes_pairs, at the end): vdpbf16ps on the bf16 as stored, no fp32 tile.
 #pragma once
 
 #include <algorithm>
