@@ -1,12 +1,13 @@
-"""bf16 paged attention of the compiled kernels at the demo model's shapes (SmolLM2-135M: 9
-query heads, 3 KV heads, head_dim 64, KV block 16), µs per call.
+"""bf16 paged attention of the compiled kernels at the demo model's shapes, µs per call.
+
+SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64, KV block 16.
 
 Cases: 32 decodes at context 200 (row_step, G = 3), one 256-token prefill chunk and eight
 128-token chunks with no cached context (lanes_step), one decode at context 2048 (key
 partitions when threads > 1), and speculative verifications of 2, 3 and 5 tokens (6, 9 and 15
-rows per kv head: either side of the rows / lanes threshold). Each number is the median over ``--reps`` calls after warm-up;
-``--clock cpu`` (the default, with ``--threads 1``) times the calling thread's CPU time, which
-a neighbour on a shared machine does not inflate.
+rows per kv head: either side of the rows / lanes threshold). Each number is the median over
+``--reps`` calls after warm-up; ``--clock cpu`` (the default, with ``--threads 1``) times the
+calling thread's CPU time, which a neighbour on a shared machine does not inflate.
 
 To compare two trees, run the script under each one's PYTHONPATH, alternately:
 
@@ -67,8 +68,8 @@ def main() -> None:
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     kernels = load_kernels(mode="compiled")
     import bladellm
-    print(f"# {Path(bladellm.__file__).parent.parent}, {kernels.isa if hasattr(kernels, 'isa') else ''}"
-          f" threads {args.threads}, clock {args.clock}, median of {args.reps}")
+    print(f"# {Path(bladellm.__file__).parent.parent}, {getattr(kernels, 'isa', '')}, "
+          f"threads {args.threads}, clock {args.clock}, median of {args.reps}")
     for name, (q_lens, seq_lens) in CASES.items():
         us = time_case(kernels, q_lens, seq_lens, args.reps, clock)
         print(f"{name:24s} {us:10.1f} us")

@@ -7,7 +7,8 @@
 // for all the rows sharing it, then folded into the rows by row_step or lanes_step
 // (attention_tiles.h); bf16 on AVX512-BF16 skips the fp32 tile (the pair path, run_*_pairs).
 // Decodes take all kv heads in one item: a key's rows for every head are adjacent in the
-// cache, so the item streams whole blocks instead of picking 128-byte rows out of them (decode is bound by memory latency more than compute).
+// cache, so the item streams whole blocks instead of picking 128-byte rows out of them
+// (decode is bound by memory latency more than compute).
 // Per row: fp32 scores, online softmax in base 2 (running max, running sum, rescale), fp32
 // accumulator, one rounding at the end.
 #include <omp.h>
@@ -242,12 +243,8 @@ static void run_rows_pairs(const PagedAttentionArgs& a, const WorkItem& w, const
             float* acc = sc.acc.data() + m * g.d;
             float* mx = sc.row_max.data() + m;
             float* sm = sc.row_sum.data() + m;
-            switch (R) {
-              case 1: rows_pairs<DC, 1, kFeat>(q, a.q_stride_head, qscale, acc, mx, sm, kp, vp, valid, rf); break;
-              case 2: rows_pairs<DC, 2, kFeat>(q, a.q_stride_head, qscale, acc, mx, sm, kp, vp, valid, rf); break;
-              case 3: rows_pairs<DC, 3, kFeat>(q, a.q_stride_head, qscale, acc, mx, sm, kp, vp, valid, rf); break;
-              default: rows_pairs<DC, 4, kFeat>(q, a.q_stride_head, qscale, acc, mx, sm, kp, vp, valid, rf); break;
-            }
+            rows_pairs_any<DC, kFeat>(R, q, a.q_stride_head, qscale, acc, mx, sm, kp, vp, valid,
+                                      rf);
           }
         } else {
           for (int h = 0; h < g.G; ++h) {

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
@@ -411,7 +412,8 @@ static inline void rows_pairs(const bf16_t* q, int64_t q_stride, float qscale, f
   vfloat part[R][VLEN];
   for (int j = 0; j < n; ++j) {
     __m512i kv[NQ];
-    for (int i = 0; i < NQ; ++i) kv[i] = _mm512_loadu_si512(static_cast<const void*>(kp[j] + 32 * i));
+    for (int i = 0; i < NQ; ++i)
+      kv[i] = _mm512_loadu_si512(static_cast<const void*>(kp[j] + 32 * i));
     for (int r = 0; r < R; ++r) {
       vfloat s{};
       for (int i = 0; i < NQ; ++i) s = dpbf16(s, qv[r][i], kv[i]);
@@ -460,6 +462,24 @@ static inline void rows_pairs(const bf16_t* q, int64_t q_stride, float qscale, f
       }
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < CH; ++c) storeu(acc + r * DC + (c0 + c) * VLEN, o[r][c]);
+  }
+}
+
+// rows_pairs for a run-time R in 1..4.
+template <int DC, bool kFeat>
+static inline void rows_pairs_any(int R, const bf16_t* q, int64_t q_stride, float qscale,
+                                  float* acc, float* row_max, float* row_sum,
+                                  const bf16_t* const* kp, const bf16_t* const* vp, int n,
+                                  const RowFeat* rf) {
+  auto run = [&](auto r) {
+    rows_pairs<DC, decltype(r)::value, kFeat>(q, q_stride, qscale, acc, row_max, row_sum, kp,
+                                              vp, n, rf);
+  };
+  switch (R) {
+    case 1: return run(std::integral_constant<int, 1>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 3: return run(std::integral_constant<int, 3>{});
+    default: return run(std::integral_constant<int, 4>{});
   }
 }
 
