@@ -46,6 +46,23 @@ def test_mixed_batch_matches_reference(compiled, dtype, shape):
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
 
 
+# GQA groups the decode row path takes in chunks of up to four query heads (6 = 4 + 2 at
+# head_dim 128, where four rows' accumulators do not fit the registers at once; 7 = 4 + 3),
+# and head dims without a specialisation (one row at a time): 80 (an odd number of 16-lane
+# vectors) with groups of 5, and 96. Odd key counts in the last tile pair a key with a zero
+# one on the bf16 pair path.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(10, 2, 80, 16), (12, 2, 128, 16), (14, 2, 64, 16),
+                                   (7, 1, 96, 16)],
+                         ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
+def test_query_head_groups_and_generic_head_dims(compiled, dtype, shape):
+    nh, kvh, d, bs = shape
+    batch = make_batch([1, 1, 1, 2, 1, 5, 17], [1, 15, 17, 33, 300, 40, 17], nh, kvh, d, bs,
+                       dtype, seed=5)
+    torch.testing.assert_close(batch.run(compiled, scale_for(d)),
+                               batch.run(Kernels(), scale_for(d)), **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_batch_and_long_contexts(compiled, dtype, threads):

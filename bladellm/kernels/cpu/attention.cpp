@@ -5,9 +5,10 @@
 // the tile's tokens x the query heads of those kv heads; each K/V tile of VLEN keys is loaded
 // (widened from bf16, or dequantized from int8 rows with their per-row scale) once per kv head
 // for all the rows sharing it, then folded into the rows by row_step or lanes_step
-// (attention_tiles.h). Decodes take all kv heads in one item: a
-// key's rows for every head are adjacent in the cache, so the item streams whole blocks instead
-// of picking 128-byte rows out of them (decode is bound by memory latency more than compute).
+// (attention_tiles.h); bf16 on AVX512-BF16 skips the fp32 tile (the pair path, run_*_pairs).
+// Decodes take all kv heads in one item: a key's rows for every head are adjacent in the
+// cache, so the item streams whole blocks instead of picking 128-byte rows out of them
+// (decode is bound by memory latency more than compute).
 // Per row: fp32 scores, online softmax in base 2 (running max, running sum, rescale), fp32
 // accumulator, one rounding at the end.
 #include <omp.h>
@@ -15,6 +16,52 @@
 #include "attention_tiles.h"
 
 namespace {
+
+// A lane group's view of the features for key tile [kt, kt + n): false when the whole tile
+// precedes every lane's window; else each lane's first visible key and ALiBi slope (log2).
+static inline bool lane_features(const Features& f, const WorkItem& w, const Geometry& g,
+                                 const Scratch& sc, int hh, int grp, int per_head, int kt,
+                                 int n, vint pos, vint& lo, vfloat& slope2) {
+  // Lane positions grow with the lane: the first lane's window starts first.
+  if (f.window > 0 && sc.lane_pos[grp * VLEN] - f.window + 1 > kt + n - 1) return false;
+  lo = f.window > 0 ? pos - (f.window - 1) : vint{} + (-0x7fffffff);
+  slope2 = vfloat{};
+  if (f.slopes != nullptr)
+    for (int l = 0; l < VLEN; ++l) {
+      const int r = std::min(grp * VLEN + l, per_head - 1);
+      slope2[l] = f.slopes[(w.head_begin + hh) * g.G + r % g.G] * 1.4426950408889634f;
+    }
+  return true;
+}
+
+// Lane bookkeeping shared by the lanes paths: zeroed accumulators, max -inf, sums 0, and each
+// lane's position (padding lanes copy the last row's).
+static inline void init_lanes(Scratch& sc, int lanes, int d, int first_pos, int per_head,
+                              int G) {
+  std::fill_n(sc.acct.data(), lanes * d, 0.0f);
+  std::fill_n(sc.lane_max.data(), lanes, -__builtin_inff());
+  std::fill_n(sc.lane_sum.data(), lanes, 0.0f);
+  for (int r = 0; r < lanes; ++r) sc.lane_pos[r] = first_pos + std::min(r, per_head - 1) / G;
+}
+
+// The lanes' results back to row-major sc.acc / row_max / row_sum, as row_step leaves them.
+static inline void lanes_to_rows(Scratch& sc, int heads, int groups, int per_head, int d) {
+  for (int hh = 0; hh < heads; ++hh)
+    for (int r = 0; r < per_head; ++r) {
+      const int idx = (hh * groups + r / VLEN), lane = r % VLEN, m = hh * per_head + r;
+      for (int c = 0; c < d; ++c) sc.acc[m * d + c] = sc.acct[(idx * d + c) * VLEN + lane];
+      sc.row_max[m] = sc.lane_max[idx * VLEN + lane];
+      sc.row_sum[m] = sc.lane_sum[idx * VLEN + lane];
+    }
+}
+
+// Query row (token t of the item, query head h of kv head hh) as stored.
+template <typename T>
+static inline const T* query_row(const PagedAttentionArgs& a, const WorkItem& w,
+                                 const Geometry& g, int hh, int t, int h) {
+  return static_cast<const T*>(a.query) + (g.q_begin_token + t) * a.q_stride_token +
+         (int64_t(w.head_begin + hh) * g.G + h) * a.q_stride_head;
+}
 
 // The item's rows (already in sc.q, row-major) through lanes_step, VLEN rows per group; the
 // results go back to sc.acc / row_max / row_sum, row-major, as row_step leaves them.
@@ -26,11 +73,7 @@ static void run_lanes(const PagedAttentionArgs& a, const WorkItem& w, const Geom
   const int groups = (per_head + VLEN - 1) / VLEN;
   sc.reserve_lanes(heads * groups, d);
   std::fill_n(sc.qt.data(), heads * groups * d * VLEN, 0.0f);  // padding lanes: zero query
-  std::fill_n(sc.acct.data(), heads * groups * d * VLEN, 0.0f);
-  std::fill_n(sc.lane_max.data(), heads * groups * VLEN, -__builtin_inff());
-  std::fill_n(sc.lane_sum.data(), heads * groups * VLEN, 0.0f);
-  for (int r = 0; r < groups * VLEN; ++r)  // padding lanes copy the last row's position
-    sc.lane_pos[r] = first_pos + std::min(r, per_head - 1) / g.G;
+  init_lanes(sc, heads * groups * VLEN, d, first_pos, per_head, g.G);
   for (int hh = 0; hh < heads; ++hh)
     for (int r = 0; r < per_head; ++r)
       for (int c = 0; c < d; ++c)
@@ -50,15 +93,9 @@ static void run_lanes(const PagedAttentionArgs& a, const WorkItem& w, const Geom
         std::memcpy(&pos, sc.lane_pos.data() + grp * VLEN, sizeof pos);
         const int idx = hh * groups + grp;
         if constexpr (kFeat) {
-          // Lane positions grow with the lane: the first lane's window starts first.
-          if (f.window > 0 && sc.lane_pos[grp * VLEN] - f.window + 1 > kt + n - 1) continue;
-          const vint lo = f.window > 0 ? pos - (f.window - 1) : vint{} + (-0x7fffffff);
-          vfloat slope2{};
-          if (f.slopes != nullptr)
-            for (int l = 0; l < VLEN; ++l) {
-              const int r = std::min(grp * VLEN + l, per_head - 1);
-              slope2[l] = f.slopes[(w.head_begin + hh) * g.G + r % g.G] * 1.4426950408889634f;
-            }
+          vint lo;
+          vfloat slope2;
+          if (!lane_features(f, w, g, sc, hh, grp, per_head, kt, n, pos, lo, slope2)) continue;
           lanes_step<DC, true>(sc.k.data() + hh * VLEN * d, sc.v.data() + hh * VLEN * d, n, kt,
                                sc.qt.data() + idx * d * VLEN, sc.acct.data() + idx * d * VLEN,
                                sc.lane_max.data() + idx * VLEN, sc.lane_sum.data() + idx * VLEN,
@@ -71,13 +108,7 @@ static void run_lanes(const PagedAttentionArgs& a, const WorkItem& w, const Geom
         }
       }
   }
-  for (int hh = 0; hh < heads; ++hh)
-    for (int r = 0; r < per_head; ++r) {
-      const int idx = (hh * groups + r / VLEN), lane = r % VLEN, m = hh * per_head + r;
-      for (int c = 0; c < d; ++c) sc.acc[m * d + c] = sc.acct[(idx * d + c) * VLEN + lane];
-      sc.row_max[m] = sc.lane_max[idx * VLEN + lane];
-      sc.row_sum[m] = sc.lane_sum[idx * VLEN + lane];
-    }
+  lanes_to_rows(sc, heads, groups, per_head, d);
 }
 
 // The item's rows one at a time through row_step, reading sc.q and leaving sc.acc / row_max /
@@ -119,6 +150,120 @@ static void run_rows(const PagedAttentionArgs& a, const WorkItem& w, const Geome
   }
 }
 
+#if defined(__AVX512BF16__)
+// run_lanes on the pair path: the queries taken as stored, K/V tiles by load_pair_tile.
+template <int DC, bool kFeat>
+static void run_lanes_pairs(const PagedAttentionArgs& a, const WorkItem& w, const Geometry& g,
+                            Scratch& sc, const int32_t* table, int first_pos, int key_end,
+                            float qscale) {
+  const Features f = features_of(a);
+  const int d = g.d, heads = w.head_end - w.head_begin, per_head = g.tokens * g.G;
+  const int groups = (per_head + VLEN - 1) / VLEN;
+  sc.reserve_lanes(heads * groups, d);
+  sc.reserve_pairs(heads, heads * groups, d);
+  std::fill_n(sc.qt2.data(), heads * groups * d / 2 * VLEN, 0u);  // padding lanes: zero query
+  init_lanes(sc, heads * groups * VLEN, d, first_pos, per_head, g.G);
+  for (int hh = 0; hh < heads; ++hh)
+    for (int r = 0; r < per_head; ++r)
+      put_lane_query(sc.qt2.data() + (hh * groups + r / VLEN) * d / 2 * VLEN, r % VLEN,
+                     query_row<bf16_t>(a, w, g, hh, r / g.G, r % g.G), d);
+  for (int kt = w.key_begin; kt < key_end; kt += VLEN) {
+    const int n = std::min(VLEN, key_end - kt);
+    if (kt + VLEN < key_end)
+      prefetch_kv_tile<bf16_t>(a, table, w, kt + VLEN, std::min(VLEN, key_end - kt - VLEN), g);
+    load_pair_tile(a, table, w, kt, n, g, sc);
+    for (int hh = 0; hh < heads; ++hh)
+      for (int grp = 0; grp < groups; ++grp) {
+        if (sc.lane_pos[grp * VLEN + VLEN - 1] < kt) continue;  // whole tile in their future
+        vint pos;
+        std::memcpy(&pos, sc.lane_pos.data() + grp * VLEN, sizeof pos);
+        const int idx = hh * groups + grp;
+        const bf16_t* kt_ = sc.kb.data() + hh * VLEN * d;
+        const uint32_t* vt_ = sc.vb.data() + hh * VLEN / 2 * d;
+        const uint32_t* q2 = sc.qt2.data() + idx * d / 2 * VLEN;
+        float* accT = sc.acct.data() + idx * d * VLEN;
+        if constexpr (kFeat) {
+          vint lo;
+          vfloat slope2;
+          if (!lane_features(f, w, g, sc, hh, grp, per_head, kt, n, pos, lo, slope2)) continue;
+          lanes_pairs<DC, true>(kt_, vt_, n, kt, q2, qscale, accT,
+                                sc.lane_max.data() + idx * VLEN, sc.lane_sum.data() + idx * VLEN,
+                                pos, d, lo, slope2, f.cap2);
+        } else {
+          lanes_pairs<DC>(kt_, vt_, n, kt, q2, qscale, accT, sc.lane_max.data() + idx * VLEN,
+                          sc.lane_sum.data() + idx * VLEN, pos, d);
+        }
+      }
+  }
+  lanes_to_rows(sc, heads, groups, per_head, d);
+}
+
+// run_rows on the pair path: queries as stored, K and V rows read in place from the cache.
+template <int DC, bool kFeat>
+static void run_rows_pairs(const PagedAttentionArgs& a, const WorkItem& w, const Geometry& g,
+                           Scratch& sc, const int32_t* table, int first_pos, int key_end,
+                           float qscale) {
+  const Features f = features_of(a);
+  const bf16_t* kc = static_cast<const bf16_t*>(a.k_cache);
+  const bf16_t* vc = static_cast<const bf16_t*>(a.v_cache);
+  const int heads = w.head_end - w.head_begin;
+  const bf16_t* kp[VLEN];
+  const bf16_t* vp[VLEN];
+  for (int kt = w.key_begin; kt < key_end; kt += VLEN) {
+    const int n = std::min(VLEN, key_end - kt);
+    if (kt + VLEN < key_end)
+      prefetch_kv_tile<bf16_t>(a, table, w, kt + VLEN, std::min(VLEN, key_end - kt - VLEN), g);
+    for (int hh = 0; hh < heads; ++hh) {
+      int blk = kt / g.bs, off = kt % g.bs;
+      for (int j = 0; j < n; ++j) {
+        const int64_t row =
+            ((int64_t(table[blk]) * g.bs + off) * g.kvh + w.head_begin + hh) * g.d;
+        kp[j] = kc + row, vp[j] = vc + row;
+        if (++off == g.bs) off = 0, ++blk;
+      }
+      for (int t = std::max(0, kt - first_pos); t < g.tokens; ++t) {
+        const int valid = std::min(n, first_pos + t - kt + 1);  // causal: keys <= position
+        const int pos = first_pos + t;
+        RowFeat rf[4];
+        if constexpr (kFeat) {
+          const int lo = f.window > 0 ? pos - f.window + 1 : -0x7fffffff;
+          if (lo > kt + n - 1) break;  // this and every later row: the tile precedes the window
+          for (int h = 0; h < std::min(4, g.G); ++h) rf[h] = {kt, pos, lo, 0.0f, f.cap2};
+        }
+        if constexpr (DC != 0) {  // the token's query heads, up to four at a time
+          for (int h0 = 0; h0 < g.G; h0 += 4) {
+            const int R = std::min(4, g.G - h0), m = g.row(hh, t, h0);
+            if constexpr (kFeat)
+              for (int r = 0; r < R; ++r)
+                rf[r].slope2 = f.slopes != nullptr
+                                   ? f.slopes[(w.head_begin + hh) * g.G + h0 + r] *
+                                         1.4426950408889634f
+                                   : 0.0f;
+            const bf16_t* q = query_row<bf16_t>(a, w, g, hh, t, h0);
+            float* acc = sc.acc.data() + m * g.d;
+            float* mx = sc.row_max.data() + m;
+            float* sm = sc.row_sum.data() + m;
+            rows_pairs_any<DC, kFeat>(R, q, a.q_stride_head, qscale, acc, mx, sm, kp, vp, valid,
+                                      rf);
+          }
+        } else {
+          for (int h = 0; h < g.G; ++h) {
+            const int m = g.row(hh, t, h);
+            if constexpr (kFeat)
+              rf[0].slope2 = f.slopes != nullptr ? f.slopes[(w.head_begin + hh) * g.G + h] *
+                                                       1.4426950408889634f
+                                                 : 0.0f;
+            row_pairs<DC, kFeat>(query_row<bf16_t>(a, w, g, hh, t, h), qscale,
+                                 sc.acc.data() + m * g.d, sc.row_max[m], sc.row_sum[m], kp, vp,
+                                 valid, g.d, rf);
+          }
+        }
+      }
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
 // T: query / output dtype; C: cache element (T, or int8_t for an int8 cache).
 template <typename T, typename C, int DC, bool kFeat>
 static void run_item(const PagedAttentionArgs& a, const WorkItem& w, Scratch& sc,
@@ -133,14 +278,15 @@ static void run_item(const PagedAttentionArgs& a, const WorkItem& w, Scratch& sc
   sc.reserve(g.rows, w.head_end - w.head_begin, d);
   const T* query = static_cast<const T*>(a.query);
   const float qscale = a.scale * 1.4426950408889634f;  // scores in log2 units: exp2 below
-  for (int hh = 0; hh < w.head_end - w.head_begin; ++hh)
-    for (int t = 0; t < tokens; ++t)
-      for (int h = 0; h < G; ++h) {
-        const T* src = query + (g.q_begin_token + t) * a.q_stride_token +
-                       (int64_t(w.head_begin + hh) * G + h) * a.q_stride_head;
-        float* dst = sc.q.data() + g.row(hh, t, h) * d;
-        for (int c = 0; c < d; c += VLEN) storeu(dst + c, loadu(src + c) * qscale);
-      }
+  if constexpr (!kPairPath<T, C>)  // the pair path reads the queries as stored
+    for (int hh = 0; hh < w.head_end - w.head_begin; ++hh)
+      for (int t = 0; t < tokens; ++t)
+        for (int h = 0; h < G; ++h) {
+          const T* src = query + (g.q_begin_token + t) * a.q_stride_token +
+                         (int64_t(w.head_begin + hh) * G + h) * a.q_stride_head;
+          float* dst = sc.q.data() + g.row(hh, t, h) * d;
+          for (int c = 0; c < d; c += VLEN) storeu(dst + c, loadu(src + c) * qscale);
+        }
   std::fill_n(sc.acc.data(), g.rows * d, 0.0f);
   std::fill_n(sc.row_max.data(), g.rows, -__builtin_inff());
   std::fill_n(sc.row_sum.data(), g.rows, 0.0f);
@@ -150,7 +296,16 @@ static void run_item(const PagedAttentionArgs& a, const WorkItem& w, Scratch& sc
   const int key_end = std::min(w.key_end, g.ctx_start + w.q_end);
   // Lanes pay for VLEN rows whatever the count; from half full on they still win, for decodes
   // with large GQA groups and for short verifications alike (docs/kernels.md).
-  if (tokens * G >= VLEN / 2)
+  const bool lanes = tokens * G >= VLEN / 2;
+#if defined(__AVX512BF16__)
+  if constexpr (kPairPath<T, C>) {
+    if (lanes)
+      run_lanes_pairs<DC, kFeat>(a, w, g, sc, table, first_pos, key_end, qscale);
+    else
+      run_rows_pairs<DC, kFeat>(a, w, g, sc, table, first_pos, key_end, qscale);
+  } else
+#endif
+  if (lanes)
     run_lanes<C, DC, kFeat>(a, w, g, sc, table, first_pos, key_end);
   else
     run_rows<C, DC, kFeat>(a, w, g, sc, table, first_pos, key_end);
@@ -216,41 +371,73 @@ static void run_shared(const PagedAttentionArgs& a, const WorkItem& w, const Sha
   const Geometry g{d, G, a.num_kv_heads, a.block_size, 0, 0, tokens, heads * per_head};
   sc.reserve(1, heads, d);  // one row of scratch for widening a query
   sc.reserve_lanes(heads * groups, d);
-  std::fill_n(sc.qt.data(), heads * groups * d * VLEN, 0.0f);  // padding lanes: zero query
   std::fill_n(sc.acct.data(), heads * groups * d * VLEN, 0.0f);
   std::fill_n(sc.lane_max.data(), heads * groups * VLEN, -__builtin_inff());
   std::fill_n(sc.lane_sum.data(), heads * groups * VLEN, 0.0f);
   const T* query = static_cast<const T*>(a.query);
   const float qscale = a.scale * 1.4426950408889634f;  // log2 units, as in run_item
-  for (int hh = 0; hh < heads; ++hh)
-    for (int i = 0; i < members; ++i)
-      for (int t = 0; t < tokens; ++t)
-        for (int h = 0; h < G; ++h) {
-          const T* src = query + (a.query_start_loc[sp.reqs[i]] + t) * a.q_stride_token +
-                         (int64_t(w.head_begin + hh) * G + h) * a.q_stride_head;
-          float* row = sc.q.data();
-          for (int c = 0; c < d; c += VLEN) storeu(row + c, loadu(src + c) * qscale);
-          const int r = (i * tokens + t) * G + h;
-          float* dst = sc.qt.data() + (hh * groups + r / VLEN) * d * VLEN + r % VLEN;
-          for (int c = 0; c < d; ++c) dst[c * VLEN] = row[c];
-        }
   const int32_t* table = a.block_tables + int64_t(sp.reqs[0]) * a.block_table_stride;
   const vint after_all = vint{} + 0x7fffffff;  // every shared key precedes every query token
-  const float** kp = sc.kp.data();
-  const float** vp = sc.vp.data();
-  for (int kt = 0; kt < w.key_end; kt += VLEN) {
-    const int n = std::min(VLEN, w.key_end - kt);
-    if (kt + VLEN < w.key_end)
-      prefetch_kv_tile<C>(a, table, w, kt + VLEN, std::min(VLEN, w.key_end - kt - VLEN), g);
-    load_kv_tile<C, true>(a, table, w, kt, n, g, sc, kp, vp);
+#if defined(__AVX512BF16__)
+  if constexpr (kPairPath<T, C>) {  // as run_lanes_pairs
+    sc.reserve_pairs(heads, heads * groups, d);
+    std::fill_n(sc.qt2.data(), heads * groups * d / 2 * VLEN, 0u);  // padding lanes: zero
     for (int hh = 0; hh < heads; ++hh)
-      for (int grp = 0; grp < groups; ++grp) {
-        const int idx = hh * groups + grp;
-        lanes_step<DC>(sc.k.data() + hh * VLEN * d, sc.v.data() + hh * VLEN * d, n, kt,
-                       sc.qt.data() + idx * d * VLEN, sc.acct.data() + idx * d * VLEN,
-                       sc.lane_max.data() + idx * VLEN, sc.lane_sum.data() + idx * VLEN,
-                       after_all, d);
-      }
+      for (int i = 0; i < members; ++i)
+        for (int t = 0; t < tokens; ++t)
+          for (int h = 0; h < G; ++h) {
+            const int r = (i * tokens + t) * G + h;
+            put_lane_query(sc.qt2.data() + (hh * groups + r / VLEN) * d / 2 * VLEN, r % VLEN,
+                           query + (a.query_start_loc[sp.reqs[i]] + t) * a.q_stride_token +
+                               (int64_t(w.head_begin + hh) * G + h) * a.q_stride_head,
+                           d);
+          }
+    for (int kt = 0; kt < w.key_end; kt += VLEN) {
+      const int n = std::min(VLEN, w.key_end - kt);
+      if (kt + VLEN < w.key_end)
+        prefetch_kv_tile<C>(a, table, w, kt + VLEN, std::min(VLEN, w.key_end - kt - VLEN), g);
+      load_pair_tile(a, table, w, kt, n, g, sc);
+      for (int hh = 0; hh < heads; ++hh)
+        for (int grp = 0; grp < groups; ++grp) {
+          const int idx = hh * groups + grp;
+          lanes_pairs<DC>(sc.kb.data() + hh * VLEN * d, sc.vb.data() + hh * VLEN / 2 * d, n, kt,
+                          sc.qt2.data() + idx * d / 2 * VLEN, qscale,
+                          sc.acct.data() + idx * d * VLEN, sc.lane_max.data() + idx * VLEN,
+                          sc.lane_sum.data() + idx * VLEN, after_all, d);
+        }
+    }
+  } else
+#endif
+  {
+    std::fill_n(sc.qt.data(), heads * groups * d * VLEN, 0.0f);  // padding lanes: zero query
+    for (int hh = 0; hh < heads; ++hh)
+      for (int i = 0; i < members; ++i)
+        for (int t = 0; t < tokens; ++t)
+          for (int h = 0; h < G; ++h) {
+            const T* src = query + (a.query_start_loc[sp.reqs[i]] + t) * a.q_stride_token +
+                           (int64_t(w.head_begin + hh) * G + h) * a.q_stride_head;
+            float* row = sc.q.data();
+            for (int c = 0; c < d; c += VLEN) storeu(row + c, loadu(src + c) * qscale);
+            const int r = (i * tokens + t) * G + h;
+            float* dst = sc.qt.data() + (hh * groups + r / VLEN) * d * VLEN + r % VLEN;
+            for (int c = 0; c < d; ++c) dst[c * VLEN] = row[c];
+          }
+    const float** kp = sc.kp.data();
+    const float** vp = sc.vp.data();
+    for (int kt = 0; kt < w.key_end; kt += VLEN) {
+      const int n = std::min(VLEN, w.key_end - kt);
+      if (kt + VLEN < w.key_end)
+        prefetch_kv_tile<C>(a, table, w, kt + VLEN, std::min(VLEN, w.key_end - kt - VLEN), g);
+      load_kv_tile<C, true>(a, table, w, kt, n, g, sc, kp, vp);
+      for (int hh = 0; hh < heads; ++hh)
+        for (int grp = 0; grp < groups; ++grp) {
+          const int idx = hh * groups + grp;
+          lanes_step<DC>(sc.k.data() + hh * VLEN * d, sc.v.data() + hh * VLEN * d, n, kt,
+                         sc.qt.data() + idx * d * VLEN, sc.acct.data() + idx * d * VLEN,
+                         sc.lane_max.data() + idx * VLEN, sc.lane_sum.data() + idx * VLEN,
+                         after_all, d);
+        }
+    }
   }
   const int rows = heads * tokens * G;  // a member's item: row (hh, t, h) = g.row(hh, t, h)
   for (int i = 0; i < members; ++i) {

@@ -4,11 +4,14 @@
 //    fewer than VLEN/2 rows per kv head: decodes with small GQA groups.
 //  - lanes_step: VLEN query rows in the lanes, keys broadcast. No horizontal reductions, a
 //    vectorised softmax: much faster for prefill chunks (docs/kernels.md).
+// bf16 query and cache on AVX512-BF16 take the pair path instead (rows_pairs / row_pairs /
+// lanes_pairs, at the end): vdpbf16ps on the bf16 as stored, no fp32 tile.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
@@ -46,11 +49,29 @@ struct SharedPass {
   std::vector<int64_t> slots;     // per member: offset of its slot in the partial buffer
 };
 
+// bf16 query and cache with AVX512-BF16: the pair path (row_pairs / lanes_pairs, below).
+template <typename T, typename C>
+constexpr bool kPairPath =
+#if defined(__AVX512BF16__)
+    std::is_same_v<T, bf16_t> && std::is_same_v<C, bf16_t>;
+#else
+    false;
+#endif
+
 struct Scratch {  // per thread, grown on demand, reused across calls
   std::vector<float> q, acc, row_max, row_sum, k, v;  // row-major rows; K/V tile per kv head
   std::vector<const float*> kp, vp;
   std::vector<float> qt, acct, lane_max, lane_sum;  // lanes_step: groups of VLEN rows, [d][VLEN]
   std::vector<int32_t> lane_pos;
+  // Pair path (bf16 caches with AVX512-BF16, below): the K tile copied and the V tile
+  // interleaved per head, the lanes' queries as bf16 pairs [d/2][VLEN].
+  std::vector<bf16_t> kb;
+  std::vector<uint32_t> vb, qt2;
+  void reserve_pairs(int heads, int groups, int d) {
+    const size_t tile = size_t(heads) * VLEN * d;
+    if (kb.size() < tile) kb.resize(tile), vb.resize(tile / 2);
+    if (qt2.size() < size_t(groups) * VLEN * d / 2) qt2.resize(size_t(groups) * VLEN * d / 2);
+  }
   void reserve(int rows, int heads, int d) {
     if ((int)q.size() < rows * d) q.resize(rows * d), acc.resize(rows * d);
     if ((int)row_max.size() < rows) row_max.resize(rows), row_sum.resize(rows);
@@ -193,21 +214,13 @@ static inline void prefetch_kv_tile(const PagedAttentionArgs& a, const int32_t* 
   }
 }
 
-// One row against one key tile: scores, online-softmax update, accumulate P.V.
+// Softmax update and P.V of one row for a key tile, given its scores `s` (log2 units, lanes
+// past n ignored). VT: the V rows' element (fp32 scratch rows, or bf16 read from the cache).
 // DC is the head dim when known at compile time (unrolled, accumulators in registers), else 0.
-template <int DC, bool kFeat = false>
-static inline void row_step(const float* q, float* acc, float& row_max, float& row_sum,
-                            const float* const* kp, const float* const* vp, int n, int dim,
-                            const RowFeat* rf = nullptr) {
+template <int DC, bool kFeat, typename VT>
+static inline void row_update(vfloat s, float* acc, float& row_max, float& row_sum,
+                              const VT* const* vp, int n, int dim, const RowFeat* rf) {
   const int d = DC ? DC : dim;
-  vfloat part[VLEN];
-  for (int j = 0; j < n; ++j) {
-    vfloat s = loadu(q) * loadu(kp[j]);
-    for (int c = VLEN; c < d; c += VLEN) s += loadu(q + c) * loadu(kp[j] + c);
-    part[j] = s;
-  }
-  for (int j = n; j < VLEN; ++j) part[j] = vfloat{};
-  vfloat s = transpose_sum(part);
   if constexpr (kFeat) {
     vint key;
     for (int j = 0; j < VLEN; ++j) key[j] = rf->kt + j;
@@ -245,25 +258,27 @@ static inline void row_step(const float* q, float* acc, float& row_max, float& r
   }
 }
 
-
-// VLEN rows of one kv head (lane l = row l of the group) against one key tile (keys kt..kt+n-1,
-// rows of `kt_`/`vt_` [VLEN][d], zero past n). qT/accT are [d][VLEN]; pos holds each lane's
-// position: key kt + j counts for lane l iff kt + j <= pos[l]. A lane that has seen no key yet
-// keeps max -inf and sum 0.
-// With kFeat, `lo` holds each lane's first visible key and `slope2` its ALiBi slope (log2
-// units); cap2 the soft cap (0: none).
+// One row against one key tile: scores, online-softmax update, accumulate P.V.
 template <int DC, bool kFeat = false>
-static inline void lanes_step(const float* kt_, const float* vt_, int n, int kt,
-                              const float* qT, float* accT, float* lane_max, float* lane_sum,
-                              vint pos, int dim, vint lo = vint{}, vfloat slope2 = vfloat{},
-                              float cap2 = 0.0f) {
+static inline void row_step(const float* q, float* acc, float& row_max, float& row_sum,
+                            const float* const* kp, const float* const* vp, int n, int dim,
+                            const RowFeat* rf = nullptr) {
   const int d = DC ? DC : dim;
-  vfloat s[VLEN];
-  for (int j = 0; j < VLEN; ++j) s[j] = vfloat{};
-  for (int c = 0; c < d; ++c) {  // VLEN independent FMA chains, keys broadcast from L1
-    const vfloat q = loadu(qT + c * VLEN);
-    for (int j = 0; j < VLEN; ++j) s[j] += q * kt_[j * d + c];
+  vfloat part[VLEN];
+  for (int j = 0; j < n; ++j) {
+    vfloat s = loadu(q) * loadu(kp[j]);
+    for (int c = VLEN; c < d; c += VLEN) s += loadu(q + c) * loadu(kp[j] + c);
+    part[j] = s;
   }
+  for (int j = n; j < VLEN; ++j) part[j] = vfloat{};
+  row_update<DC, kFeat>(transpose_sum(part), acc, row_max, row_sum, vp, n, dim, rf);
+}
+
+// The online-softmax update of VLEN lanes for one key tile: s[j] (key kt + j's scores, log2
+// units) become the probabilities, masked keys 0; returns the lanes' rescale factor.
+template <bool kFeat>
+static inline vfloat lanes_softmax(vfloat* s, int n, int kt, float* lane_max, float* lane_sum,
+                                   vint pos, vint lo, vfloat slope2, float cap2) {
   const vfloat ninf = splat(-__builtin_inff());
   const vfloat old_max = loadu(lane_max);
   vfloat mx = old_max;
@@ -286,6 +301,28 @@ static inline void lanes_step(const float* kt_, const float* vt_, int n, int kt,
   }
   storeu(lane_sum, sum);
   storeu(lane_max, mx);
+  return alpha;
+}
+
+// VLEN rows of one kv head (lane l = row l of the group) against one key tile (keys kt..kt+n-1,
+// rows of `kt_`/`vt_` [VLEN][d], zero past n). qT/accT are [d][VLEN]; pos holds each lane's
+// position: key kt + j counts for lane l iff kt + j <= pos[l]. A lane that has seen no key yet
+// keeps max -inf and sum 0.
+// With kFeat, `lo` holds each lane's first visible key and `slope2` its ALiBi slope (log2
+// units); cap2 the soft cap (0: none).
+template <int DC, bool kFeat = false>
+static inline void lanes_step(const float* kt_, const float* vt_, int n, int kt,
+                              const float* qT, float* accT, float* lane_max, float* lane_sum,
+                              vint pos, int dim, vint lo = vint{}, vfloat slope2 = vfloat{},
+                              float cap2 = 0.0f) {
+  const int d = DC ? DC : dim;
+  vfloat s[VLEN];
+  for (int j = 0; j < VLEN; ++j) s[j] = vfloat{};
+  for (int c = 0; c < d; ++c) {  // VLEN independent FMA chains, keys broadcast from L1
+    const vfloat q = loadu(qT + c * VLEN);
+    for (int j = 0; j < VLEN; ++j) s[j] += q * kt_[j * d + c];
+  }
+  const vfloat alpha = lanes_softmax<kFeat>(s, n, kt, lane_max, lane_sum, pos, lo, slope2, cap2);
   // Four columns at a time, each as two half-sums: eight independent FMA chains.
   for (int c = 0; c < d; c += 4) {
     vfloat lo[4], hi[4];
@@ -298,5 +335,238 @@ static inline void lanes_step(const float* kt_, const float* vt_, int n, int kt,
     for (int i = 0; i < 4; ++i) storeu(accT + (c + i) * VLEN, lo[i] + hi[i]);
   }
 }
+
+#if defined(__AVX512BF16__)
+// ---- Pair path: bf16 K/V caches on AVX512-BF16 ----------------------------------------------
+// vdpbf16ps multiplies the two bf16 of each 32-bit lane by the two of the other operand's lane
+// exactly and adds both into the fp32 lane: 32 multiply-adds per instruction, from bf16 read
+// as is. Scores: q and k as stored (the query is not pre-scaled, which would round it again),
+// times scale * log2(e) after the dot. lanes_pairs also rounds P to bf16 for its P.V (one
+// rounding of a probability in [0, 1], relative error <= 2^-9, summed in fp32); row_pairs keeps
+// P in fp32 and widens V in registers.
+
+static inline vfloat dpbf16(vfloat acc, __m512i a, __m512i b) {
+  // Vector casts, not bit_cast: its memcpy kept accumulators on the stack (linear.cpp).
+  return (vfloat)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
+}
+
+// 32 bf16 from p; the last 16 of a head dim that is an odd multiple of 16 (masked: zeros,
+// never a fault past the row).
+static inline __m512i load_pairs(const bf16_t* p, int left) {
+  return left >= 32 ? _mm512_loadu_si512(static_cast<const void*>(p))
+                    : _mm512_maskz_loadu_epi16(0xffffu, p);
+}
+
+static inline __m512i bcast_pair(const void* p) {
+  uint32_t u;
+  std::memcpy(&u, p, sizeof u);
+  return _mm512_set1_epi32(int(u));
+}
+
+// One row (bf16 query as stored) against one key tile, K and V rows read from the cache.
+template <int DC, bool kFeat = false>
+static inline void row_pairs(const bf16_t* q, float qscale, float* acc, float& row_max,
+                             float& row_sum, const bf16_t* const* kp, const bf16_t* const* vp,
+                             int n, int dim, const RowFeat* rf = nullptr) {
+  const int d = DC ? DC : dim;
+  constexpr int kVecs = DC ? (DC + 31) / 32 : 8;
+  __m512i qv[kVecs];
+  const int nv = (d + 31) / 32;
+  if (DC == 0 && nv > kVecs) {  // a long generic head dim: q reloaded per key from L1
+    vfloat part[VLEN];
+    for (int j = 0; j < n; ++j) {
+      vfloat s{};
+      for (int c = 0; c < d; c += 32)
+        s = dpbf16(s, load_pairs(q + c, d - c), load_pairs(kp[j] + c, d - c));
+      part[j] = s;
+    }
+    for (int j = n; j < VLEN; ++j) part[j] = vfloat{};
+    row_update<DC, kFeat>(transpose_sum(part) * qscale, acc, row_max, row_sum, vp, n, dim, rf);
+    return;
+  }
+  for (int i = 0; i < nv; ++i) qv[i] = load_pairs(q + 32 * i, d - 32 * i);
+  vfloat part[VLEN];
+  for (int j = 0; j < n; ++j) {
+    vfloat s{};
+    for (int i = 0; i < nv; ++i) s = dpbf16(s, qv[i], load_pairs(kp[j] + 32 * i, d - 32 * i));
+    part[j] = s;
+  }
+  for (int j = n; j < VLEN; ++j) part[j] = vfloat{};
+  row_update<DC, kFeat>(transpose_sum(part) * qscale, acc, row_max, row_sum, vp, n, dim, rf);
+}
+
+// R rows of one token (query heads sharing a kv head: one position, one causal limit n)
+// against one key tile, K and V read in place: each K row feeds R dots and each widened V
+// vector R FMAs, where row_pairs reloads (and rewidens) them per row. Rows are consecutive:
+// query row r at q + r * q_stride, results at acc + r * DC, row_max[r], row_sum[r].
+template <int DC, int R, bool kFeat = false>
+static inline void rows_pairs(const bf16_t* q, int64_t q_stride, float qscale, float* acc,
+                              float* row_max, float* row_sum, const bf16_t* const* kp,
+                              const bf16_t* const* vp, int n, const RowFeat* rf = nullptr) {
+  static_assert(DC % 32 == 0, "whole pairs of vectors");
+  constexpr int NQ = DC / 32, NV = DC / VLEN;
+  __m512i qv[R][NQ];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NQ; ++i)
+      qv[r][i] = _mm512_loadu_si512(static_cast<const void*>(q + r * q_stride + 32 * i));
+  vfloat part[R][VLEN];
+  for (int j = 0; j < n; ++j) {
+    __m512i kv[NQ];
+    for (int i = 0; i < NQ; ++i)
+      kv[i] = _mm512_loadu_si512(static_cast<const void*>(kp[j] + 32 * i));
+    for (int r = 0; r < R; ++r) {
+      vfloat s{};
+      for (int i = 0; i < NQ; ++i) s = dpbf16(s, qv[r][i], kv[i]);
+      part[r][j] = s;
+    }
+  }
+  float pj[R][VLEN];
+  float alpha[R];
+  for (int r = 0; r < R; ++r) {
+    for (int j = n; j < VLEN; ++j) part[r][j] = vfloat{};
+    vfloat s = transpose_sum(part[r]) * qscale;
+    if constexpr (kFeat) {
+      vint key;
+      for (int j = 0; j < VLEN; ++j) key[j] = rf[r].kt + j;
+      if (rf[r].cap2 != 0.0f) s = soft_cap(s, rf[r].cap2);
+      s += splat(rf[r].slope2) * __builtin_convertvector(key - rf[r].pos, vfloat);
+      s = key >= rf[r].lo ? s : splat(-__builtin_inff());
+    }
+    if (n < VLEN) {
+      vint lane;
+      for (int j = 0; j < VLEN; ++j) lane[j] = j;
+      s = lane < n ? s : splat(-__builtin_inff());
+    }
+    const float new_max = std::max(row_max[r], hmax(s));
+    if (kFeat && new_max == -__builtin_inff()) {  // every key of the tile before the window
+      alpha[r] = 1.0f;
+      storeu(pj[r], vfloat{});
+      continue;
+    }
+    alpha[r] = std::exp2(row_max[r] - new_max);  // 0 on the first tile (max was -inf)
+    const vfloat p = exp2_neg(s - new_max);
+    row_sum[r] = row_sum[r] * alpha[r] + hsum(p);
+    row_max[r] = new_max;
+    storeu(pj[r], p);
+  }
+  // Column chunks that keep R x CH accumulators in registers.
+  constexpr int CH = R * NV <= 24 ? NV : 4;
+  for (int c0 = 0; c0 < NV; c0 += CH) {
+    vfloat o[R][CH];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CH; ++c) o[r][c] = loadu(acc + r * DC + (c0 + c) * VLEN) * alpha[r];
+    for (int j = 0; j < n; ++j)
+      for (int c = 0; c < CH; ++c) {
+        const vfloat v = loadu(vp[j] + (c0 + c) * VLEN);
+        for (int r = 0; r < R; ++r) o[r][c] += splat(pj[r][j]) * v;
+      }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CH; ++c) storeu(acc + r * DC + (c0 + c) * VLEN, o[r][c]);
+  }
+}
+
+// rows_pairs for a run-time R in 1..4.
+template <int DC, bool kFeat>
+static inline void rows_pairs_any(int R, const bf16_t* q, int64_t q_stride, float qscale,
+                                  float* acc, float* row_max, float* row_sum,
+                                  const bf16_t* const* kp, const bf16_t* const* vp, int n,
+                                  const RowFeat* rf) {
+  auto run = [&](auto r) {
+    rows_pairs<DC, decltype(r)::value, kFeat>(q, q_stride, qscale, acc, row_max, row_sum, kp,
+                                              vp, n, rf);
+  };
+  switch (R) {
+    case 1: return run(std::integral_constant<int, 1>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 3: return run(std::integral_constant<int, 3>{});
+    default: return run(std::integral_constant<int, 4>{});
+  }
+}
+
+// The K/V tile of keys [kt, kt + n) for every kv head of the item, for lanes_pairs: K rows
+// copied to sc.kb [head][VLEN][d], V rows interleaved by key pairs into sc.vb
+// [head][VLEN/2][d] (lane (jp, c) = (v[2jp][c], v[2jp + 1][c])), zero past n.
+static inline void load_pair_tile(const PagedAttentionArgs& a, const int32_t* table,
+                                  const WorkItem& w, int kt, int n, const Geometry& g,
+                                  Scratch& sc) {
+  const bf16_t* kc = static_cast<const bf16_t*>(a.k_cache);
+  const bf16_t* vc = static_cast<const bf16_t*>(a.v_cache);
+  const int heads = w.head_end - w.head_begin, d = g.d;
+  const bf16_t* vrow[VLEN] = {};
+  int blk = kt / g.bs, off = kt % g.bs;
+  const bf16_t* rows[VLEN] = {};
+  for (int j = 0; j < n; ++j) {
+    const int64_t base = ((int64_t(table[blk]) * g.bs + off) * g.kvh + w.head_begin) * d;
+    rows[j] = kc + base;  // head hh at + hh * d
+    vrow[j] = vc + base;
+    if (++off == g.bs) off = 0, ++blk;
+  }
+  for (int hh = 0; hh < heads; ++hh) {
+    bf16_t* kd = sc.kb.data() + size_t(hh) * VLEN * d;
+    for (int j = 0; j < n; ++j) std::memcpy(kd + j * d, rows[j] + hh * d, d * sizeof(bf16_t));
+    if (n < VLEN) std::fill_n(kd + n * d, (VLEN - n) * d, bf16_t(0));
+    uint32_t* vd = sc.vb.data() + size_t(hh) * VLEN / 2 * d;
+    for (int jp = 0; jp < VLEN / 2; ++jp) {
+      const int j0 = 2 * jp, j1 = 2 * jp + 1;
+      uint32_t* dst = vd + jp * d;
+      if (j0 >= n) {
+        std::fill_n(dst, d, 0u);
+        continue;
+      }
+      const bf16_t* v0 = vrow[j0] + hh * d;
+      for (int c = 0; c < d; c += VLEN) {
+        const vuint lo = bit_cast<vuint>(loadu(v0 + c)) >> 16;
+        const vuint hi = j1 < n ? bit_cast<vuint>(loadu(vrow[j1] + hh * d + c)) : vuint{};
+        const vuint pair = lo | hi;
+        std::memcpy(dst + c, &pair, sizeof pair);
+      }
+    }
+  }
+}
+
+// Two probabilities per lane rounded to bf16 (to nearest even, as vcvtne2ps2bf16 rounds; p is
+// finite, >= 0 and 0 or normal) as a pair: lo in the low half. Integer ops rather than
+// vcvtne2ps2bf16 + vpermw: as fast here, and SIMDe (the emulated test build) lacks the former.
+static inline __m512i pair_bf16(vfloat lo, vfloat hi) {
+  const vuint a = bit_cast<vuint>(lo), b = bit_cast<vuint>(hi);
+  const vuint ra = a + 0x7fffu + ((a >> 16) & 1u), rb = b + 0x7fffu + ((b >> 16) & 1u);
+  return (__m512i)((ra >> 16) | (rb & 0xffff0000u));
+}
+
+// The lanes' queries as bf16 pairs: lane l of qT2[c2] = (q_l[2 c2], q_l[2 c2 + 1]).
+static inline void put_lane_query(uint32_t* qT2, int lane, const bf16_t* q, int d) {
+  for (int c2 = 0; c2 < d / 2; ++c2) std::memcpy(qT2 + c2 * VLEN + lane, q + 2 * c2, 4);
+}
+
+// lanes_step on the pair path: kt_ [VLEN][d] bf16, vt_ [VLEN/2][d] pairs (load_pair_tile),
+// qT2 [d/2][VLEN] pairs; the rest as lanes_step.
+template <int DC, bool kFeat = false>
+static inline void lanes_pairs(const bf16_t* kt_, const uint32_t* vt_, int n, int kt,
+                               const uint32_t* qT2, float qscale, float* accT, float* lane_max,
+                               float* lane_sum, vint pos, int dim, vint lo = vint{},
+                               vfloat slope2 = vfloat{}, float cap2 = 0.0f) {
+  const int d = DC ? DC : dim;
+  vfloat s[VLEN];
+  for (int j = 0; j < VLEN; ++j) s[j] = vfloat{};
+  for (int c2 = 0; c2 < d / 2; ++c2) {  // VLEN independent chains, key pairs broadcast
+    const __m512i q = _mm512_loadu_si512(static_cast<const void*>(qT2 + c2 * VLEN));
+    for (int j = 0; j < VLEN; ++j) s[j] = dpbf16(s[j], q, bcast_pair(kt_ + j * d + 2 * c2));
+  }
+  for (int j = 0; j < VLEN; ++j) s[j] *= qscale;
+  const vfloat alpha =
+      lanes_softmax<kFeat>(s, n, kt, lane_max, lane_sum, pos, lo, slope2, cap2);
+  // P as bf16 pairs per lane: (p[2jp], p[2jp + 1]), the layout of vt_'s lanes.
+  __m512i p[VLEN / 2];
+  for (int jp = 0; jp < VLEN / 2; ++jp) p[jp] = pair_bf16(s[2 * jp], s[2 * jp + 1]);
+  // Eight columns at a time: eight independent chains of VLEN/2 pair steps.
+  for (int c = 0; c < d; c += 8) {
+    vfloat r[8];
+    for (int i = 0; i < 8; ++i) r[i] = loadu(accT + (c + i) * VLEN) * alpha;
+    for (int jp = 0; jp < VLEN / 2; ++jp)
+      for (int i = 0; i < 8; ++i) r[i] = dpbf16(r[i], p[jp], bcast_pair(vt_ + jp * d + c + i));
+    for (int i = 0; i < 8; ++i) storeu(accT + (c + i) * VLEN, r[i]);
+  }
+}
+#endif  // __AVX512BF16__
 
 }  // namespace
