@@ -40,6 +40,8 @@ POLICIES = {
     "spin10k": ({"GOMP_SPINCOUNT": "10000"}, "all"),
     "spin3k": ({"GOMP_SPINCOUNT": "3000"}, "all"),
     "spin1k": ({"GOMP_SPINCOUNT": "1000"}, "all"),
+    "spin300": ({"GOMP_SPINCOUNT": "300"}, "all"),
+    "spin100": ({"GOMP_SPINCOUNT": "100"}, "all"),
     "passive-bind": ({"OMP_WAIT_POLICY": "PASSIVE", "OMP_PROC_BIND": "close",
                       "OMP_PLACES": "cores"}, "all"),   # one thread per core, no migration
     "1thread": ({}, 1),

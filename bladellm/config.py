@@ -445,12 +445,14 @@ class ParallelConfig:
         default=None,
         metadata={"help": "CPU: torch threads for the engine core; default OMP_NUM_THREADS "
                           "if set, else one per usable CPU (the CPU affinity set, cut to a "
-                          "cgroup CPU quota). The server's engine-core process starts with "
-                          "OMP_WAIT_POLICY=PASSIVE (unless OMP_WAIT_POLICY or GOMP_SPINCOUNT "
-                          "is set) so idle threads sleep instead of spinning and a shared "
-                          "machine slows decode down instead of stalling it; the API process "
-                          "uses 1 thread. Offline LLM: set OMP_WAIT_POLICY before starting "
-                          "Python (see docs/cpu.md)."})
+                          "cgroup CPU quota). The engine-core process starts with "
+                          "GOMP_SPINCOUNT=1000 (unless OMP_WAIT_POLICY, GOMP_SPINCOUNT or "
+                          "KMP_BLOCKTIME is set): threads spin briefly between a step's "
+                          "kernels and sleep between steps, so a shared machine slows decode "
+                          "down instead of stalling it; OMP_WAIT_POLICY=PASSIVE suits a "
+                          "machine shared with CPU-bound work. The API process uses 1 thread. "
+                          "Offline LLM: the engine sets it when it starts, before torch loads "
+                          "(see docs/cpu.md)."})
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size",

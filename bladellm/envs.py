@@ -22,8 +22,9 @@ a function at the moment it is needed, so tests can set it with ``monkeypatch.se
 - ``HF_HUB_OFFLINE`` (huggingface_hub's own switch): ``--model org/name`` uses only the local
   hub cache and never reaches the network.
 - OpenMP's own ``OMP_NUM_THREADS`` (the engine's thread count when ``--num_threads`` is not
-  given) and ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` (a user's choice is kept; otherwise the
-  engine process gets ``OMP_WAIT_POLICY=PASSIVE``, see ``platforms/threads.py``).
+  given) and ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` / ``KMP_BLOCKTIME`` (a user's choice is
+  kept; otherwise the engine process gets ``GOMP_SPINCOUNT=1000`` and ``KMP_BLOCKTIME=0``, see
+  ``platforms/threads.py``).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def gguf_cache_dir() -> Path:
     return Path(value).expanduser() if value else cache_dir() / "gguf"
 
 
-OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+OMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
 def omp_num_threads(env: Mapping[str, str] | None = None) -> int | None:
@@ -78,7 +79,8 @@ def omp_num_threads(env: Mapping[str, str] | None = None) -> int | None:
 
 
 def omp_wait_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The OpenMP wait settings the user chose (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``)."""
+    """The OpenMP wait settings the user chose (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``,
+    ``KMP_BLOCKTIME``)."""
     env = os.environ if env is None else env
     return {k: env[k] for k in OMP_WAIT_VARS if k in env}
 

@@ -5,10 +5,13 @@ process keeps torch to one thread so that tokenization and HTTP never compete wi
 cores.
 
 OpenMP wait policy: after a parallel region libgomp's worker threads spin (by default 300,000
-polls) before they sleep. On a dedicated machine that saves a wake-up per region; on a shared
-one a spinning thread holds a core that a preempted team-mate needs, and every region ends
-waiting for the thread the scheduler set aside. PASSIVE threads sleep at once, which keeps
-decode near its idle speed next to a competing process (docs/cpu.md has the measurements).
+polls) before they sleep. On a shared machine a long spin holds a core that a preempted
+team-mate needs, and every region ends waiting for the thread the scheduler set aside: decode
+collapses next to a busy process. Sleeping at once (PASSIVE) avoids that but pays a futex
+wake-up at each of the hundreds of parallel regions of a step. A short spin of 1,000 polls
+(``GOMP_SPINCOUNT=1000``) bridges the gaps between the kernels of a step and still sleeps
+between steps: faster decode and serving than PASSIVE on a dedicated machine, and no collapse
+next to a busy process (docs/cpu.md has the measurements).
 
 libgomp reads ``OMP_WAIT_POLICY`` and ``GOMP_SPINCOUNT`` once, when it is loaded, i.e. when torch
 is first imported in a process. So the engine-core process gets them in its environment before
@@ -31,9 +34,10 @@ from bladellm.platforms.cpu import detect_cpu
 
 logger = logging.getLogger(__name__)
 
-# PASSIVE rather than a short GOMP_SPINCOUNT: they measured the same end to end (docs/cpu.md),
-# and OMP_WAIT_POLICY is standard OpenMP, so it also holds for an Intel OpenMP build of torch.
-ENGINE_OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# GOMP_SPINCOUNT is libgomp's (torch's CPU wheels); an Intel OpenMP build of torch ignores it and
+# gets KMP_BLOCKTIME=0 (sleep at once, the passive policy), which has not been measured against a
+# short block time here.
+ENGINE_OMP_ENV = {"GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "0"}
 
 
 def default_engine_threads(num_cpus: int) -> int:

@@ -167,26 +167,27 @@ def test_cpu_quota_v1_and_unlimited(tmp_path):
     assert cgroup_cpu_limit(root, me) is None
 
 
-def test_engine_process_env_sets_a_passive_wait_policy_unless_the_user_chose():
-    assert engine_process_env({}) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert engine_process_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+def test_engine_process_env_sets_a_short_spin_unless_the_user_chose():
+    assert engine_process_env({}) == {"GOMP_SPINCOUNT": "1000", "KMP_BLOCKTIME": "0"}
+    assert engine_process_env({"OMP_WAIT_POLICY": "PASSIVE"}) == {}
     assert engine_process_env({"GOMP_SPINCOUNT": "10000"}) == {}
+    assert engine_process_env({"KMP_BLOCKTIME": "5"}) == {}
 
 
 def test_spawned_engine_process_starts_openmp_with_the_policy(capfd, monkeypatch):
     """The recipe for the engine-core process: its torch's OpenMP runtime really reads the
     policy, and the parent's environment is left as it was."""
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    env = engine_process_env() | {"OMP_DISPLAY_ENV": "true"}  # libgomp prints its settings
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
+        monkeypatch.delenv(var, raising=False)
+    env = engine_process_env() | {"OMP_DISPLAY_ENV": "verbose"}  # libgomp prints its settings
     with process_env(env):
         proc = multiprocessing.get_context("spawn").Process(
             target=importlib.import_module, args=("torch",))
         proc.start()
     proc.join(120)
     assert proc.exitcode == 0
-    assert "OMP_WAIT_POLICY = 'PASSIVE'" in capfd.readouterr().err
-    assert "OMP_WAIT_POLICY" not in os.environ and "OMP_DISPLAY_ENV" not in os.environ
+    assert "GOMP_SPINCOUNT = '1000'" in capfd.readouterr().err
+    assert "GOMP_SPINCOUNT" not in os.environ and "OMP_DISPLAY_ENV" not in os.environ
 
 
 # ---- --kv_cache_memory auto --------------------------------------------------------------------
