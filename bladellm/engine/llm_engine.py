@@ -22,7 +22,6 @@ from bladellm.engine.model_info import model_info_for
 from bladellm.lora.request import LoRARequest
 from bladellm.checkpoint.pooling_config import pooling_config
 from bladellm.outputs import RequestOutput
-from bladellm.platforms.heap import freeze_startup_heap
 from bladellm.platforms.threads import apply_engine_omp_policy
 from bladellm.sampling_params import SamplingParams
 
@@ -54,7 +53,6 @@ class LLMEngine:
 
             self.lora_registry = LoRARegistry(config.lora, resolved.hf_config)
         self.pooling = pooling_config(resolved.path, resolved.hf_config)
-        freeze_startup_heap()  # the caller's heap too: this process now runs the steps
 
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.model_info.sampling_defaults)

@@ -8,6 +8,10 @@ whole start-up heap, on the thread that runs the steps (a profile of offline thr
 ``gc_collect_main`` and its visitors at ~2.5 % of the process's time). Freezing moves that heap
 to the permanent generation, which the collector never walks; what requests allocate is still
 collected as before. vLLM freezes its engine's heap after start-up for the same reason.
+
+Only processes that serve until they exit freeze (the engine core, the API process): a frozen
+object that later becomes cyclic garbage is never collected, so the offline ``LLM``, which a
+program may create and drop many times, leaves the caller's collector alone.
 """
 
 from __future__ import annotations
