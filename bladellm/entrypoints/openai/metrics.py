@@ -205,17 +205,14 @@ class PrometheusStatLogger:
                               (self.preemptions, "num_preemptions"),
                               (self.spec_drafts, "num_spec_drafts"),
                               (self.spec_draft_tokens, "num_spec_draft_tokens"),
-                              (self.spec_accepted_tokens, "num_spec_accepted_tokens")):
+                              (self.spec_accepted_tokens, "num_spec_accepted_tokens"),
+                              (self.engine_steps, "num_steps")):
             now = getattr(stats, attr)
             before = getattr(last, attr) if last is not None else 0
             # A smaller total means the core restarted: count from its new zero.
             delta = now - before if now >= before else now
             if delta > 0:
                 counter.inc(delta)
-        before = last.num_steps if last is not None else 0
-        steps = stats.num_steps - before if stats.num_steps >= before else stats.num_steps
-        if steps > 0:
-            self.engine_steps.inc(steps)
         for phase, now in stats.step_seconds.items():
             before = last.step_seconds.get(phase, 0.0) if last is not None else 0.0
             delta = now - before if now >= before else now
